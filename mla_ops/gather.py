@@ -1,0 +1,55 @@
+"""Gathering a chunk's context rows from the paged latent cache into the workspace.
+
+kv_cache     [num_blocks, block_size, L+R]  bf16/fp16/fp32, or float8_e4m3fn with k_scale
+block_table  [n, max_blocks] int32           rows of the chunk's requests, in order
+cu_seq_lens  [n+1] int32                     workspace row offsets of the requests
+starts       [n] int32                       first context position taken from each request
+k_scale      [1] float32 or None             dequantized = stored * k_scale (fp8 caches only)
+workspace    [>= cu_seq_lens[-1], L+R]       written in rows [0, cu_seq_lens[-1]) (out=)
+
+Workspace row ``cu_seq_lens[i] + j`` receives context token ``p = starts[i] + j`` of request i:
+``kv_cache[block_table[i, p // block_size], p % block_size]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def context_row_slots(
+    block_table: torch.Tensor, cu_seq_lens: torch.Tensor, starts: torch.Tensor, num_rows: int, block_size: int
+) -> torch.Tensor:
+    """Flat cache slot (block * block_size + offset) of every workspace row, as int64 [num_rows]."""
+    rows = torch.arange(num_rows, device=block_table.device)
+    request = torch.searchsorted(cu_seq_lens, rows.to(cu_seq_lens.dtype), right=True) - 1
+    position = starts.long()[request] + rows - cu_seq_lens.long()[request]
+    block = block_table.long()[request, position // block_size]
+    return block * block_size + position % block_size
+
+
+def gather_reference(kv_cache, block_table, cu_seq_lens, starts, k_scale, workspace) -> None:
+    num_rows = int(cu_seq_lens[-1])  # host read: this is the CPU / oracle path
+    if num_rows == 0:
+        return
+    slots = context_row_slots(block_table, cu_seq_lens, starts, num_rows, kv_cache.shape[1])
+    rows = kv_cache.reshape(-1, kv_cache.shape[-1]).index_select(0, slots)
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        rows = rows.float() * k_scale.float()
+    workspace.narrow(0, 0, num_rows).copy_(rows)
+
+
+@torch.library.custom_op("mla_ops::gather_context", mutates_args=("workspace",))
+def _gather_context(
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seq_lens: torch.Tensor,
+    starts: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    workspace: torch.Tensor,
+) -> None:
+    gather_reference(kv_cache, block_table, cu_seq_lens, starts, k_scale, workspace)
+
+
+@_gather_context.register_fake
+def _(kv_cache, block_table, cu_seq_lens, starts, k_scale, workspace) -> None:
+    return None

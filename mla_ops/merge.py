@@ -1,0 +1,85 @@
+"""Merging two attention partials over disjoint key sets by log-sum-exp.
+
+prefix_out [T, N, V]   prefix_lse [N, T]   (natural log; float32, float64 for float64 outputs)
+suffix_out [T, N, V]   suffix_lse [N, T]
+-> out [T, N, V] (dtype of prefix_out), lse [N, T]
+
+Empty partials (``lse = ±inf``; FA2 and FlashMLA report ``+inf`` for a row with no keys) count as
+``0 / -inf``; merging two empty partials gives ``0 / -inf``, never NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """LSEs are float32, or float64 when the attention itself runs in float64 (exact oracle)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def merge_states_reference(
+    prefix_out: torch.Tensor,
+    prefix_lse: torch.Tensor,
+    suffix_out: torch.Tensor,
+    suffix_lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    acc = lse_dtype(prefix_out.dtype)
+    neg_inf = torch.tensor(float("-inf"), dtype=acc, device=prefix_lse.device)
+    a = prefix_lse.to(acc)
+    b = suffix_lse.to(acc)
+    a = torch.where(torch.isinf(a), neg_inf, a)
+    b = torch.where(torch.isinf(b), neg_inf, b)
+    m = torch.maximum(a, b)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # both empty: keep exp() finite
+    wa = torch.exp(a - m)
+    wb = torch.exp(b - m)
+    total = wa + wb
+    lse = torch.log(total) + m  # -inf where both are empty
+    safe = torch.where(total > 0, total, torch.ones_like(total))
+    wa = (wa / safe).transpose(0, 1).unsqueeze(-1)  # [T, N, 1]
+    wb = (wb / safe).transpose(0, 1).unsqueeze(-1)
+    out = prefix_out.to(acc) * wa + suffix_out.to(acc) * wb
+    return out.to(prefix_out.dtype), lse
+
+
+@torch.library.custom_op("mla_ops::merge_attn_states", mutates_args=())
+def _merge_attn_states(
+    prefix_out: torch.Tensor,
+    prefix_lse: torch.Tensor,
+    suffix_out: torch.Tensor,
+    suffix_lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return merge_states_reference(prefix_out, prefix_lse, suffix_out, suffix_lse)
+
+
+@_merge_attn_states.register_fake
+def _(prefix_out, prefix_lse, suffix_out, suffix_lse):
+    out = torch.empty_like(prefix_out, memory_format=torch.contiguous_format)
+    return out, prefix_lse.new_empty(prefix_lse.shape, dtype=lse_dtype(prefix_out.dtype))
+
+
+def merge_attn_states(
+    prefix_out: torch.Tensor,
+    prefix_lse: torch.Tensor,
+    suffix_out: torch.Tensor,
+    suffix_lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partials of the same queries; returns ``(out [T, N, V], lse [N, T])``."""
+    for name, out, lse in (("prefix", prefix_out, prefix_lse), ("suffix", suffix_out, suffix_lse)):
+        if out.dim() != 3:
+            raise ValueError(f"{name}_out must be [T, N, V], got shape {tuple(out.shape)}")
+        if lse.shape != (out.shape[1], out.shape[0]):
+            raise ValueError(
+                f"{name}_lse must be [N, T] = {[out.shape[1], out.shape[0]]}, got {list(lse.shape)}"
+            )
+        if not lse.dtype.is_floating_point:
+            raise TypeError(f"{name}_lse must be floating point, got {lse.dtype}")
+    if prefix_out.shape != suffix_out.shape:
+        raise ValueError(
+            f"prefix_out and suffix_out must have the same shape, got {tuple(prefix_out.shape)} "
+            f"and {tuple(suffix_out.shape)}"
+        )
+    if prefix_out.dtype != suffix_out.dtype:
+        raise TypeError(f"prefix_out and suffix_out dtypes differ: {prefix_out.dtype}, {suffix_out.dtype}")
+    return torch.ops.mla_ops.merge_attn_states(prefix_out, prefix_lse, suffix_out, suffix_lse)

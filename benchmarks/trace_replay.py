@@ -1,0 +1,439 @@
+"""Replay a real request trace through a simulated prefix-caching, chunked-prefill scheduler and
+count the context chunks each step needs under every chunk-schedule policy.
+
+Trace: one JSON object per line (the Mooncake FAST'25 format, see /work/shared/traces/README.md):
+``timestamp`` (arrival, ms), ``input_length`` (prompt tokens), ``output_length`` (generated
+tokens), ``hash_ids`` (one id per ``--block-size``-token prompt block; equal chains = same prefix).
+
+The scheduler model (simple and deterministic; no randomness, no wall clock):
+
+* Time advances by a fixed ``--step-ms`` per step; when nothing is running or waiting it jumps to
+  the next arrival. A request arriving at time ``t`` can be scheduled by the first step at ``>= t``.
+* Prefix cache: a global, unbounded set of block-hash *chains* (a block is keyed by its whole
+  prefix of hash ids, not by its own id). When a request is admitted, its cached prefix is the
+  longest prefix of its chain that is cached, times the block size, capped to ``input_length - 1``
+  rounded down to whole blocks (at least one token is computed, as in vLLM). Only full blocks are
+  cached; they become cached at the end of the step that computes their last token.
+* Each step spends ``--token-budget`` tokens, first-come first-served:
+  1. every decoding request gets 1 token (decodes use budget and running slots but are not part of
+     the planner's batch);
+  2. running partial prefills continue, in admission order, each getting
+     ``min(remaining prompt tokens, remaining budget)`` tokens (chunked prefill);
+  3. waiting requests are admitted in arrival order while budget remains and fewer than
+     ``--max-running`` requests (prefilling + decoding) run, with the same rule.
+  A prefill's ``context_len`` in a step is the number of its prompt tokens already computed or
+  cached, its ``query_len`` the tokens it gets in this step.
+* A request whose prompt is complete decodes for ``output_length`` steps from the next step on
+  (1 token per step), then leaves; its running slot is free from the step after its last decode.
+
+For every step with at least one prefill, the batch ``(context_lens, query_lens)`` (in the order
+above) is planned for each workspace size with the old vLLM batch-column schedule
+(``benchmarks.batch_column``) and with ``mla_ops.plan_context_chunks`` under ``whole_requests``
+and ``packed``; host planner time is measured with ``time.perf_counter_ns`` around each call.
+
+    python benchmarks/trace_replay.py --trace /work/shared/traces/mooncake_conversation_trace.jsonl \
+        --json benchmarks/results/trace_replay.json --plot benchmarks/results/trace_replay.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` and `mla_ops` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import mla_ops  # noqa: E402
+from benchmarks.batch_column import batch_column_chunks  # noqa: E402
+
+POLICIES = ("batch_column", "whole_requests", "packed")
+PLANNER_POLICIES = ("whole_requests", "packed")
+
+
+@dataclass
+class Request:
+    """One trace request and its scheduler state."""
+
+    arrival_ms: float
+    input_len: int
+    output_len: int
+    blocks: list[int]  # prefix-chain id of each prompt block (equal id = equal whole prefix)
+    computed: int = 0  # prompt tokens computed or cached so far
+    decodes_left: int = 0
+
+
+@dataclass(frozen=True)
+class Step:
+    """One scheduler step that holds at least one prefill."""
+
+    t_ms: float
+    context_lens: list[int]
+    query_lens: list[int]
+    num_decodes: int
+
+
+def load_trace(path: str | Path, limit: int | None = None) -> list[Request]:
+    """Read the trace, turning each request's hash ids into prefix-chain ids (a trie walk)."""
+    chain_ids: dict[tuple[int, int], int] = {}
+    requests = []
+    with open(path) as f:
+        for line in f:
+            if limit is not None and len(requests) >= limit:
+                break
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            parent, blocks = -1, []
+            for h in rec["hash_ids"]:
+                parent = chain_ids.setdefault((parent, h), len(chain_ids))
+                blocks.append(parent)
+            requests.append(
+                Request(float(rec["timestamp"]), int(rec["input_length"]), int(rec["output_length"]), blocks)
+            )
+    requests.sort(key=lambda r: r.arrival_ms)  # stable: ties keep trace order
+    return requests
+
+
+def simulate(
+    requests: Sequence[Request],
+    *,
+    token_budget: int = 8192,
+    max_running: int = 256,
+    step_ms: float = 50.0,
+    block_size: int = 512,
+    on_finish=None,
+) -> Iterator[Step]:
+    """Run the scheduler described in the module docstring; yield every step that has prefills.
+
+    ``requests`` must be sorted by arrival; their state fields are reset here. ``on_finish`` is
+    called once per request that leaves (for a progress bar).
+    """
+    for r in requests:
+        r.computed, r.decodes_left = 0, 0
+    cached: set[int] = set()
+    waiting: collections.deque[Request] = collections.deque()
+    prefilling: list[Request] = []  # admitted, prompt not complete, in admission order
+    decoding: list[Request] = []
+    next_arrival, now = 0, requests[0].arrival_ms if requests else 0.0
+
+    while next_arrival < len(requests) or waiting or prefilling or decoding:
+        while next_arrival < len(requests) and requests[next_arrival].arrival_ms <= now:
+            waiting.append(requests[next_arrival])
+            next_arrival += 1
+        if not (waiting or prefilling or decoding):
+            now = requests[next_arrival].arrival_ms  # idle: jump to the next arrival
+            continue
+
+        budget = token_budget
+        # 1. Decodes, one token each.
+        num_decodes = min(len(decoding), budget)
+        budget -= num_decodes
+        still_decoding = []
+        for i, r in enumerate(decoding):
+            if i < num_decodes:
+                r.decodes_left -= 1
+            if r.decodes_left > 0:
+                still_decoding.append(r)
+            elif on_finish is not None:
+                on_finish(r)
+
+        # 2. Continue partial prefills, then 3. admit waiting requests.
+        scheduled: list[tuple[Request, int]] = []  # (request, tokens this step)
+        for r in prefilling:
+            if budget == 0:
+                break
+            n = min(r.input_len - r.computed, budget)
+            scheduled.append((r, n))
+            budget -= n
+        while waiting and budget > 0 and len(prefilling) + len(decoding) < max_running:
+            r = waiting.popleft()
+            hit = 0
+            for block in r.blocks[: (r.input_len - 1) // block_size]:
+                if block not in cached:
+                    break
+                hit += 1
+            r.computed = hit * block_size
+            prefilling.append(r)
+            n = min(r.input_len - r.computed, budget)
+            scheduled.append((r, n))
+            budget -= n
+
+        if scheduled:
+            yield Step(now, [r.computed for r, _ in scheduled], [n for _, n in scheduled], num_decodes)
+
+        # End of step: cache newly completed blocks, move finished prompts to decoding.
+        for r, n in scheduled:
+            full_before, r.computed = r.computed // block_size, r.computed + n
+            cached.update(r.blocks[full_before : r.computed // block_size])
+            if r.computed == r.input_len:
+                r.decodes_left = r.output_len
+                if r.decodes_left > 0:
+                    still_decoding.append(r)
+                elif on_finish is not None:
+                    on_finish(r)
+        prefilling = [r for r in prefilling if r.computed < r.input_len]
+        decoding = still_decoding
+        now += step_ms
+
+
+def count_chunks(
+    context_lens: np.ndarray,
+    query_lens: np.ndarray,
+    workspace_size: int,
+    split_alignment: int,
+    planner_ns: dict[str, list[int]] | None = None,
+) -> dict[str, int | None]:
+    """Chunks of one batch under each policy; batch_column is None where its formula fails."""
+    try:
+        counts: dict[str, int | None] = {
+            "batch_column": batch_column_chunks(context_lens, workspace_size, split_alignment)
+        }
+    except ValueError:  # too many requests for one alignment step each
+        counts = {"batch_column": None}
+    for policy in PLANNER_POLICIES:
+        t0 = time.perf_counter_ns()
+        sched = mla_ops.plan_context_chunks(
+            context_lens, query_lens, workspace_size, policy=policy, split_alignment=split_alignment
+        )
+        t1 = time.perf_counter_ns()
+        if planner_ns is not None:
+            planner_ns[policy].append(t1 - t0)
+        counts[policy] = sched.num_chunks
+    return counts
+
+
+def _median_us(samples: list[int]) -> float | None:
+    return round(statistics.median(samples) / 1000.0, 2) if samples else None
+
+
+def replay(
+    requests: Sequence[Request],
+    workspace_sizes: Sequence[int],
+    *,
+    token_budget: int = 8192,
+    max_running: int = 256,
+    step_ms: float = 50.0,
+    block_size: int = 512,
+    split_alignment: int = 1,
+    progress: bool = True,
+) -> dict:
+    """Simulate the trace and plan every prefill step; return the JSON-ready result (no "trace")."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(requests), unit="req", desc="replay", disable=not progress, mininterval=1.0)
+    planner_ns = {w: {p: [] for p in PLANNER_POLICIES} for w in workspace_sizes}
+    steps = []
+    start = time.perf_counter()
+    for step in simulate(
+        requests,
+        token_budget=token_budget,
+        max_running=max_running,
+        step_ms=step_ms,
+        block_size=block_size,
+        on_finish=lambda r: bar.update(),
+    ):
+        context_lens = np.asarray(step.context_lens, dtype=np.int32)
+        query_lens = np.asarray(step.query_lens, dtype=np.int32)
+        by_ws = {
+            w: count_chunks(context_lens, query_lens, w, split_alignment, planner_ns[w])
+            for w in workspace_sizes
+        }
+        steps.append((step, by_ws))
+    bar.close()
+    wall_s = time.perf_counter() - start
+
+    primary = workspace_sizes[0]
+    by_workspace = {}
+    for w in workspace_sizes:
+        per_step = [by_ws[w] for _, by_ws in steps]
+        by_workspace[str(w)] = {
+            "totals": {p: sum(c[p] or 0 for c in per_step) for p in POLICIES},
+            "steps_needing_multiple_chunks": {
+                p: sum(1 for c in per_step if (c[p] or 0) > 1) for p in POLICIES
+            },
+            "max_chunks_in_a_step": {p: max((c[p] or 0 for c in per_step), default=0) for p in POLICIES},
+            "lower_bound_total": sum(-(-sum(s.context_lens) // w) for s, _ in steps),
+            "batch_column_infeasible_steps": sum(1 for c in per_step if c["batch_column"] is None),
+            "planner_us_median": {p: _median_us(planner_ns[w][p]) for p in PLANNER_POLICIES},
+        }
+    return {
+        "workspace_size": primary,
+        "workspace_sizes": list(workspace_sizes),
+        "token_budget": token_budget,
+        "max_running": max_running,
+        "step_ms": step_ms,
+        "block_size": block_size,
+        "split_alignment": split_alignment,
+        "num_requests": len(requests),
+        "num_prefill_steps": len(steps),
+        "simulated_s": round((steps[-1][0].t_ms - steps[0][0].t_ms) / 1000.0, 3) if steps else 0.0,
+        "replay_wall_s": round(wall_s, 2),
+        "totals": by_workspace[str(primary)]["totals"],
+        "by_workspace": by_workspace,
+        "planner_us_median": {
+            p: _median_us([t for w in workspace_sizes for t in planner_ns[w][p]]) for p in PLANNER_POLICIES
+        },
+        "chunks_by_workspace_order": list(POLICIES),
+        "steps": [
+            {
+                "t_ms": s.t_ms,
+                "num_decodes": s.num_decodes,
+                "context_lens": s.context_lens,
+                "query_lens": s.query_lens,
+                "chunks": by_ws[primary],
+                "chunks_by_workspace": {str(w): [by_ws[w][p] for p in POLICIES] for w in workspace_sizes},
+            }
+            for s, by_ws in steps
+        ],
+    }
+
+
+def write_json(result: dict, path: str | Path) -> None:
+    """Summary fields indented, then one compact line per step (valid JSON, greppable, small)."""
+    head = {k: v for k, v in result.items() if k != "steps"}
+    text = json.dumps(head, indent=1)
+    lines = [json.dumps(s, separators=(",", ":")) for s in result["steps"]]
+    body = '"steps": [\n' + ",\n".join(lines) + "\n]"
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text[:-2] + ",\n " + body + "\n}\n" if head else "{" + body + "}\n")
+
+
+def _chunk_bins(max_count: int) -> tuple[list[int], list[str]]:
+    """Histogram edges and labels for chunk counts: 0, 1, 2, 3, 4, 5-8, 9-16, 17-32, ..."""
+    edges = [0, 1, 2, 3, 4, 5]
+    while edges[-1] <= max_count:
+        edges.append(2 * edges[-1] - 1)
+    labels = [str(lo) if hi - lo == 1 else f"{lo}-{hi - 1}" for lo, hi in zip(edges[:-1], edges[1:])]
+    return edges, labels
+
+
+def plot(result: dict, path: str | Path) -> None:
+    """Totals per policy and workspace size, and per-step chunk-count histograms."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"batch_column": "tab:red", "whole_requests": "tab:orange", "packed": "tab:green"}
+    sizes = result["workspace_sizes"]
+    hist_sizes = list(dict.fromkeys([sizes[0], min(sizes)]))  # primary and smallest
+    fig, axes = plt.subplots(1, 1 + len(hist_sizes), figsize=(7 + 6 * len(hist_sizes), 5.5))
+    ax_bar = axes[0]
+    width = 0.8 / len(POLICIES)
+
+    x = np.arange(len(sizes))
+    for i, p in enumerate(POLICIES):
+        totals = [result["by_workspace"][str(w)]["totals"][p] for w in sizes]
+        packed = [result["by_workspace"][str(w)]["totals"]["packed"] for w in sizes]
+        labels = [f"{t:,}" + (f"\n{t / b:.2f}x" if b and p != "packed" else "") for t, b in zip(totals, packed)]
+        bars = ax_bar.bar(x + (i - (len(POLICIES) - 1) / 2) * width, totals, width, label=p, color=colors[p])
+        ax_bar.bar_label(bars, labels=labels, fontsize=8, padding=2)
+    ax_bar.set_xticks(x, [f"W = {w:,} rows" for w in sizes])
+    ax_bar.set_yscale("log")
+    all_totals = [v for w in sizes for v in result["by_workspace"][str(w)]["totals"].values() if v]
+    if all_totals:
+        ax_bar.set_ylim(min(all_totals) / 3, max(all_totals) * 3)
+    ax_bar.set_ylabel("total context chunks over the replay (log)")
+    ax_bar.set_title(
+        f"Total chunks (ratio to packed), {result['num_prefill_steps']:,} prefill steps"
+    )
+    ax_bar.legend(loc="upper left")
+    ax_bar.grid(axis="y", alpha=0.3)
+
+    order = result["chunks_by_workspace_order"]
+    for ax, w in zip(axes[1:], hist_sizes):
+        per_policy = {
+            p: np.array([s["chunks_by_workspace"][str(w)][order.index(p)] or 0 for s in result["steps"]])
+            for p in POLICIES
+        }
+        edges, labels = _chunk_bins(max(int(c.max(initial=0)) for c in per_policy.values()))
+        hx = np.arange(len(labels))
+        for i, p in enumerate(POLICIES):
+            steps_in_bin = np.histogram(per_policy[p], bins=edges)[0]
+            ax.bar(hx + (i - (len(POLICIES) - 1) / 2) * width, steps_in_bin, width, label=p, color=colors[p])
+        ax.set_xticks(hx, labels, rotation=30 if len(labels) > 9 else 0)
+        ax.set_yscale("log")
+        ax.set_xlabel("context chunks in a step")
+        ax.set_ylabel("prefill steps (log)")
+        ax.set_title(f"Chunks per step, W = {w:,} rows")
+        ax.legend(loc="upper right")
+        ax.grid(axis="y", alpha=0.3)
+
+    planner = ", ".join(f"{p} {v} µs" for p, v in result["planner_us_median"].items())
+    fig.suptitle(
+        f"{Path(result.get('trace', '')).name}: {result['num_requests']:,} requests, "
+        f"budget {result['token_budget']:,} tokens/step, max {result['max_running']} running, "
+        f"split_alignment {result['split_alignment']}; median host planner time: {planner}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trace", required=True, help="trace .jsonl (Mooncake format)")
+    parser.add_argument("--json", required=True, help="where to write the results JSON")
+    parser.add_argument("--plot", help="where to write a PNG summary")
+    parser.add_argument("--token-budget", type=int, default=8192, help="tokens per step")
+    parser.add_argument("--max-running", type=int, default=256, help="max running requests")
+    parser.add_argument(
+        "--workspace-sizes", default="65536,16384,4096", help="comma-separated; the first is primary"
+    )
+    parser.add_argument("--block-size", type=int, default=512, help="tokens per trace hash id")
+    parser.add_argument("--step-ms", type=float, default=50.0, help="modeled time of one step")
+    parser.add_argument("--split-alignment", type=int, default=1)
+    parser.add_argument("--limit", type=int, help="replay only the first N requests")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    args = parser.parse_args(argv)
+
+    workspace_sizes = [int(w) for w in args.workspace_sizes.split(",") if w.strip()]
+    if not workspace_sizes:
+        parser.error("--workspace-sizes: expected at least one size")
+    for name in ("token_budget", "max_running", "block_size", "split_alignment"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}: expected a positive int")
+
+    requests = load_trace(args.trace, args.limit)
+    result = {"trace": str(args.trace)}
+    result.update(
+        replay(
+            requests,
+            workspace_sizes,
+            token_budget=args.token_budget,
+            max_running=args.max_running,
+            step_ms=args.step_ms,
+            block_size=args.block_size,
+            split_alignment=args.split_alignment,
+            progress=not args.no_progress,
+        )
+    )
+    write_json(result, args.json)
+    if args.plot:
+        plot(result, args.plot)
+
+    print(f"{result['num_prefill_steps']:,} prefill steps in {result['replay_wall_s']} s")
+    print(f"{'workspace':>10} " + " ".join(f"{p:>15}" for p in POLICIES) + f" {'lower bound':>12}")
+    for w in workspace_sizes:
+        entry = result["by_workspace"][str(w)]
+        row = " ".join(f"{entry['totals'][p]:>15,}" for p in POLICIES)
+        print(f"{w:>10,} {row} {entry['lower_bound_total']:>12,}")
+    print("planner median (µs):", result["planner_us_median"])
+    return result
+
+
+if __name__ == "__main__":
+    main()

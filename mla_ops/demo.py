@@ -1,0 +1,128 @@
+"""The demo: one DeepSeek-V2-Lite-shaped MLA layer on a heterogeneous prefill batch.
+
+One long cached context among many short ones is the case vLLM PR #50613 fixed: the old
+"batch column" schedule gives every request the same slice of the workspace, so the long request
+alone forces many chunks. We print the chunk count of each schedule, run ``mla_prefill`` with the
+two library policies and check it against a dense, unchunked float64 computation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+
+import mla_ops
+
+# DeepSeek-V2-Lite: 16 heads, kv_lora_rank 512, qk_nope 128, qk_rope 64, v_head 128.
+HEADS, LATENT, NOPE, ROPE, VALUE = 16, 512, 128, 64, 128
+
+
+def batch_column_count(context_lens: list[int], workspace_size: int) -> tuple[int | None, float | None]:
+    """Chunks of the old even split (kept in benchmarks/ only: importable from a checkout)."""
+    try:
+        from benchmarks.batch_column import batch_column_schedule
+    except ImportError:
+        return None, None
+    _, seq_lens = batch_column_schedule(context_lens, workspace_size)
+    return seq_lens.shape[0], float(seq_lens.sum()) / (seq_lens.shape[0] * workspace_size)
+
+
+def make_batch(context_lens, query_lens, block_size, dtype, seed):
+    """Random weights and inputs; each request's blocks sit at shuffled places in the cache."""
+    g = torch.Generator().manual_seed(seed)
+    randn = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float32).to(dtype)  # noqa: E731
+    blocks = [-(-c // block_size) for c in context_lens]
+    num_blocks = sum(blocks) + 8
+    order = torch.randperm(num_blocks, generator=g).to(torch.int32)
+    block_table = torch.zeros(len(context_lens), max(max(blocks), 1), dtype=torch.int32)
+    used = 0
+    for r, n in enumerate(blocks):
+        block_table[r, :n] = order[used : used + n]
+        used += n
+    num_tokens = sum(query_lens)
+    return dict(
+        q=randn(num_tokens, HEADS, NOPE + ROPE),
+        kv_c=randn(num_tokens, LATENT),
+        k_pe=randn(num_tokens, ROPE),
+        kv_cache=randn(num_blocks, block_size, LATENT + ROPE),
+        block_table=block_table,
+        query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32),
+        kv_b_proj_weight=randn(HEADS * (NOPE + VALUE), LATENT) / math.sqrt(LATENT),
+    )
+
+
+def dense_reference(batch, softmax_scale) -> torch.Tensor:
+    """Unchunked float64 MLA attention, one request at a time."""
+    d = {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
+    cache, table, qsl = d["kv_cache"], d["block_table"], d["query_start_loc"].tolist()
+    block_size = cache.shape[1]
+    outs = []
+    for r, c in enumerate(d["context_lens"].tolist()):
+        t0, t1 = qsl[r], qsl[r + 1]
+        pos = torch.arange(c)
+        context = cache[table[r, pos // block_size].long(), pos % block_size]
+        rows = torch.cat([context, torch.cat([d["kv_c"][t0:t1], d["k_pe"][t0:t1]], 1)])
+        kv = (rows[:, :LATENT] @ d["kv_b_proj_weight"].t()).view(-1, HEADS, NOPE + VALUE)
+        keys = torch.cat([kv[..., :NOPE], rows[:, None, LATENT:].expand(-1, HEADS, ROPE)], -1)
+        scores = torch.einsum("qhd,khd->hqk", d["q"][t0:t1], keys) * softmax_scale
+        visible = torch.arange(rows.shape[0])[None, :] <= torch.arange(t1 - t0)[:, None] + c
+        scores = scores.masked_fill(~visible, -math.inf)
+        outs.append(torch.einsum("hqk,khv->qhv", scores.softmax(-1), kv[..., NOPE:]))
+    return torch.cat(outs)
+
+
+def run(full: bool = False, dtype: torch.dtype = torch.float32, seed: int = 0, backend: str = "torch") -> None:
+    if full:  # the PR's headline case
+        context_lens, query_lens, workspace_size = [60000] + [16] * 31, [513] * 32, 65536
+    else:  # same shape of problem, small enough for two CPU cores
+        context_lens, query_lens, workspace_size = [6000] + [16] * 15, [64] * 16, 1024
+    block_size = 16
+    print(
+        f"MLA layer N={HEADS} L={LATENT} P={NOPE} R={ROPE} V={VALUE}, {len(context_lens)} requests, "
+        f"contexts {context_lens[0]} + {len(context_lens) - 1} x {context_lens[1]}, "
+        f"{query_lens[0]} new tokens each, workspace {workspace_size} rows, {dtype}"
+    )
+    total = sum(context_lens)
+    print(f"\n{'schedule':<16}{'chunks':>8}{'workspace use':>16}{'plan (us)':>12}")
+    count, use = batch_column_count(context_lens, workspace_size)
+    print(f"{'batch_column':<16}{count if count is not None else 'n/a':>8}"
+          f"{f'{use:.1%}' if use is not None else 'n/a':>16}{'':>12}")
+    for policy in ("whole_requests", "packed"):
+        schedule = mla_ops.plan_context_chunks(context_lens, query_lens, workspace_size, policy=policy)
+        start = time.perf_counter()
+        for _ in range(100):
+            mla_ops.plan_context_chunks(context_lens, query_lens, workspace_size, policy=policy)
+        plan_us = (time.perf_counter() - start) / 100 * 1e6
+        use = total / (schedule.num_chunks * workspace_size)
+        print(f"{policy:<16}{schedule.num_chunks:>8}{use:>16.1%}{plan_us:>12.1f}")
+
+    batch = make_batch(context_lens, query_lens, block_size, dtype, seed)
+    softmax_scale = 1.0 / math.sqrt(NOPE + ROPE)
+    expect = dense_reference(batch, softmax_scale)
+    # Untimed warm-up: the first call pays for one-time initialization of the ops and BLAS.
+    mla_ops.mla_prefill(**make_batch([32, 0], [4, 4], block_size, dtype, seed), softmax_scale=softmax_scale,
+                        workspace_size=16, backend=backend)
+    print(f"\n{'mla_prefill':<16}{'time (s)':>10}{'max |err|':>12}{'rel err':>10}")
+    for policy in ("whole_requests", "packed"):
+        start = time.perf_counter()
+        out = mla_ops.mla_prefill(**batch, softmax_scale=softmax_scale, workspace_size=workspace_size,
+                                  policy=policy, backend=backend)
+        elapsed = time.perf_counter() - start
+        err = (out.double() - expect).abs().max().item()
+        print(f"{policy:<16}{elapsed:>10.2f}{err:>12.2e}{err / expect.abs().max().item():>10.1e}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m mla_ops demo", description=__doc__)
+    parser.add_argument("--full", action="store_true",
+                        help="the PR's full size: 32 x 513 new tokens, contexts 60,000 + 31 x 16, workspace 65,536")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float64"), default="float32")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backend", default="torch", choices=("auto", "torch", "triton"))
+    args = parser.parse_args(argv)
+    torch.set_grad_enabled(False)
+    run(full=args.full, dtype=getattr(torch, args.dtype), seed=args.seed, backend=args.backend)

@@ -10,9 +10,11 @@ out             [Tq, N, V]    running context partial of the chunk's tokens (out
 lse             [N, Tq]       its LSE, float32 (float64 for float64 q) (out=)
 
 Non-causal: request i's queries see all its rows of the chunk. A request whose rows continue an
-earlier chunk (``starts[i] > 0``, only ever the first) merges its partial into ``out``/``lse``;
-the others overwrite theirs, so ``out`` needs no initialization. Requests with no rows in the
-chunk write the empty partial ``0 / -inf``.
+earlier chunk (``starts[i] > 0``; in a host schedule only ever the first) merges its partial into
+``out``/``lse``; a request starting here overwrites its rows, so they need no initialization. A
+request with no rows in the chunk is left untouched: the caller gives requests without context the
+empty partial ``0 / -inf`` once, and the same op then serves a schedule over the whole batch (the
+device form), where most requests have no rows in a given chunk.
 """
 
 from __future__ import annotations
@@ -29,15 +31,18 @@ def context_attention_reference(
     part_out, part_lse = varlen_attention_reference(
         q, k_nope, k_pe, v, query_start_loc, cu_seq_lens, softmax_scale, causal=False
     )
-    bounds = query_start_loc.tolist()
+    bounds, rows = query_start_loc.tolist(), cu_seq_lens.tolist()  # host reads: CPU / oracle path
     for i, start in enumerate(starts.tolist()):
+        t0, t1 = bounds[i], bounds[i + 1]
+        if rows[i + 1] == rows[i] or t0 == t1:
+            continue
         if start > 0:  # continuation: fold into what earlier chunks left
-            t0, t1 = bounds[i], bounds[i + 1]
-            part_out[t0:t1], part_lse[:, t0:t1] = merge_states_reference(
+            out[t0:t1], lse[:, t0:t1] = merge_states_reference(
                 out[t0:t1], lse[:, t0:t1], part_out[t0:t1], part_lse[:, t0:t1]
             )
-    out.copy_(part_out)
-    lse.copy_(part_lse)
+        else:
+            out[t0:t1] = part_out[t0:t1]
+            lse[:, t0:t1] = part_lse[:, t0:t1]
 
 
 @torch.library.custom_op("mla_ops::context_attention", mutates_args=("out", "lse"))

@@ -16,23 +16,22 @@ from __future__ import annotations
 import torch
 
 
-def context_row_slots(
+def context_row_locations(
     block_table: torch.Tensor, cu_seq_lens: torch.Tensor, starts: torch.Tensor, num_rows: int, block_size: int
-) -> torch.Tensor:
-    """Flat cache slot (block * block_size + offset) of every workspace row, as int64 [num_rows]."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cache (block, offset) of every workspace row, each int64 [num_rows]."""
     rows = torch.arange(num_rows, device=block_table.device)
     request = torch.searchsorted(cu_seq_lens, rows.to(cu_seq_lens.dtype), right=True) - 1
     position = starts.long()[request] + rows - cu_seq_lens.long()[request]
-    block = block_table.long()[request, position // block_size]
-    return block * block_size + position % block_size
+    return block_table.long()[request, position // block_size], position % block_size
 
 
 def gather_reference(kv_cache, block_table, cu_seq_lens, starts, k_scale, workspace) -> None:
     num_rows = int(cu_seq_lens[-1])  # host read: this is the CPU / oracle path
     if num_rows == 0:
         return
-    slots = context_row_slots(block_table, cu_seq_lens, starts, num_rows, kv_cache.shape[1])
-    rows = kv_cache.reshape(-1, kv_cache.shape[-1]).index_select(0, slots)
+    block, offset = context_row_locations(block_table, cu_seq_lens, starts, num_rows, kv_cache.shape[1])
+    rows = kv_cache[block, offset]  # no copy of the cache, whatever its strides
     if kv_cache.dtype == torch.float8_e4m3fn:
         rows = rows.float() * k_scale.float()
     workspace.narrow(0, 0, num_rows).copy_(rows)

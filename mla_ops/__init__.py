@@ -1,17 +1,37 @@
 """mla-ops: chunked-context Multi-head Latent Attention prefill as PyTorch 2 operators.
 
 Importing registers the ``torch.ops.mla_ops`` operators; it changes no global configuration.
+``mla_ops.enable()`` switches on the Inductor integration (see ``enable``).
 """
 
-from . import context_attention, gather, suffix_attention  # noqa: F401  (register the ops)
+from . import context_attention, gather, suffix_attention, up_projection  # noqa: F401  (register the ops)
+from .device_schedule import DeviceSchedule, plan_context_chunks_device
 from .merge import merge_attn_states
 from .prefill import mla_prefill
 from .schedule import ContextChunk, ContextSchedule, plan_context_chunks
 
+
+
+def enable() -> dict:
+    """Let Inductor fuse ``merge_attn_states`` and the device planner into its own kernels.
+
+    Registers their decompositions in Inductor's table and installs a no-op post-grad pass
+    (``torch._inductor.config.post_grad_custom_post_pass``, wrapping any pass already set) whose
+    uuid hashes the lowering sources, so a changed lowering never reuses stale cached code.
+    Idempotent; call it before ``torch.compile``. Returns what it registered.
+    """
+    import lowering
+
+    return lowering.enable()
+
+
 __all__ = [
+    "enable",
     "ContextChunk",
     "ContextSchedule",
+    "DeviceSchedule",
     "merge_attn_states",
     "mla_prefill",
     "plan_context_chunks",
+    "plan_context_chunks_device",
 ]

@@ -25,20 +25,19 @@ def merge_states_reference(
     suffix_lse: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     acc = lse_dtype(prefix_out.dtype)
-    neg_inf = torch.tensor(float("-inf"), dtype=acc, device=prefix_lse.device)
     a = prefix_lse.to(acc)
     b = suffix_lse.to(acc)
-    a = torch.where(torch.isinf(a), neg_inf, a)
-    b = torch.where(torch.isinf(b), neg_inf, b)
+    a = torch.where(torch.isinf(a), float("-inf"), a)  # +inf (FA2, FlashMLA) means empty too
+    b = torch.where(torch.isinf(b), float("-inf"), b)
     m = torch.maximum(a, b)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # both empty: keep exp() finite
+    m = torch.where(torch.isinf(m), 0.0, m)  # both empty: keep exp() finite
     wa = torch.exp(a - m)
     wb = torch.exp(b - m)
     total = wa + wb
     lse = torch.log(total) + m  # -inf where both are empty
-    safe = torch.where(total > 0, total, torch.ones_like(total))
-    wa = (wa / safe).transpose(0, 1).unsqueeze(-1)  # [T, N, 1]
-    wb = (wb / safe).transpose(0, 1).unsqueeze(-1)
+    total = torch.where(total > 0, total, 1.0)
+    wa = (wa / total).transpose(0, 1).unsqueeze(-1)  # [T, N, 1]
+    wb = (wb / total).transpose(0, 1).unsqueeze(-1)
     out = prefix_out.to(acc) * wa + suffix_out.to(acc) * wb
     return out.to(prefix_out.dtype), lse
 

@@ -19,6 +19,7 @@ import numbers
 
 import torch
 
+from .device_schedule import plan_context_chunks_device
 from .merge import lse_dtype, merge_attn_states
 from .schedule import POLICIES, ContextSchedule, plan_context_chunks
 
@@ -28,6 +29,7 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _gather_context = torch.ops.mla_ops.gather_context.default
 _context_attention = torch.ops.mla_ops.context_attention.default
 _suffix_attention = torch.ops.mla_ops.suffix_attention.default
+_up_project = torch.ops.mla_ops.up_project.default
 
 
 def _check_tensor(x, name: str, ndim: int, shape_doc: str, device: torch.device) -> None:
@@ -103,9 +105,9 @@ def _validate(
     if block_table.shape[0] < batch:
         raise ValueError(f"block_table must have a row per request (B={batch}), got {block_table.shape[0]} rows")
 
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (numbers.Real, torch.SymFloat)):
         raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
-    if not math.isfinite(softmax_scale):
+    if not torch.compiler.is_compiling() and not math.isfinite(softmax_scale):
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
     if isinstance(workspace_size, bool) or not isinstance(workspace_size, int):
         raise TypeError(f"workspace_size must be an int, got {type(workspace_size).__name__}")
@@ -185,16 +187,26 @@ def mla_prefill(
     *,
     split_alignment: int = 1,
     schedule: ContextSchedule | None = None,
+    max_chunks: int | None = None,
 ) -> torch.Tensor:
     """Attention of each request's new tokens over its cached context and, causally, itself.
 
     Request r's queries ``q[query_start_loc[r]:query_start_loc[r+1]]`` see its ``context_lens[r]``
     context keys (latent rows ``kv_cache[block_table[r, p // block_size], p % block_size]``,
     up-projected with ``kv_b_proj_weight``) and, causally, the keys of its own new tokens, which
-    need not be in ``kv_cache``. Context is processed in chunks of at most ``workspace_size`` rows
-    planned by ``plan_context_chunks(..., policy=policy, split_alignment=split_alignment)``; pass a precomputed ``schedule``
-    (plan once per step, reuse in every layer) to skip planning and its read of the lengths.
+    need not be in ``kv_cache``. Context is processed in chunks of at most ``workspace_size`` rows.
     ``k_scale`` dequantizes a float8_e4m3fn cache (ignored for other cache dtypes).
+
+    Planning, one of three ways:
+
+    * default: ``plan_context_chunks(..., policy=policy, split_alignment=split_alignment)`` on the
+      host, which reads ``query_start_loc`` and ``context_lens`` (a sync if they live on a GPU);
+    * ``schedule=``: a host plan made once per step and reused in every layer; nothing is read;
+    * ``max_chunks=K``: the packed schedule is planned on the device in K fixed slots and the call
+      reads no device value on the host: the form for ``torch.compile`` and CUDA graphs (required
+      under ``torch.compile``). Tokens of requests whose context does not fit in K chunks come out
+      as NaN, never silently wrong; ``plan_context_chunks_device(...).overflow`` tells in advance.
+      Only shapes are validated on this path.
 
     Returns ``[T, N, V]`` in the dtype of q.
     """
@@ -203,7 +215,60 @@ def mla_prefill(
         softmax_scale, workspace_size, policy, k_scale, backend, split_alignment,
     )
     _resolve_backend(backend, q.device)
+    if max_chunks is not None:
+        if isinstance(max_chunks, bool) or not isinstance(max_chunks, int) or max_chunks < 1:
+            raise ValueError(f"max_chunks must be a positive int, got {max_chunks!r}")
+        if schedule is not None or policy != "packed" or split_alignment != 1:
+            raise ValueError(
+                "max_chunks plans the packed schedule (split_alignment=1) on the device: it cannot be "
+                "combined with schedule=, another policy or split_alignment"
+            )
+    elif torch.compiler.is_compiling():
+        raise ValueError(
+            "mla_prefill under torch.compile needs max_chunks=K (a static capacity): the host planner "
+            "would read device values. Pick K per batch bucket, e.g. ceil(max total context / workspace_size)."
+        )
     num_tokens, num_heads, _ = q.shape
+    rope_dim = k_pe.shape[1]
+    acc = lse_dtype(q.dtype)
+    scale = None
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        scale = k_scale if isinstance(k_scale, torch.Tensor) else torch.tensor([float(k_scale)], device=q.device)
+
+    def heads(kv: torch.Tensor):
+        kv = kv.view(-1, num_heads, nope_dim + value_dim)
+        return kv.split([nope_dim, value_dim], dim=-1)  # k_nope [S, N, P], v [S, N, V]
+
+    k_nope, v = heads(torch.mm(kv_c, kv_b_proj_weight.t()))
+    suffix_out = q.new_empty(num_tokens, num_heads, value_dim)
+    suffix_lse = q.new_empty(num_heads, num_tokens, dtype=acc)
+    _suffix_attention(q, k_nope, k_pe, v, query_start_loc, softmax_scale, suffix_out, suffix_lse)
+
+    if max_chunks is not None:
+        # Every token gets a context partial; chunks past the device count touch nothing.
+        plan = plan_context_chunks_device(context_lens, workspace_size, max_chunks)
+        context_out = q.new_zeros(num_tokens, num_heads, value_dim)
+        context_lse = q.new_full((num_heads, num_tokens), float("-inf"), dtype=acc)
+        workspace = q.new_empty(workspace_size, latent_dim + rope_dim)
+        kv = q.new_empty(workspace_size, kv_b_proj_weight.shape[0])
+        latent, rope = workspace.split([latent_dim, rope_dim], dim=1)
+        chunk_k_nope, chunk_v = heads(kv)
+        for k in range(max_chunks):
+            cu_seq_lens, starts = plan.cu_seq_lens.select(0, k), plan.starts.select(0, k)
+            _gather_context(kv_cache, block_table, cu_seq_lens, starts, scale, workspace)
+            _up_project(latent, kv_b_proj_weight, cu_seq_lens, kv)
+            _context_attention(
+                q, chunk_k_nope, rope, chunk_v, query_start_loc, cu_seq_lens, starts, softmax_scale,
+                context_out, context_lse,
+            )
+        out, _ = merge_attn_states(context_out, context_lse, suffix_out, suffix_lse)
+        # Requests whose context runs past chunk K were not fully attended: say so with NaN.
+        truncated = (torch.cumsum(context_lens, 0) > max_chunks * workspace_size) & (context_lens > 0)  # [B]
+        token = torch.arange(num_tokens, device=q.device, dtype=query_start_loc.dtype)
+        request = torch.searchsorted(query_start_loc, token, right=True) - 1  # [T]
+        truncated = truncated.index_select(0, request.clamp(0, context_lens.shape[0] - 1))
+        return torch.where(truncated.view(-1, 1, 1), torch.full_like(out, float("nan")), out)
+
     if schedule is None:
         qsl_host = query_start_loc.tolist()  # a device sync when the lengths live on a GPU
         ctx_host = context_lens.tolist()
@@ -221,19 +286,9 @@ def mla_prefill(
             f"{schedule.prefill_tokens_with_context} tokens, more than this batch's "
             f"{context_lens.shape[0]} requests and {num_tokens} tokens"
         )
-    schedule = schedule.to(q.device, non_blocking=True)
-
-    def up_project(latent: torch.Tensor):
-        kv = torch.mm(latent, kv_b_proj_weight.t()).view(-1, num_heads, nope_dim + value_dim)
-        return kv.split([nope_dim, value_dim], dim=-1)  # k_nope [S, N, P], v [S, N, V]
-
-    acc = lse_dtype(q.dtype)
-    k_nope, v = up_project(kv_c)
-    suffix_out = q.new_empty(num_tokens, num_heads, value_dim)
-    suffix_lse = q.new_empty(num_heads, num_tokens, dtype=acc)
-    _suffix_attention(q, k_nope, k_pe, v, query_start_loc, softmax_scale, suffix_out, suffix_lse)
     if schedule.num_chunks == 0:
         return suffix_out
+    schedule = schedule.to(q.device, non_blocking=True)
 
     # The context partial of every token up to the last request with context.
     covered = schedule.prefill_tokens_with_context
@@ -244,21 +299,19 @@ def mla_prefill(
             context_out[start:end].zero_()
             context_lse[:, start:end].fill_(float("-inf"))
 
-    scale = None
-    if kv_cache.dtype == torch.float8_e4m3fn:
-        scale = k_scale if isinstance(k_scale, torch.Tensor) else torch.tensor([float(k_scale)], device=q.device)
-    workspace = q.new_empty(max(c.num_context_tokens for c in schedule.chunks), latent_dim + k_pe.shape[1])
+    workspace = q.new_empty(max(c.num_context_tokens for c in schedule.chunks), latent_dim + rope_dim)
     for chunk in schedule.chunks:
         rows = workspace.narrow(0, 0, chunk.num_context_tokens)
         _gather_context(
             kv_cache, block_table.narrow(0, chunk.request_start, chunk.num_requests),
             chunk.cu_seq_lens, chunk.starts, scale, rows,
         )
-        chunk_k_nope, chunk_v = up_project(rows.narrow(1, 0, latent_dim))
+        latent, rope = rows.split([latent_dim, rope_dim], dim=1)
+        chunk_k_nope, chunk_v = heads(torch.mm(latent, kv_b_proj_weight.t()))
         tokens = chunk.token_end - chunk.token_start
         _context_attention(
-            q.narrow(0, chunk.token_start, tokens), chunk_k_nope, rows.narrow(1, latent_dim, k_pe.shape[1]),
-            chunk_v, chunk.query_start_loc, chunk.cu_seq_lens, chunk.starts, softmax_scale,
+            q.narrow(0, chunk.token_start, tokens), chunk_k_nope, rope, chunk_v,
+            chunk.query_start_loc, chunk.cu_seq_lens, chunk.starts, softmax_scale,
             context_out.narrow(0, chunk.token_start, tokens), context_lse.narrow(1, chunk.token_start, tokens),
         )
 

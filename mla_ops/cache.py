@@ -1,0 +1,146 @@
+"""Writing the new tokens' latent rows into the paged latent cache (vLLM's ``concat_and_cache_mla``).
+
+kv_c          [T, L]        latent rows of the new tokens (after ``kv_a_layernorm``)
+k_pe          [T, R]        rotated rope keys of the new tokens, dtype of kv_c
+slot_mapping  [T] int64 or int32   flat cache slot of each token: block * block_size + offset;
+                            a negative slot marks a padding token, which writes nothing
+k_scale       [1] float32 or None   float8_e4m3fn caches store ``row / k_scale`` (saturated)
+kv_cache      [num_blocks, block_size, L+R]   slot s is ``kv_cache[s // block_size, s % block_size]``
+                            and receives ``[kv_c | k_pe]`` cast to the cache dtype (out=)
+
+Two real tokens must not share a slot (which of them lands is then unspecified, as in vLLM);
+slots past the end of the cache are not checked (that would read device values).
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_CACHE_DTYPES = _FLOAT_DTYPES + (torch.float8_e4m3fn,)
+_SLOT_DTYPES = (torch.int64, torch.int32)
+
+
+def write_latent_cache_reference(kv_c, k_pe, slot_mapping, k_scale, kv_cache) -> None:
+    rows = torch.cat([kv_c, k_pe], dim=-1)  # [T, L+R]
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        fp8_max = torch.finfo(torch.float8_e4m3fn).max
+        rows = (rows.float() / k_scale.float()).clamp(-fp8_max, fp8_max)  # saturate, as vLLM
+    rows = rows.to(kv_cache.dtype)
+    target = kv_cache
+    if kv_cache.dtype == torch.float8_e4m3fn:  # move bytes: float8 indexing kernels vary by device/version
+        rows, target = rows.view(torch.uint8), kv_cache.view(torch.uint8)
+
+    # Padding tokens (slot < 0) are skipped without a host sync or a boolean-mask index: each one
+    # repeats the write of the first real token (same slot, same row), so every slot that is
+    # written more than once receives identical bytes and the unordered scatter is exact. In a
+    # batch with no real token, every write goes to slot 0 and puts back the row it already holds.
+    num_tokens = slot_mapping.shape[0]
+    block_size = kv_cache.shape[1]
+    slot = slot_mapping.long()
+    valid = slot >= 0  # [T]
+    first = torch.cat([valid, valid.new_ones(1)]).int().argmax()  # first real token, T if none
+    source = torch.where(valid, torch.arange(num_tokens, device=slot.device), first)  # [T] in [0, T]
+    slot = torch.cat([slot, slot.new_zeros(1)])[source]  # [T], all >= 0
+    block, offset = slot // block_size, slot % block_size
+    rows = torch.cat([rows, target[:1, 0]])[source]  # [T, L+R]; row T: what slot 0 holds now
+    target.index_put_((block, offset), rows)  # strided caches work: no flattened view
+
+
+@torch.library.custom_op("mla_ops::write_latent_cache", mutates_args=("kv_cache",))
+def _write_latent_cache(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    kv_cache: torch.Tensor,
+) -> None:
+    write_latent_cache_reference(kv_c, k_pe, slot_mapping, k_scale, kv_cache)
+
+
+@_write_latent_cache.register_fake
+def _(kv_c, k_pe, slot_mapping, k_scale, kv_cache) -> None:
+    return None
+
+
+_write_latent_cache_op = torch.ops.mla_ops.write_latent_cache.default
+
+
+def _check_tensor(x, name: str, ndim: int, shape_doc: str, device: torch.device) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {shape_doc}, got {type(x).__name__}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D {shape_doc}, got shape {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name} must be on {device} (the device of kv_cache), got {x.device}")
+
+
+def _validate(kv_c, k_pe, slot_mapping, kv_cache, k_scale) -> None:
+    if not isinstance(kv_cache, torch.Tensor):
+        raise TypeError(f"kv_cache must be a torch.Tensor [num_blocks, block_size, L+R], got {type(kv_cache).__name__}")
+    device = kv_cache.device
+    _check_tensor(kv_cache, "kv_cache", 3, "[num_blocks, block_size, L+R]", device)
+    _check_tensor(kv_c, "kv_c", 2, "[T, L]", device)
+    _check_tensor(k_pe, "k_pe", 2, "[T, R]", device)
+    _check_tensor(slot_mapping, "slot_mapping", 1, "[T]", device)
+    if kv_cache.dtype not in _CACHE_DTYPES:
+        raise TypeError(f"kv_cache must be float16, bfloat16, float32, float64 or float8_e4m3fn, got {kv_cache.dtype}")
+    if kv_c.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"kv_c must be float16, bfloat16, float32 or float64, got {kv_c.dtype}")
+    if k_pe.dtype != kv_c.dtype:
+        raise TypeError(f"k_pe must have the dtype of kv_c ({kv_c.dtype}), got {k_pe.dtype}")
+    if slot_mapping.dtype not in _SLOT_DTYPES:
+        raise TypeError(f"slot_mapping must be int64 or int32, got {slot_mapping.dtype}")
+    num_tokens = kv_c.shape[0]
+    if k_pe.shape[0] != num_tokens or slot_mapping.shape[0] != num_tokens:
+        raise ValueError(
+            f"kv_c, k_pe and slot_mapping must have one row per new token: kv_c has {num_tokens}, "
+            f"k_pe {k_pe.shape[0]}, slot_mapping {slot_mapping.shape[0]}"
+        )
+    if num_tokens and kv_cache.shape[0] * kv_cache.shape[1] == 0:
+        raise ValueError(f"kv_cache has no slots (shape {tuple(kv_cache.shape)}) to write {num_tokens} tokens into")
+    width = kv_c.shape[1] + k_pe.shape[1]
+    if kv_cache.shape[2] != width:
+        raise ValueError(
+            f"kv_cache rows must be L+R = {kv_c.shape[1]}+{k_pe.shape[1]} = {width} wide "
+            f"(kv_c and k_pe widths), got {kv_cache.shape[2]}"
+        )
+    if kv_cache.dtype == torch.float8_e4m3fn and k_scale is None:
+        raise ValueError("k_scale is required for a float8_e4m3fn kv_cache (stored = row / k_scale)")
+    if isinstance(k_scale, torch.Tensor):
+        if k_scale.numel() != 1 or k_scale.dtype != torch.float32:
+            raise ValueError(
+                f"k_scale must be a float or a one-element float32 tensor, got {k_scale.numel()} "
+                f"elements of {k_scale.dtype}"
+            )
+        if k_scale.device != device:
+            raise ValueError(f"k_scale must be on {device} (the device of kv_cache), got {k_scale.device}")
+    elif k_scale is not None:
+        if isinstance(k_scale, bool) or not isinstance(k_scale, numbers.Real):
+            raise TypeError(f"k_scale must be a float or a one-element float32 tensor, got {type(k_scale).__name__}")
+        if not k_scale > 0:
+            raise ValueError(f"k_scale must be positive, got {k_scale}")
+
+
+def write_latent_cache(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache: torch.Tensor,
+    k_scale: float | torch.Tensor | None = None,
+) -> None:
+    """Write ``[kv_c | k_pe]`` of token t into ``kv_cache`` at flat slot ``slot_mapping[t]``, in place.
+
+    Tokens with a negative slot (padding) write nothing. A float8_e4m3fn cache needs ``k_scale``
+    (a float or a one-element float32 tensor) and stores ``row / k_scale``, saturated to the fp8
+    range; other caches store the row cast to their dtype and ignore ``k_scale``. Reads no device
+    value on the host, so it is safe under CUDA graphs.
+    """
+    _validate(kv_c, k_pe, slot_mapping, kv_cache, k_scale)
+    scale = None
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        scale = k_scale if isinstance(k_scale, torch.Tensor) else torch.tensor([float(k_scale)], device=kv_cache.device)
+        scale = scale.reshape(1)
+    _write_latent_cache_op(kv_c, k_pe, slot_mapping, scale, kv_cache)

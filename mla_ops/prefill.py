@@ -230,6 +230,24 @@ def mla_prefill(
         )
     num_tokens, num_heads, _ = q.shape
     rope_dim = k_pe.shape[1]
+    if max_chunks is None:
+        if schedule is None:
+            qsl_host = query_start_loc.tolist()  # a device sync when the lengths live on a GPU
+            ctx_host = context_lens.tolist()
+            _validate_lengths(qsl_host, ctx_host, num_tokens, block_table, kv_cache.shape[1])
+            query_lens = [b - a for a, b in zip(qsl_host[:-1], qsl_host[1:])]
+            schedule = plan_context_chunks(
+                ctx_host, query_lens, workspace_size, policy=policy, split_alignment=split_alignment
+            )
+        elif schedule.num_chunks and (
+            schedule.chunks[-1].request_end > context_lens.shape[0]
+            or schedule.prefill_tokens_with_context > num_tokens
+        ):
+            raise ValueError(
+                f"schedule covers {schedule.chunks[-1].request_end} requests and "
+                f"{schedule.prefill_tokens_with_context} tokens, more than this batch's "
+                f"{context_lens.shape[0]} requests and {num_tokens} tokens"
+            )
     acc = lse_dtype(q.dtype)
     scale = None
     if kv_cache.dtype == torch.float8_e4m3fn:
@@ -269,23 +287,6 @@ def mla_prefill(
         truncated = truncated.index_select(0, request.clamp(0, context_lens.shape[0] - 1))
         return torch.where(truncated.view(-1, 1, 1), torch.full_like(out, float("nan")), out)
 
-    if schedule is None:
-        qsl_host = query_start_loc.tolist()  # a device sync when the lengths live on a GPU
-        ctx_host = context_lens.tolist()
-        _validate_lengths(qsl_host, ctx_host, num_tokens, block_table, kv_cache.shape[1])
-        query_lens = [b - a for a, b in zip(qsl_host[:-1], qsl_host[1:])]
-        schedule = plan_context_chunks(
-            ctx_host, query_lens, workspace_size, policy=policy, split_alignment=split_alignment
-        )
-    elif schedule.num_chunks and (
-        schedule.chunks[-1].request_end > context_lens.shape[0]
-        or schedule.prefill_tokens_with_context > num_tokens
-    ):
-        raise ValueError(
-            f"schedule covers {schedule.chunks[-1].request_end} requests and "
-            f"{schedule.prefill_tokens_with_context} tokens, more than this batch's "
-            f"{context_lens.shape[0]} requests and {num_tokens} tokens"
-        )
     if schedule.num_chunks == 0:
         return suffix_out
     schedule = schedule.to(q.device, non_blocking=True)

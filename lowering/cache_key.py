@@ -13,19 +13,29 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import marshal
 import sys
 
 import torch._inductor.config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 
+def _source(obj) -> bytes:
+    try:
+        return inspect.getsource(obj).encode()
+    except (OSError, TypeError):  # defined where no source file exists (a REPL, ``python -c``)
+        code = getattr(obj, "__code__", None)
+        return marshal.dumps(code) if code is not None else b""
+
+
 def sources_digest(functions) -> str:
-    """sha256 over the source of each function's module (so helpers it calls count too)."""
+    """sha256 over each function and its module's source (so helpers it calls count too)."""
     digest = hashlib.sha256()
     for fn in functions:
         module = sys.modules.get(fn.__module__)
-        digest.update(inspect.getsource(module if module is not None else fn).encode())
-        digest.update(inspect.getsource(fn).encode())
+        if module is not None:
+            digest.update(_source(module))
+        digest.update(_source(fn))
     return digest.hexdigest()
 
 

@@ -5,11 +5,12 @@ Importing registers the ``torch.ops.mla_ops`` operators; it changes no global co
 """
 
 from . import context_attention, gather, suffix_attention, up_projection  # noqa: F401  (register the ops)
+from .cache import write_latent_cache
 from .device_schedule import DeviceSchedule, plan_context_chunks_device
+from .layer import MLAAttention, MLAConfig, MLAModel
 from .merge import merge_attn_states
 from .prefill import mla_prefill
 from .schedule import ContextChunk, ContextSchedule, plan_context_chunks
-
 
 
 def enable() -> dict:
@@ -30,8 +31,12 @@ __all__ = [
     "ContextChunk",
     "ContextSchedule",
     "DeviceSchedule",
+    "MLAAttention",
+    "MLAConfig",
+    "MLAModel",
     "merge_attn_states",
     "mla_prefill",
     "plan_context_chunks",
     "plan_context_chunks_device",
+    "write_latent_cache",
 ]

@@ -12,9 +12,11 @@ R k_pe rows of ``kv_a_proj_with_mqa`` must be permuted (evens first, then odds) 
 DeepSeek-V2 uses MoE feed-forwards after its first layer, where every block here has the dense
 gated MLP of ``intermediate_size``.
 
-The cache tensors, slot mapping, block table and (optionally) the chunk schedule are passed in on
-every call; nothing is stored in the modules. Plan the schedule once per step and hand it to every
-layer.
+The cache tensors, slot mapping and block table are passed in on every call; nothing is stored in
+the modules. Context chunks are planned by ``mla_prefill`` in one of three ways: on the host each
+call (the default, reads the lengths), from a host ``schedule=`` made once per step and shared by
+every layer, or on the device with ``max_chunks=K`` (reads no device value: the form for
+``torch.compile`` and CUDA graphs, where the other two are refused).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from torch import nn
 
 from .cache import write_latent_cache
 from .prefill import mla_prefill
-from .schedule import ContextSchedule
+from .schedule import ContextSchedule, plan_context_chunks
 
 
 @dataclass
@@ -177,12 +179,10 @@ class MLAAttention(nn.Module):
         q = torch.cat([q_nope, q_pe], dim=-1)  # [T, N, P+R]
 
         write_latent_cache(kv_c, k_pe, slot_mapping, kv_cache, k_scale=k_scale)
-        # TODO: pass max_chunks unconditionally once mla_prefill takes it.
-        plan_on_device = {} if max_chunks is None else {"max_chunks": max_chunks}
         out = mla_prefill(
             q, kv_c, k_pe, kv_cache, block_table, query_start_loc, context_lens, self.kv_b_proj.weight,
             self.softmax_scale, workspace_size=workspace_size, k_scale=k_scale, backend=backend,
-            schedule=schedule, **plan_on_device,
+            schedule=schedule, max_chunks=max_chunks,
         )  # [T, N, V]
         return self.o_proj(out.reshape(num_tokens, N * V))  # [T, H]
 
@@ -261,6 +261,10 @@ class MLAModel(nn.Module):
                 f"kv_caches must be [num_hidden_layers={len(self.layers)}, num_blocks, block_size, L+R], "
                 f"got shape {tuple(kv_caches.shape)} (see allocate_kv_caches)"
             )
+        if schedule is None and max_chunks is None and not torch.compiler.is_compiling():
+            # Eager host planning: once per step for every layer, not once per layer.
+            query_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
+            schedule = plan_context_chunks(context_lens.tolist(), query_lens, workspace_size)
         x = self.embed_tokens(input_ids)  # [T, H]
         for i, layer in enumerate(self.layers):
             x = layer(

@@ -215,6 +215,7 @@ def mla_prefill(
         softmax_scale, workspace_size, policy, k_scale, backend, split_alignment,
     )
     _resolve_backend(backend, q.device)
+    softmax_scale = float(softmax_scale)  # a compile-time constant: kernels take it as a float
     if max_chunks is not None:
         if isinstance(max_chunks, bool) or not isinstance(max_chunks, int) or max_chunks < 1:
             raise ValueError(f"max_chunks must be a positive int, got {max_chunks!r}")

@@ -4,7 +4,7 @@ Importing registers the ``torch.ops.mla_ops`` operators; it changes no global co
 ``mla_ops.enable()`` switches on the Inductor integration (see ``enable``).
 """
 
-from . import context_attention, gather, suffix_attention, up_projection  # noqa: F401  (register the ops)
+from . import backends, context_attention, gather, suffix_attention, up_projection  # noqa: F401  (register the ops)
 from .cache import write_latent_cache
 from .device_schedule import DeviceSchedule, plan_context_chunks_device
 from .layer import MLAAttention, MLAConfig, MLAModel

@@ -19,17 +19,14 @@ import numbers
 
 import torch
 
+from . import backends
 from .device_schedule import plan_context_chunks_device
-from .merge import lse_dtype, merge_attn_states
+from .merge import lse_dtype
 from .schedule import POLICIES, ContextSchedule, plan_context_chunks
 
 BACKENDS = ("auto", "torch", "triton", "flashmla")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-_gather_context = torch.ops.mla_ops.gather_context.default
-_context_attention = torch.ops.mla_ops.context_attention.default
-_suffix_attention = torch.ops.mla_ops.suffix_attention.default
-_up_project = torch.ops.mla_ops.up_project.default
 
 
 def _check_tensor(x, name: str, ndim: int, shape_doc: str, device: torch.device) -> None:
@@ -162,14 +159,6 @@ def _validate_lengths(
             )
 
 
-def _resolve_backend(backend: str, device: torch.device) -> str:
-    if backend in ("auto", "torch"):
-        return "torch"  # Triton and FlashMLA kernels are not built yet
-    raise NotImplementedError(
-        f"backend={backend!r} is not implemented yet; use backend='torch' (works on any device)"
-    )
-
-
 def mla_prefill(
     q: torch.Tensor,
     kv_c: torch.Tensor,
@@ -214,7 +203,7 @@ def mla_prefill(
         q, kv_c, k_pe, kv_cache, block_table, query_start_loc, context_lens, kv_b_proj_weight,
         softmax_scale, workspace_size, policy, k_scale, backend, split_alignment,
     )
-    _resolve_backend(backend, q.device)
+    kernels = backends.select(backend, q.device)
     softmax_scale = float(softmax_scale)  # a compile-time constant: kernels take it as a float
     if max_chunks is not None:
         if isinstance(max_chunks, bool) or not isinstance(max_chunks, int) or max_chunks < 1:
@@ -261,7 +250,7 @@ def mla_prefill(
     k_nope, v = heads(torch.mm(kv_c, kv_b_proj_weight.t()))
     suffix_out = q.new_empty(num_tokens, num_heads, value_dim)
     suffix_lse = q.new_empty(num_heads, num_tokens, dtype=acc)
-    _suffix_attention(q, k_nope, k_pe, v, query_start_loc, softmax_scale, suffix_out, suffix_lse)
+    kernels.suffix_attention(q, k_nope, k_pe, v, query_start_loc, softmax_scale, suffix_out, suffix_lse)
 
     if max_chunks is not None:
         # Every token gets a context partial; chunks past the device count touch nothing.
@@ -274,13 +263,13 @@ def mla_prefill(
         chunk_k_nope, chunk_v = heads(kv)
         for k in range(max_chunks):
             cu_seq_lens, starts = plan.cu_seq_lens.select(0, k), plan.starts.select(0, k)
-            _gather_context(kv_cache, block_table, cu_seq_lens, starts, scale, workspace)
-            _up_project(latent, kv_b_proj_weight, cu_seq_lens, kv)
-            _context_attention(
+            kernels.gather_context(kv_cache, block_table, cu_seq_lens, starts, scale, workspace)
+            kernels.up_project(latent, kv_b_proj_weight, cu_seq_lens, kv)
+            kernels.context_attention(
                 q, chunk_k_nope, rope, chunk_v, query_start_loc, cu_seq_lens, starts, softmax_scale,
                 context_out, context_lse,
             )
-        out, _ = merge_attn_states(context_out, context_lse, suffix_out, suffix_lse)
+        out, _ = kernels.merge_attn_states(context_out, context_lse, suffix_out, suffix_lse)
         # Requests whose context runs past chunk K were not fully attended: say so with NaN.
         truncated = (torch.cumsum(context_lens, 0) > max_chunks * workspace_size) & (context_lens > 0)  # [B]
         token = torch.arange(num_tokens, device=q.device, dtype=query_start_loc.dtype)
@@ -304,20 +293,20 @@ def mla_prefill(
     workspace = q.new_empty(max(c.num_context_tokens for c in schedule.chunks), latent_dim + rope_dim)
     for chunk in schedule.chunks:
         rows = workspace.narrow(0, 0, chunk.num_context_tokens)
-        _gather_context(
+        kernels.gather_context(
             kv_cache, block_table.narrow(0, chunk.request_start, chunk.num_requests),
             chunk.cu_seq_lens, chunk.starts, scale, rows,
         )
         latent, rope = rows.split([latent_dim, rope_dim], dim=1)
         chunk_k_nope, chunk_v = heads(torch.mm(latent, kv_b_proj_weight.t()))
         tokens = chunk.token_end - chunk.token_start
-        _context_attention(
+        kernels.context_attention(
             q.narrow(0, chunk.token_start, tokens), chunk_k_nope, rope, chunk_v,
             chunk.query_start_loc, chunk.cu_seq_lens, chunk.starts, softmax_scale,
             context_out.narrow(0, chunk.token_start, tokens), context_lse.narrow(1, chunk.token_start, tokens),
         )
 
-    merged, _ = merge_attn_states(
+    merged, _ = kernels.merge_attn_states(
         context_out, context_lse, suffix_out.narrow(0, 0, covered), suffix_lse.narrow(1, 0, covered)
     )
     if covered == num_tokens:

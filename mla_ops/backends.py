@@ -1,0 +1,98 @@
+"""Which implementation runs each operator: the ``backend=`` argument of ``mla_prefill``.
+
+Each op has one schema (``torch.ops.mla_ops.*``) and implementations with identical layouts:
+
+* CPU: the torch reference (the oracle), or Triton under ``TRITON_INTERPRET=1`` when asked for;
+* CUDA: Triton (registered here as the op's CUDA kernel, imported on first use), falling back to
+  the torch reference where Triton is not installed or for float64, which the kernels don't take.
+
+``backend="auto"`` and ``"triton"`` call the ops, so ``torch.compile`` sees them; ``"torch"`` on
+a GPU calls the reference functions directly (eager checking; it reads lengths on the host).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from typing import Callable, NamedTuple
+
+import torch
+
+from .context_attention import context_attention_reference
+from .gather import gather_reference
+from .merge import merge_states_reference
+from .suffix_attention import suffix_attention_reference
+from .up_projection import up_project_reference
+
+
+class Kernels(NamedTuple):
+    gather_context: Callable
+    up_project: Callable
+    context_attention: Callable
+    suffix_attention: Callable
+    merge_attn_states: Callable
+
+
+REFERENCE = Kernels(
+    gather_reference, up_project_reference, context_attention_reference, suffix_attention_reference,
+    merge_states_reference,
+)
+OPS = Kernels(*(getattr(torch.ops.mla_ops, name).default for name in Kernels._fields))
+
+
+@functools.cache
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def triton_kernels() -> Kernels:
+    from .triton import attention, gather, merge, up_projection
+
+    return Kernels(
+        gather.gather_context, up_projection.up_project, attention.context_attention,
+        attention.suffix_attention, merge.merge_attn_states,
+    )
+
+
+def select(backend: str, device: torch.device) -> Kernels:
+    """The kernels ``mla_prefill`` calls for ``backend`` on ``device`` (validated names only)."""
+    if backend == "flashmla":
+        raise NotImplementedError("backend='flashmla' (the absorbed path) is not built yet; use 'auto'")
+    if backend == "triton" and not triton_available():
+        raise ValueError("backend='triton' needs the triton package (pip install 'mla-ops[triton]')")
+    if device.type == "cpu":
+        if backend != "triton":
+            return OPS
+        if not interpreting():
+            raise ValueError(
+                "backend='triton' on CPU tensors runs Triton's interpreter: set TRITON_INTERPRET=1 "
+                "before importing mla_ops (or use backend='torch')"
+            )
+        return triton_kernels()
+    if backend == "torch":
+        if torch.compiler.is_compiling():
+            raise ValueError("backend='torch' on a GPU is for eager checking; under torch.compile use 'auto'")
+        return REFERENCE
+    return OPS
+
+
+def _cuda_kernel(name: str, reference: Callable) -> Callable:
+    def kernel(*args):
+        if not triton_available() or any(
+            isinstance(a, torch.Tensor) and a.dtype == torch.float64 for a in args
+        ):
+            return reference(*args)
+        return getattr(triton_kernels(), name)(*args)
+
+    kernel.__name__ = f"{name}_cuda"
+    return kernel
+
+
+for _name, _reference in zip(Kernels._fields, REFERENCE):
+    torch.library.register_kernel(f"mla_ops::{_name}", "cuda", _cuda_kernel(_name, _reference))

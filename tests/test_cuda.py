@@ -1,0 +1,206 @@
+"""GPU checks: Triton kernels against the torch references, and CUDA-graph capture of a prefill step.
+
+All marked ``cuda`` and skipped without a GPU; ``benchmarks/gpu_check.sh`` runs them on an H200.
+"""
+
+import math
+
+import pytest
+import torch
+
+import mla_ops
+from mla_ops.backends import REFERENCE
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+pytest.importorskip("triton")
+
+DEVICE = "cuda"
+TOL = {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+
+
+def random_chunk(dtype, heads=16, latent=512, nope=128, rope=64, value=128, q_lens=(1, 17, 130, 0, 64),
+                 k_lens=(300, 0, 129, 40, 1), seed=0):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    randn = lambda *s: torch.randn(*s, generator=g, device=DEVICE, dtype=torch.float32).to(dtype)  # noqa: E731
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    kv = randn(sum(k_lens), heads, nope + value)
+    workspace = randn(sum(k_lens) + 5, latent + rope)
+    return dict(q=randn(sum(q_lens), heads, nope + rope), k_nope=kv[..., :nope], k_pe=workspace[: sum(k_lens), latent:],
+                v=kv[..., nope:], cu_q=cu_q, cu_k=cu_k)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_context_attention_kernel(dtype):
+    c = random_chunk(dtype)
+    starts = torch.tensor([5, 0, 0, 0, 0], dtype=torch.int32, device=DEVICE)  # request 0 continues
+    outs = []
+    for fn in (torch.ops.mla_ops.context_attention, REFERENCE.context_attention):
+        out = torch.full((c["q"].shape[0], 16, 128), 0.5, device=DEVICE, dtype=dtype)
+        lse = torch.full((16, c["q"].shape[0]), 1.0, device=DEVICE)
+        fn(c["q"], c["k_nope"], c["k_pe"], c["v"], c["cu_q"], c["cu_k"], starts, 0.07, out, lse)
+        outs.append((out.float(), lse))
+    torch.testing.assert_close(outs[0][0], outs[1][0], atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_suffix_attention_kernel(dtype):
+    c = random_chunk(dtype, q_lens=(1, 17, 300, 64), k_lens=(1, 17, 300, 64))
+    outs = []
+    for fn in (torch.ops.mla_ops.suffix_attention, REFERENCE.suffix_attention):
+        out = torch.empty(c["q"].shape[0], 16, 128, device=DEVICE, dtype=dtype)
+        lse = torch.empty(16, c["q"].shape[0], device=DEVICE)
+        fn(c["q"], c["k_nope"], c["k_pe"], c["v"], c["cu_q"], 0.07, out, lse)
+        outs.append((out.float(), lse))
+    torch.testing.assert_close(outs[0][0], outs[1][0], atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gather_and_up_project_kernels(fp8):
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    cache = torch.randn(300, 64, 576, generator=g, device=DEVICE).to(torch.bfloat16)
+    k_scale = None
+    if fp8:
+        k_scale = torch.tensor([0.05], device=DEVICE)
+        cache = (cache.float() / 0.05).to(torch.float8_e4m3fn)
+    table = torch.randperm(300, generator=g, device=DEVICE)[:280].view(4, 70).to(torch.int32)
+    cu = torch.tensor([0, 1000, 1000, 3000, 3100], dtype=torch.int32, device=DEVICE)
+    starts = torch.tensor([64, 0, 130, 0], dtype=torch.int32, device=DEVICE)
+    weight = torch.randn(16 * 256, 512, generator=g, device=DEVICE).to(torch.bfloat16) / 20
+    results = []
+    for gather, up in ((torch.ops.mla_ops.gather_context, torch.ops.mla_ops.up_project),
+                       (REFERENCE.gather_context, REFERENCE.up_project)):
+        workspace = torch.full((4096, 576), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+        kv = torch.full((4096, 16 * 256), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+        gather(cache, table, cu, starts, k_scale, workspace)
+        up(workspace[:, :512], weight, cu, kv)
+        results.append((workspace, kv))
+    assert torch.equal(results[0][0][:3100], results[1][0][:3100])
+    assert torch.isnan(results[0][0][3100:]).all() and torch.isnan(results[0][1][3100:]).all()
+    torch.testing.assert_close(results[0][1][:3100].float(), results[1][1][:3100].float(), atol=3e-2, rtol=3e-2)
+
+
+def test_merge_kernel():
+    g = torch.Generator(device=DEVICE).manual_seed(2)
+    a, b = (torch.randn(77, 16, 128, generator=g, device=DEVICE).bfloat16() for _ in range(2))
+    la, lb = (torch.randn(16, 77, generator=g, device=DEVICE) * 4 for _ in range(2))
+    la[3, :5], lb[3, 2:7] = float("inf"), float("-inf")  # empty partials, both conventions
+    out, lse = torch.ops.mla_ops.merge_attn_states(a, la, b, lb)
+    expect, expect_lse = REFERENCE.merge_attn_states(a, la, b, lb)
+    torch.testing.assert_close(out.float(), expect.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, expect_lse)
+    assert not out.isnan().any()
+
+
+@pytest.mark.parametrize("max_chunks", [None, 6])
+def test_mla_prefill_triton_against_dense_reference(max_chunks):
+    from test_prefill import dense_reference, make_batch
+
+    batch = make_batch([0, 700, 0, 90, 1500, 3], [20, 33, 5, 130, 1, 64], seed=5, block_size=64, N=16, L=512,
+                       P=128, R=64, V=128, dtype=torch.bfloat16)
+    args = [t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in batch.args()]
+    out = mla_ops.mla_prefill(*args, workspace_size=512, backend="triton", max_chunks=max_chunks)
+    ref = dense_reference(*batch.args())
+    err = (out.cpu().double() - ref).abs().max().item()
+    assert err <= 3e-2 * max(1.0, ref.abs().max().item()), f"max abs diff {err:.3e}"
+
+
+# ---- a whole prefill step captured in one CUDA graph ----------------------------------------
+
+
+class StaticStep:
+    """Fixed-shape input buffers of one capacity bucket; batches are copied in, padded."""
+
+    def __init__(self, config, max_tokens, max_requests, max_blocks):
+        z = lambda *s, dtype=torch.int32: torch.zeros(*s, dtype=dtype, device=DEVICE)  # noqa: E731
+        self.input_ids, self.positions = z(max_tokens, dtype=torch.long), z(max_tokens, dtype=torch.long)
+        self.slot_mapping = z(max_tokens, dtype=torch.long)
+        self.block_table, self.query_start_loc = z(max_requests, max_blocks), z(max_requests + 1)
+        self.context_lens = z(max_requests)
+
+    def args(self):
+        return (self.input_ids, self.positions, None, self.slot_mapping, self.block_table, self.query_start_loc,
+                self.context_lens)
+
+    def load(self, ids, positions, slots, table, qsl, lens):
+        """Real requests first, then padding requests with no context; the first takes the spare
+        tokens (slot -1: the cache write skips them)."""
+        tokens, requests = ids.shape[0], lens.shape[0]
+        spare = self.input_ids.shape[0] - tokens
+        assert requests < self.context_lens.shape[0] and table.shape[1] <= self.block_table.shape[1]
+        self.input_ids.zero_()[:tokens].copy_(ids)
+        self.positions.zero_()[:tokens].copy_(positions)
+        self.slot_mapping.fill_(-1)[:tokens].copy_(slots)
+        self.block_table.zero_()[:requests, : table.shape[1]].copy_(table)
+        self.context_lens.zero_()[:requests].copy_(lens)
+        self.query_start_loc.fill_(tokens + spare)[: requests + 1].copy_(qsl)
+        return tokens
+
+
+@torch.no_grad()
+def test_cuda_graph_capture_replays_changing_batches():
+    from mla_batches import BUCKET_4, model_step
+
+    mla_ops.enable()
+    torch.manual_seed(0)
+    config = mla_ops.MLAConfig.from_name("tiny")
+    model = mla_ops.MLAModel(config).to(DEVICE).eval()
+    caches = model.allocate_kv_caches(64, 4)
+    torch.nn.init.normal_(caches)
+    base = caches.clone()
+    static = StaticStep(config, max_tokens=40, max_requests=8, max_blocks=20)
+    compiled = torch.compile(model, fullgraph=True, dynamic=False)
+
+    def step():
+        ids, pos, _, slots, table, qsl, lens = static.args()
+        return compiled(ids, pos, caches, slots, table, qsl, lens, workspace_size=32, max_chunks=4)
+
+    static.load(*[t.to(DEVICE) for t in model_step(config, *BUCKET_4[0], seed=0)])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # compile and warm up outside the capture
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+
+    batches = [BUCKET_4[i] for i in (0, 1, 2, 4, 5, 6, 9)]  # request counts 2..7, zero contexts, empty
+    for i, (context_lens, query_lens) in enumerate(batches):
+        inputs = [t.to(DEVICE) for t in model_step(config, context_lens, query_lens, seed=i)]
+        caches.copy_(base)
+        tokens = static.load(*inputs)
+        graph.replay()
+        expect_caches = base.clone()
+        expect = model(inputs[0], inputs[1], expect_caches, *inputs[2:], workspace_size=32)
+        torch.testing.assert_close(static_out[:tokens], expect, rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(caches, expect_caches, rtol=2e-3, atol=2e-3)
+
+
+@torch.no_grad()
+def test_reduce_overhead_runs_without_cudagraph_skips():
+    from mla_batches import BUCKET_4, model_step
+
+    mla_ops.enable()
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    config = mla_ops.MLAConfig.from_name("tiny")
+    model = mla_ops.MLAModel(config).to(DEVICE).eval()
+    caches = model.allocate_kv_caches(64, 4)
+    torch._dynamo.mark_static_address(caches)  # a fixed buffer: cudagraphs may mutate it in place
+    with torch._inductor.config.patch({"triton.cudagraph_or_error": True}):
+        compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+        for i, batch in enumerate(BUCKET_4[:4]):
+            ids, pos, slots, table, qsl, lens = [t.to(DEVICE) for t in model_step(config, *batch, seed=i)]
+            for _ in range(3):  # warm-up, record, replay
+                expect_caches = caches.clone()
+                out = compiled(ids, pos, caches, slots, table, qsl, lens, workspace_size=32, max_chunks=4).clone()
+            expect = model(ids, pos, expect_caches, slots, table, qsl, lens, workspace_size=32)
+            torch.testing.assert_close(out, expect, rtol=2e-3, atol=2e-3)
+    assert math.isfinite(out.float().sum().item())

@@ -1,0 +1,17 @@
+"""The GPU kernel benchmark stays runnable: its smoke mode on CPU (torch kernels)."""
+
+import json
+
+from benchmarks import kernel_bench
+
+
+def test_smoke_run_writes_the_report(tmp_path):
+    out = tmp_path / "report.json"
+    kernel_bench.main(["--smoke", "--reps", "1", "--device", "cpu", "--json", str(out)])
+    report = json.loads(out.read_text())
+    rows = report["results"]
+    assert {r["schedule"] for r in rows} == {"packed", "whole_requests", "batch_column"}
+    for mix in {r["mix"] for r in rows}:
+        chunks = {r["schedule"]: r["chunks"] for r in rows if r["mix"] == mix}
+        assert chunks["packed"] <= chunks["whole_requests"] <= chunks["batch_column"]
+    assert all(r["eager_ms"] > 0 and r["roofline_fraction"] > 0 for r in rows)

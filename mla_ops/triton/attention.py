@@ -1,0 +1,296 @@
+"""Triton kernel: varlen flash attention over MLA's split keys (context and suffix partials).
+
+q               [Tq, N, P+R]  queries; q_nope = columns [0, P), q_pe = columns [P, P+R)
+k_nope          [S, N, P]     per-head key part          k_pe [S, R] rope key part, shared by all heads
+v               [S, N, V]     values
+query_start_loc [n+1] int32   query rows of request i: query_start_loc[i] .. query_start_loc[i+1]
+cu_seq_lens     [n+1] int32   key rows of request i (context); the suffix uses query_start_loc
+starts          [n] int32     context: > 0 means request i continues an earlier chunk (merge)
+-> out          [Tq, N, V]    any float dtype   lse [N, Tq] float32, natural log (out=)
+
+``scores = softmax_scale * (q_nope . k_nope + q_pe . k_pe)``; oracles: ``context_attention_reference``
+(``mla_ops/context_attention.py``) and ``suffix_attention_reference`` (``mla_ops/suffix_attention.py``).
+Every tensor may be a strided view (q narrowed along tokens, k_nope / v two views of one
+``[S, N, P+V]`` buffer, k_pe a column view of the ``[W, L+R]`` workspace, out / lse narrowed).
+
+Inside, the online softmax runs in fp32 on base-2 statistics (scores scaled by
+``softmax_scale * LOG2E``); the LSE that leaves the kernel is natural log (``* LN2``).
+
+Work distribution (no host read of a device value, so one launch serves any batch of a capacity
+bucket and can be captured in a CUDA graph): the grid is ``(Tq // BLOCK_M + n, N)``. Request i owns
+the program slots ``query_start_loc[i] // BLOCK_M + i .. query_start_loc[i+1] // BLOCK_M + i``, i.e.
+``floor((a+q)/B) - floor(a/B) + 1 >= ceil(q/B)`` slots for its q queries: a closed-form upper bound
+of the prefix sum of per-request tile counts (vLLM's unified attention uses the same trick), so
+no cumsum is needed. Each program finds its request by a binary search over ``query_start_loc``
+(log2(n) scalar loads from a cached [n+1] array) and exits at once when its slot is the spare one
+of its request, the request has no queries, or (context) no rows in this chunk: in a device
+schedule, most requests of the batch have no rows in a given chunk and stay untouched.
+
+Key loop per (query tile, head), as in Triton's fused-attention tutorial: full key tiles without
+masks, then the masked remainder. Causal (suffix, keys = queries of the same request): tiles left
+of the diagonal unmasked, the diagonal block masked, tiles past it skipped.
+
+Dtypes: q / k / v in float16, bfloat16 or float32 (float64 raises TypeError: the torch reference is
+the float64 path). 16-bit operands go to ``tl.dot`` as they are (fp32 accumulation; probabilities
+are rounded to the value dtype for the second product, as in FlashAttention); fp32 operands use
+``input_precision="ieee"`` (no TF32). Triton's interpreter has no bf16 arithmetic: there bf16 is
+upcast to fp32 before any math.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln(2): natural -> base-2 exponents
+LN2 = tl.constexpr(0.6931471805599453)  # ln(2): base-2 LSE -> natural log
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, stride_qsl, num_requests, slot, BLOCK_M: tl.constexpr):
+    """The last request i whose first program slot ``query_start_loc[i] // BLOCK_M + i`` is <= slot."""
+    lo: tl.int32 = 0
+    hi = num_requests
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_slot = tl.load(query_start_loc_ptr + mid * stride_qsl) // BLOCK_M + mid
+        if first_slot <= slot:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attn_fwd_inner(
+    acc, l_i, m_i,  # [BLOCK_M, BLOCK_V] fp32, [BLOCK_M] fp32 (base-2 running sum and max)
+    q_nope, q_pe,  # [BLOCK_M, BLOCK_P], [BLOCK_M, BLOCK_R]
+    k_nope_ptrs,  # [BLOCK_P, 1] at key 0 of the request (loaded transposed)
+    k_pe_ptrs,  # [BLOCK_R, 1]
+    v_ptrs,  # [1, BLOCK_V]
+    stride_kt, stride_pt, stride_vt,
+    mask_p, mask_r, mask_v,  # [BLOCK_P, 1], [BLOCK_R, 1], [1, BLOCK_V]: head-dim bounds
+    query_pos,  # [BLOCK_M] positions of the tile's queries in their request
+    lo, hi, num_keys, qk_scale,
+    BLOCK_N: tl.constexpr,
+    DIAGONAL: tl.constexpr,  # causal mask: key <= query position
+    MASK_KEYS: tl.constexpr,  # key tiles may run past num_keys
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        keys = start_n + offs_n  # [BLOCK_N] key positions in the request
+        rows = keys.to(tl.int64)
+        if MASK_KEYS:
+            key_ok = keys < num_keys
+            k_nope = tl.load(k_nope_ptrs + rows[None, :] * stride_kt, mask=mask_p & key_ok[None, :], other=0.0)
+            k_pe = tl.load(k_pe_ptrs + rows[None, :] * stride_pt, mask=mask_r & key_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs + rows[:, None] * stride_vt, mask=key_ok[:, None] & mask_v, other=0.0)
+        else:
+            k_nope = tl.load(k_nope_ptrs + rows[None, :] * stride_kt, mask=mask_p, other=0.0)
+            k_pe = tl.load(k_pe_ptrs + rows[None, :] * stride_pt, mask=mask_r, other=0.0)
+            v = tl.load(v_ptrs + rows[:, None] * stride_vt, mask=mask_v, other=0.0)
+        qk = tl.dot(q_nope, k_nope.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        qk = tl.dot(q_pe, k_pe.to(DOT_DTYPE), qk, input_precision=DOT_PRECISION)
+        qk = qk * qk_scale  # base-2 logits; scaled before the max so any sign of the scale works
+        if MASK_KEYS:
+            qk = tl.where(key_ok[None, :], qk, float("-inf"))
+        if DIAGONAL:
+            qk = tl.where(keys[None, :] <= query_pos[:, None], qk, float("-inf"))
+        # Every row sees a key in the first tile it processes, so m_ij is finite from then on.
+        m_ij = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_ij[:, None])
+        alpha = tl.math.exp2(m_i - m_ij)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+        m_i = m_ij
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["num_requests"])  # the batch size changes every step
+def _attn_fwd(
+    q_ptr,  # [Tq, N, P+R]
+    k_nope_ptr,  # [S, N, P]
+    k_pe_ptr,  # [S, R]
+    v_ptr,  # [S, N, V]
+    out_ptr,  # [Tq, N, V]
+    lse_ptr,  # [N, Tq] float32, natural log
+    query_start_loc_ptr,  # [n+1]
+    cu_k_ptr,  # [n+1] key row offsets
+    starts_ptr,  # [n] (MERGE only)
+    num_requests,  # n
+    qk_scale,  # softmax_scale * LOG2E
+    stride_qt, stride_qh, stride_qd,
+    stride_kt, stride_kh, stride_kd,
+    stride_pt, stride_pd,
+    stride_vt, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    stride_lh, stride_lt,
+    stride_qsl, stride_cuk, stride_starts,
+    HEAD_P: tl.constexpr, HEAD_R: tl.constexpr, HEAD_V: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,  # suffix: query j sees keys 0..j of its request
+    MERGE: tl.constexpr,  # context: fold into out/lse where starts[i] > 0
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tl.static_assert(BLOCK_M % BLOCK_N == 0)  # causal: the unmasked tiles end on the diagonal
+    slot = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+
+    request = tl.maximum(_find_request(query_start_loc_ptr, stride_qsl, num_requests, slot, BLOCK_M), 0)
+    q_begin = tl.load(query_start_loc_ptr + request * stride_qsl)
+    q_len = tl.load(query_start_loc_ptr + (request + 1) * stride_qsl) - q_begin
+    k_begin = tl.load(cu_k_ptr + request * stride_cuk)
+    num_keys = tl.load(cu_k_ptr + (request + 1) * stride_cuk) - k_begin
+    m_start = (slot - (q_begin // BLOCK_M + request)) * BLOCK_M
+    if (m_start < 0) | (m_start >= q_len) | (num_keys <= 0):
+        return  # a spare slot, a request without queries, or (context) without rows: untouched
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_v = tl.arange(0, BLOCK_V)
+    query_pos = m_start + offs_m  # [BLOCK_M] in the request
+    row_ok = query_pos < q_len
+    q_rows = q_begin.to(tl.int64) + query_pos  # [BLOCK_M] token rows of q / out / lse
+
+    q_row_ptrs = q_ptr + q_rows[:, None] * stride_qt + head * stride_qh
+    q_nope = tl.load(
+        q_row_ptrs + offs_p[None, :] * stride_qd, mask=row_ok[:, None] & (offs_p[None, :] < HEAD_P), other=0.0
+    ).to(DOT_DTYPE)
+    q_pe = tl.load(
+        q_row_ptrs + (HEAD_P + offs_r)[None, :] * stride_qd, mask=row_ok[:, None] & (offs_r[None, :] < HEAD_R),
+        other=0.0,
+    ).to(DOT_DTYPE)
+
+    k_first = k_begin.to(tl.int64)
+    k_nope_ptrs = k_nope_ptr + k_first * stride_kt + head * stride_kh + offs_p[:, None] * stride_kd
+    k_pe_ptrs = k_pe_ptr + k_first * stride_pt + offs_r[:, None] * stride_pd
+    v_ptrs = v_ptr + k_first * stride_vt + head * stride_vh + offs_v[None, :] * stride_vd
+    mask_p = offs_p[:, None] < HEAD_P
+    mask_r = offs_r[:, None] < HEAD_R
+    mask_v = offs_v[None, :] < HEAD_V
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
+    if CAUSAL:
+        # Keys left of the tile's diagonal block are visible to all its queries (and < num_keys).
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q_nope, q_pe, k_nope_ptrs, k_pe_ptrs, v_ptrs, stride_kt, stride_pt, stride_vt,
+            mask_p, mask_r, mask_v, query_pos, 0, m_start, num_keys, qk_scale,
+            BLOCK_N, False, False, DOT_DTYPE, DOT_PRECISION,
+        )
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q_nope, q_pe, k_nope_ptrs, k_pe_ptrs, v_ptrs, stride_kt, stride_pt, stride_vt,
+            mask_p, mask_r, mask_v, query_pos, m_start, tl.minimum(m_start + BLOCK_M, num_keys), num_keys,
+            qk_scale, BLOCK_N, True, True, DOT_DTYPE, DOT_PRECISION,
+        )
+    else:
+        full = (num_keys // BLOCK_N) * BLOCK_N
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q_nope, q_pe, k_nope_ptrs, k_pe_ptrs, v_ptrs, stride_kt, stride_pt, stride_vt,
+            mask_p, mask_r, mask_v, query_pos, 0, full, num_keys, qk_scale,
+            BLOCK_N, False, False, DOT_DTYPE, DOT_PRECISION,
+        )
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q_nope, q_pe, k_nope_ptrs, k_pe_ptrs, v_ptrs, stride_kt, stride_pt, stride_vt,
+            mask_p, mask_r, mask_v, query_pos, full, num_keys, num_keys, qk_scale,
+            BLOCK_N, False, True, DOT_DTYPE, DOT_PRECISION,
+        )
+
+    # Epilogue: normalize, optionally fold into the running partial, store a natural-log LSE.
+    acc = acc / l_i[:, None]
+    lse2 = m_i + tl.math.log2(l_i)  # base 2
+    out_ptrs = out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_v[None, :] * stride_od
+    lse_ptrs = lse_ptr + head * stride_lh + q_rows * stride_lt
+    out_mask = row_ok[:, None] & mask_v
+    if MERGE:
+        if tl.load(starts_ptr + request * stride_starts) > 0:  # continuation: merge, as merge_states_reference
+            prev2 = tl.load(lse_ptrs, mask=row_ok, other=float("-inf")).to(tl.float32) * LOG2E
+            prev2 = tl.where((prev2 == float("inf")) | (prev2 == float("-inf")), float("-inf"), prev2)  # empty
+            prev_out = tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+            m = tl.maximum(prev2, lse2)  # finite: this partial has keys
+            w_prev = tl.math.exp2(prev2 - m)
+            w_new = tl.math.exp2(lse2 - m)
+            total = w_prev + w_new
+            acc = (prev_out * (w_prev / total)[:, None]) + acc * (w_new / total)[:, None]
+            lse2 = m + tl.math.log2(total)
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(lse_ptrs, (lse2 * LN2).to(lse_ptr.dtype.element_ty), mask=row_ok)
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages). On an H200 at DeepSeek dims (P=128, R=64, V=128) a
+# program holds acc [64, 128] fp32 plus q [64, 192]; per pipeline stage k_nope + k_pe + v tiles take
+# 40 KB in 16-bit, 80 KB in fp32, hence the narrower key tile there. Token and request counts are
+# not compile-time keys: a new batch never recompiles.
+CUDA_CONFIG_16BIT = (64, 64, 4, 2)
+CUDA_CONFIG_FP32 = (64, 32, 4, 2)
+# The interpreter: small tiles, so small test shapes still cover multi-tile loops and merges.
+INTERPRETER_CONFIG = (16, 16, 1, 1)
+
+_DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def _launch(q, k_nope, k_pe, v, query_start_loc, cu_k, starts, softmax_scale, out, lse, causal: bool) -> None:
+    if q.dtype not in _DOT_DTYPES:
+        raise TypeError(
+            f"the Triton attention kernels take float16, bfloat16 or float32 q, got {q.dtype} "
+            "(float64 runs on the torch reference)"
+        )
+    num_tokens, num_heads = q.shape[0], q.shape[1]
+    num_requests = query_start_loc.shape[0] - 1
+    if num_tokens == 0 or num_heads == 0 or num_requests <= 0 or k_nope.shape[0] == 0:
+        return  # nothing to attend; context rows of requests without keys stay untouched
+    nope_dim, rope_dim, value_dim = k_nope.shape[-1], k_pe.shape[-1], v.shape[-1]
+    on_cuda = q.device.type == "cuda"
+    if on_cuda:
+        block_m, block_n, num_warps, num_stages = CUDA_CONFIG_FP32 if q.dtype == torch.float32 else CUDA_CONFIG_16BIT
+    else:
+        block_m, block_n, num_warps, num_stages = INTERPRETER_CONFIG
+    dot_dtype = _DOT_DTYPES[q.dtype] if on_cuda or q.dtype != torch.bfloat16 else tl.float32
+    merge = starts is not None
+    if starts is None:
+        starts = query_start_loc  # unused (MERGE is off); any valid pointer
+
+    grid = (num_tokens // block_m + num_requests, num_heads)
+    with torch.cuda.device(q.device) if on_cuda else contextlib.nullcontext():
+        _attn_fwd[grid](
+            q, k_nope, k_pe, v, out, lse,
+            query_start_loc, cu_k, starts,
+            num_requests, softmax_scale * 1.4426950408889634,
+            *q.stride(), *k_nope.stride(), *k_pe.stride(), *v.stride(), *out.stride(), *lse.stride(),
+            query_start_loc.stride(0), cu_k.stride(0), starts.stride(0),
+            HEAD_P=nope_dim, HEAD_R=rope_dim, HEAD_V=value_dim,
+            BLOCK_P=max(16, triton.next_power_of_2(nope_dim)),
+            BLOCK_R=max(16, triton.next_power_of_2(rope_dim)),
+            BLOCK_V=max(16, triton.next_power_of_2(value_dim)),
+            BLOCK_M=block_m, BLOCK_N=block_n,
+            CAUSAL=causal, MERGE=merge,
+            DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+            num_warps=num_warps, num_stages=num_stages,
+        )
+
+
+def context_attention(
+    q, k_nope, k_pe, v, query_start_loc, cu_seq_lens, starts, softmax_scale, out, lse
+) -> None:
+    """Non-causal attention of each request's queries over its rows of the chunk, folded into out/lse.
+
+    Request i (queries ``query_start_loc[i]:[i+1]``, keys ``cu_seq_lens[i]:[i+1]``) merges its
+    partial into ``out``/``lse`` when ``starts[i] > 0`` (an ``±inf`` LSE there counts as empty),
+    overwrites its rows otherwise, and is left untouched when it has no rows in the chunk.
+    """
+    _launch(q, k_nope, k_pe, v, query_start_loc, cu_seq_lens, starts, softmax_scale, out, lse, causal=False)
+
+
+def suffix_attention(q, k_nope, k_pe, v, query_start_loc, softmax_scale, out, lse) -> None:
+    """Causal attention of each request's queries over its own keys (same rows); writes every token."""
+    _launch(q, k_nope, k_pe, v, query_start_loc, query_start_loc, None, softmax_scale, out, lse, causal=True)

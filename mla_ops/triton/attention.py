@@ -227,12 +227,14 @@ def _attn_fwd(
     tl.store(lse_ptrs, (lse2 * LN2).to(lse_ptr.dtype.element_ty), mask=row_ok)
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages). On an H200 at DeepSeek dims (P=128, R=64, V=128) a
-# program holds acc [64, 128] fp32 plus q [64, 192]; per pipeline stage k_nope + k_pe + v tiles take
-# 40 KB in 16-bit, 80 KB in fp32, hence the narrower key tile there. Token and request counts are
-# not compile-time keys: a new batch never recompiles.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages). At DeepSeek dims (P=128, R=64, V=128), compiled ahead of
+# time for sm90 with Triton 3.6 and 3.9 (not run): 16-bit takes 104 KB of shared memory and 232-255
+# registers per thread without spills, so two programs fit an SM (3 stages: 144 KB, one per SM).
+# fp32 runs tl.dot without tensor cores ("ieee"): 64-row tiles spill kilobytes; 32 x 32 tiles with
+# 8 warps spill 0-8 bytes (3.6) or 40-376 (3.9). Token and request counts are not compile-time
+# keys: a new batch never recompiles.
 CUDA_CONFIG_16BIT = (64, 64, 4, 2)
-CUDA_CONFIG_FP32 = (64, 32, 4, 2)
+CUDA_CONFIG_FP32 = (32, 32, 8, 2)
 # The interpreter: small tiles, so small test shapes still cover multi-tile loops and merges.
 INTERPRETER_CONFIG = (16, 16, 1, 1)
 

@@ -211,6 +211,35 @@ def count_chunks(
     return counts
 
 
+# DeepSeek-V2-Lite's attention dims for the routing cost model (N, L, P, R, V).
+MLA_DIMS = dict(heads=16, latent=512, nope=128, rope=64, value=128)
+
+
+def routing_summary(batches, thresholds: Sequence[int], workspace_size: int) -> list[dict]:
+    """For each absorb_max_query_len: the share of context work each path takes, the modeled
+    FLOPs against all-MHA, and the packed MHA chunks left (DESIGN §1 cost model)."""
+    rows = []
+    for threshold in thresholds:
+        mha = routed = absorbed_tokens = mha_tokens = chunks = 0
+        for context_lens, query_lens in batches:
+            f = mla_ops.routing.modeled_flops(context_lens, query_lens, absorb_max_query_len=threshold, **MLA_DIMS)
+            mha += f["mha_only"]
+            routed += f["routed"]
+            absorbed_tokens += f["absorbed_context_tokens"]
+            mha_tokens += f["mha_context_tokens"]
+            chunks += -(-f["mha_context_tokens"] // workspace_size)
+        total = absorbed_tokens + mha_tokens
+        rows.append({
+            "absorb_max_query_len": threshold,
+            "absorbed_context_share": round(absorbed_tokens / total, 4) if total else 0.0,
+            "modeled_tflop_mha_only": round(mha / 1e12, 3),
+            "modeled_tflop_routed": round(routed / 1e12, 3),
+            "flops_saved": round(1 - routed / mha, 4) if mha else 0.0,
+            "packed_mha_chunks": chunks,
+        })
+    return rows
+
+
 def _median_us(samples: list[int]) -> float | None:
     return round(statistics.median(samples) / 1000.0, 2) if samples else None
 
@@ -225,6 +254,7 @@ def replay(
     block_size: int = 512,
     split_alignment: int = 1,
     progress: bool = True,
+    absorb_thresholds: Sequence[int] = (0, 16, 64, 128, 170, 256, 512),
 ) -> dict:
     """Simulate the trace and plan every prefill step; return the JSON-ready result (no "trace")."""
     from tqdm import tqdm
@@ -283,6 +313,10 @@ def replay(
             p: _median_us([t for w in workspace_sizes for t in planner_ns[w][p]]) for p in PLANNER_POLICIES
         },
         "chunks_by_workspace_order": list(POLICIES),
+        "routing": routing_summary(
+            [(s.context_lens, s.query_lens) for s, _ in steps], absorb_thresholds, primary
+        ),
+        "routing_dims": MLA_DIMS,
         "steps": [
             {
                 "t_ms": s.t_ms,
@@ -432,6 +466,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
         row = " ".join(f"{entry['totals'][p]:>15,}" for p in POLICIES)
         print(f"{w:>10,} {row} {entry['lower_bound_total']:>12,}")
     print("planner median (µs):", result["planner_us_median"])
+    print(f"routing (W={workspace_sizes[0]:,}, DeepSeek-V2-Lite dims):")
+    for r in result["routing"]:
+        print(f"  absorb q <= {r['absorb_max_query_len']:>4}: {r['absorbed_context_share']:6.1%} of context rows "
+              f"absorbed, modeled FLOPs {r['flops_saved']:6.1%} lower, {r['packed_mha_chunks']:,} MHA chunks")
     return result
 
 

@@ -4,12 +4,14 @@ Importing registers the ``torch.ops.mla_ops`` operators; it changes no global co
 ``mla_ops.enable()`` switches on the Inductor integration (see ``enable``).
 """
 
-from . import backends, context_attention, gather, suffix_attention, up_projection  # noqa: F401  (register the ops)
+from . import absorbed, backends, context_attention, gather, suffix_attention, up_projection  # noqa: F401  (ops)
 from .cache import write_latent_cache
 from .device_schedule import DeviceSchedule, plan_context_chunks_device
 from .layer import MLAAttention, MLAConfig, MLAModel
 from .merge import merge_attn_states
 from .prefill import mla_prefill
+from . import routing
+from .routing import route_context
 from .schedule import ContextChunk, ContextSchedule, plan_context_chunks
 
 
@@ -38,5 +40,6 @@ __all__ = [
     "mla_prefill",
     "plan_context_chunks",
     "plan_context_chunks_device",
+    "route_context",
     "write_latent_cache",
 ]

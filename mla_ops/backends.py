@@ -7,7 +7,9 @@ Each op has one schema (``torch.ops.mla_ops.*``) and implementations with identi
   the torch reference where Triton is not installed or for float64, which the kernels don't take.
 
 ``backend="auto"`` and ``"triton"`` call the ops, so ``torch.compile`` sees them; ``"torch"`` on
-a GPU calls the reference functions directly (eager checking; it reads lengths on the host).
+a GPU calls the reference functions directly (eager checking; it reads lengths on the host);
+``"flashmla"`` runs the absorbed path through the FlashMLA adapter (eager, SM90) and the rest as
+``"auto"``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from .absorbed import absorbed_reference
 from .context_attention import context_attention_reference
 from .gather import gather_reference
 from .merge import merge_states_reference
@@ -32,11 +35,12 @@ class Kernels(NamedTuple):
     context_attention: Callable
     suffix_attention: Callable
     merge_attn_states: Callable
+    absorbed_context_attention: Callable
 
 
 REFERENCE = Kernels(
     gather_reference, up_project_reference, context_attention_reference, suffix_attention_reference,
-    merge_states_reference,
+    merge_states_reference, absorbed_reference,
 )
 OPS = Kernels(*(getattr(torch.ops.mla_ops, name).default for name in Kernels._fields))
 
@@ -52,18 +56,27 @@ def interpreting() -> bool:
 
 @functools.cache
 def triton_kernels() -> Kernels:
-    from .triton import attention, gather, merge, up_projection
+    from .triton import absorbed, attention, gather, merge, up_projection
 
     return Kernels(
         gather.gather_context, up_projection.up_project, attention.context_attention,
-        attention.suffix_attention, merge.merge_attn_states,
+        attention.suffix_attention, merge.merge_attn_states, absorbed.absorbed_context_attention,
     )
 
 
-def select(backend: str, device: torch.device) -> Kernels:
+def select(backend: str, device: torch.device, absorb_max_query_len: int = 0) -> Kernels:
     """The kernels ``mla_prefill`` calls for ``backend`` on ``device`` (validated names only)."""
     if backend == "flashmla":
-        raise NotImplementedError("backend='flashmla' (the absorbed path) is not built yet; use 'auto'")
+        from . import flashmla
+
+        ok, reason = flashmla.available()
+        if not ok:
+            raise ValueError(f"backend='flashmla' is unavailable: {reason}")
+        if torch.compiler.is_compiling():
+            raise ValueError("backend='flashmla' runs eagerly; under torch.compile use 'auto' (Triton)")
+        # One s_q per FlashMLA call: requests are padded to the routing threshold, a static bound.
+        absorbed = functools.partial(flashmla.absorbed_context_attention, max_query_len=absorb_max_query_len or None)
+        return select("auto", device)._replace(absorbed_context_attention=absorbed)
     if backend == "triton" and not triton_available():
         raise ValueError("backend='triton' needs the triton package (pip install 'mla-ops[triton]')")
     if device.type == "cpu":

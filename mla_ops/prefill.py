@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import NamedTuple
 
 import torch
 
 from . import backends
 from .device_schedule import plan_context_chunks_device
 from .merge import lse_dtype
+from .routing import default_absorb_max_query_len, route_context
 from .schedule import POLICIES, ContextSchedule, plan_context_chunks
 
 BACKENDS = ("auto", "torch", "triton", "flashmla")
@@ -177,16 +179,24 @@ def mla_prefill(
     split_alignment: int = 1,
     schedule: ContextSchedule | None = None,
     max_chunks: int | None = None,
+    absorb_max_query_len: int | None = None,
 ) -> torch.Tensor:
     """Attention of each request's new tokens over its cached context and, causally, itself.
 
     Request r's queries ``q[query_start_loc[r]:query_start_loc[r+1]]`` see its ``context_lens[r]``
     context keys (latent rows ``kv_cache[block_table[r, p // block_size], p % block_size]``,
     up-projected with ``kv_b_proj_weight``) and, causally, the keys of its own new tokens, which
-    need not be in ``kv_cache``. Context is processed in chunks of at most ``workspace_size`` rows.
-    ``k_scale`` dequantizes a float8_e4m3fn cache (ignored for other cache dtypes).
+    need not be in ``kv_cache``. ``k_scale`` dequantizes a float8_e4m3fn cache (ignored for other
+    cache dtypes).
 
-    Planning, one of three ways:
+    Each request's context takes one of two paths: requests with at most ``absorb_max_query_len``
+    new tokens attend over the latent cache directly (absorbed / MQA: no gather, no workspace);
+    the others go through chunks of at most ``workspace_size`` gathered, up-projected rows.
+    ``0`` disables the absorbed path; the default is ``mla_ops.routing``'s break-even point
+    (none when a ``schedule=`` is given: it already says what the chunked path covers; plan it
+    over ``route_context(...)[0]`` and pass ``absorb_max_query_len`` to route with one).
+
+    Planning of the chunked path, one of three ways:
 
     * default: ``plan_context_chunks(..., policy=policy, split_alignment=split_alignment)`` on the
       host, which reads ``query_start_loc`` and ``context_lens`` (a sync if they live on a GPU);
@@ -203,8 +213,13 @@ def mla_prefill(
         q, kv_c, k_pe, kv_cache, block_table, query_start_loc, context_lens, kv_b_proj_weight,
         softmax_scale, workspace_size, policy, k_scale, backend, split_alignment,
     )
-    kernels = backends.select(backend, q.device)
-    softmax_scale = float(softmax_scale)  # a compile-time constant: kernels take it as a float
+    rope_dim = k_pe.shape[1]
+    if absorb_max_query_len is None:
+        absorb_max_query_len = 0 if schedule is not None else default_absorb_max_query_len(
+            latent_dim, nope_dim, rope_dim, value_dim
+        )
+    elif isinstance(absorb_max_query_len, bool) or not isinstance(absorb_max_query_len, int) or absorb_max_query_len < 0:
+        raise ValueError(f"absorb_max_query_len must be an int >= 0 (0 disables), got {absorb_max_query_len!r}")
     if max_chunks is not None:
         if isinstance(max_chunks, bool) or not isinstance(max_chunks, int) or max_chunks < 1:
             raise ValueError(f"max_chunks must be a positive int, got {max_chunks!r}")
@@ -218,91 +233,128 @@ def mla_prefill(
             "mla_prefill under torch.compile needs max_chunks=K (a static capacity): the host planner "
             "would read device values. Pick K per batch bucket, e.g. ceil(max total context / workspace_size)."
         )
-    num_tokens, num_heads, _ = q.shape
-    rope_dim = k_pe.shape[1]
-    if max_chunks is None:
-        if schedule is None:
-            qsl_host = query_start_loc.tolist()  # a device sync when the lengths live on a GPU
-            ctx_host = context_lens.tolist()
-            _validate_lengths(qsl_host, ctx_host, num_tokens, block_table, kv_cache.shape[1])
-            query_lens = [b - a for a, b in zip(qsl_host[:-1], qsl_host[1:])]
-            schedule = plan_context_chunks(
-                ctx_host, query_lens, workspace_size, policy=policy, split_alignment=split_alignment
-            )
-        elif schedule.num_chunks and (
-            schedule.chunks[-1].request_end > context_lens.shape[0]
-            or schedule.prefill_tokens_with_context > num_tokens
-        ):
-            raise ValueError(
-                f"schedule covers {schedule.chunks[-1].request_end} requests and "
-                f"{schedule.prefill_tokens_with_context} tokens, more than this batch's "
-                f"{context_lens.shape[0]} requests and {num_tokens} tokens"
-            )
-    acc = lse_dtype(q.dtype)
-    scale = None
-    if kv_cache.dtype == torch.float8_e4m3fn:
-        scale = k_scale if isinstance(k_scale, torch.Tensor) else torch.tensor([float(k_scale)], device=q.device)
+    num_tokens = q.shape[0]
+    if max_chunks is None and schedule is None:
+        qsl_host = query_start_loc.tolist()  # a device sync when the lengths live on a GPU
+        ctx_host = context_lens.tolist()
+        _validate_lengths(qsl_host, ctx_host, num_tokens, block_table, kv_cache.shape[1])
+        query_lens = [b - a for a, b in zip(qsl_host[:-1], qsl_host[1:])]
+        mha_lens, absorbed_lens = route_context(ctx_host, query_lens, absorb_max_query_len)
+        schedule = plan_context_chunks(mha_lens, query_lens, workspace_size, policy=policy,
+                                       split_alignment=split_alignment)
+        if not absorbed_lens.any():
+            absorb_max_query_len = 0  # nothing to absorb in this batch: skip the op
+    elif schedule is not None and schedule.num_chunks and (
+        schedule.chunks[-1].request_end > context_lens.shape[0] or schedule.prefill_tokens_with_context > num_tokens
+    ):
+        raise ValueError(
+            f"schedule covers {schedule.chunks[-1].request_end} requests and "
+            f"{schedule.prefill_tokens_with_context} tokens, more than this batch's "
+            f"{context_lens.shape[0]} requests and {num_tokens} tokens"
+        )
 
-    def heads(kv: torch.Tensor):
-        kv = kv.view(-1, num_heads, nope_dim + value_dim)
-        return kv.split([nope_dim, value_dim], dim=-1)  # k_nope [S, N, P], v [S, N, V]
+    kernels = backends.select(backend, q.device, absorb_max_query_len)
+    softmax_scale = float(softmax_scale)  # a compile-time constant: kernels take it as a float
+    dims = _Dims(q.shape[1], latent_dim, nope_dim, rope_dim, value_dim)
+    if kv_cache.dtype == torch.float8_e4m3fn and not isinstance(k_scale, torch.Tensor):
+        k_scale = torch.tensor([float(k_scale)], device=q.device)
+    elif kv_cache.dtype != torch.float8_e4m3fn:
+        k_scale = None
 
-    k_nope, v = heads(torch.mm(kv_c, kv_b_proj_weight.t()))
-    suffix_out = q.new_empty(num_tokens, num_heads, value_dim)
-    suffix_lse = q.new_empty(num_heads, num_tokens, dtype=acc)
+    # Suffix partial: every token over its own request's new keys, causally.
+    k_nope, v = dims.heads(torch.mm(kv_c, kv_b_proj_weight.t()))
+    suffix_out = q.new_empty(num_tokens, dims.heads_n, value_dim)
+    suffix_lse = q.new_empty(dims.heads_n, num_tokens, dtype=lse_dtype(q.dtype))
     kernels.suffix_attention(q, k_nope, k_pe, v, query_start_loc, softmax_scale, suffix_out, suffix_lse)
 
+    # Context partial: absorbed requests, then the chunked ones; each path writes only its requests.
+    mha_context_lens, absorbed_context_lens = context_lens, None
+    if absorb_max_query_len:
+        mha_context_lens, absorbed_context_lens = route_context(
+            context_lens, query_start_loc[1:] - query_start_loc[:-1], absorb_max_query_len
+        )
+    args = (kernels, dims, q, kv_cache, block_table, query_start_loc, kv_b_proj_weight, softmax_scale, k_scale)
     if max_chunks is not None:
-        # Every token gets a context partial; chunks past the device count touch nothing.
-        plan = plan_context_chunks_device(context_lens, workspace_size, max_chunks)
-        context_out = q.new_zeros(num_tokens, num_heads, value_dim)
-        context_lse = q.new_full((num_heads, num_tokens), float("-inf"), dtype=acc)
-        workspace = q.new_empty(workspace_size, latent_dim + rope_dim)
-        kv = q.new_empty(workspace_size, kv_b_proj_weight.shape[0])
-        latent, rope = workspace.split([latent_dim, rope_dim], dim=1)
-        chunk_k_nope, chunk_v = heads(kv)
-        for k in range(max_chunks):
-            cu_seq_lens, starts = plan.cu_seq_lens.select(0, k), plan.starts.select(0, k)
-            kernels.gather_context(kv_cache, block_table, cu_seq_lens, starts, scale, workspace)
-            kernels.up_project(latent, kv_b_proj_weight, cu_seq_lens, kv)
-            kernels.context_attention(
-                q, chunk_k_nope, rope, chunk_v, query_start_loc, cu_seq_lens, starts, softmax_scale,
-                context_out, context_lse,
-            )
-        out, _ = kernels.merge_attn_states(context_out, context_lse, suffix_out, suffix_lse)
-        # Requests whose context runs past chunk K were not fully attended: say so with NaN.
-        truncated = (torch.cumsum(context_lens, 0) > max_chunks * workspace_size) & (context_lens > 0)  # [B]
-        token = torch.arange(num_tokens, device=q.device, dtype=query_start_loc.dtype)
-        request = torch.searchsorted(query_start_loc, token, right=True) - 1  # [T]
-        truncated = truncated.index_select(0, request.clamp(0, context_lens.shape[0] - 1))
-        return torch.where(truncated.view(-1, 1, 1), torch.full_like(out, float("nan")), out)
+        return _prefill_device_plan(*args, mha_context_lens, absorbed_context_lens, workspace_size, max_chunks,
+                                    suffix_out, suffix_lse)
+    return _prefill_host_plan(*args, absorbed_context_lens, schedule, suffix_out, suffix_lse)
 
-    if schedule.num_chunks == 0:
+
+class _Dims(NamedTuple):
+    heads_n: int
+    latent: int
+    nope: int
+    rope: int
+    value: int
+
+    def heads(self, kv: torch.Tensor):
+        """[S, N*(P+V)] up-projected rows -> k_nope [S, N, P], v [S, N, V] (views)."""
+        return kv.view(-1, self.heads_n, self.nope + self.value).split([self.nope, self.value], dim=-1)
+
+
+def _prefill_device_plan(kernels, dims, q, kv_cache, block_table, query_start_loc, weight, softmax_scale, k_scale,
+                         mha_context_lens, absorbed_context_lens, workspace_size, max_chunks, suffix_out, suffix_lse):
+    """K static chunk steps over the device plan; no host read of a device value."""
+    num_tokens = q.shape[0]
+    context_out = torch.zeros_like(suffix_out)
+    context_lse = torch.full_like(suffix_lse, float("-inf"))
+    if absorbed_context_lens is not None:
+        kernels.absorbed_context_attention(q, kv_cache, block_table, query_start_loc, absorbed_context_lens, weight,
+                                           softmax_scale, k_scale, context_out, context_lse)
+    plan = plan_context_chunks_device(mha_context_lens, workspace_size, max_chunks)
+    workspace = q.new_empty(workspace_size, dims.latent + dims.rope)
+    kv = q.new_empty(workspace_size, weight.shape[0])
+    latent, rope = workspace.split([dims.latent, dims.rope], dim=1)
+    chunk_k_nope, chunk_v = dims.heads(kv)
+    for k in range(max_chunks):  # chunks past the device count touch nothing
+        cu_seq_lens, starts = plan.cu_seq_lens.select(0, k), plan.starts.select(0, k)
+        kernels.gather_context(kv_cache, block_table, cu_seq_lens, starts, k_scale, workspace)
+        kernels.up_project(latent, weight, cu_seq_lens, kv)
+        kernels.context_attention(q, chunk_k_nope, rope, chunk_v, query_start_loc, cu_seq_lens, starts,
+                                  softmax_scale, context_out, context_lse)
+    out, _ = kernels.merge_attn_states(context_out, context_lse, suffix_out, suffix_lse)
+    # Requests whose chunked context runs past chunk K were not fully attended: say so with NaN.
+    truncated = (torch.cumsum(mha_context_lens, 0) > max_chunks * workspace_size) & (mha_context_lens > 0)  # [B]
+    token = torch.arange(num_tokens, device=q.device, dtype=query_start_loc.dtype)
+    request = torch.searchsorted(query_start_loc, token, right=True) - 1  # [T]
+    truncated = truncated.index_select(0, request.clamp(0, mha_context_lens.shape[0] - 1))
+    return torch.where(truncated.view(-1, 1, 1), torch.full_like(out, float("nan")), out)
+
+
+def _prefill_host_plan(kernels, dims, q, kv_cache, block_table, query_start_loc, weight, softmax_scale, k_scale,
+                       absorbed_context_lens, schedule, suffix_out, suffix_lse):
+    """The host schedule's chunks, each over its own requests only."""
+    num_tokens = q.shape[0]
+    if absorbed_context_lens is not None:  # any token may get an absorbed partial
+        covered = num_tokens
+        context_out = torch.zeros_like(suffix_out)
+        context_lse = torch.full_like(suffix_lse, float("-inf"))
+        kernels.absorbed_context_attention(q, kv_cache, block_table, query_start_loc, absorbed_context_lens, weight,
+                                           softmax_scale, k_scale, context_out, context_lse)
+    elif schedule.num_chunks == 0:
         return suffix_out
-    schedule = schedule.to(q.device, non_blocking=True)
+    else:  # the context partial of every token up to the last request with context
+        covered = schedule.prefill_tokens_with_context
+        context_out = suffix_out.new_empty(covered, *suffix_out.shape[1:])
+        context_lse = suffix_lse.new_empty(suffix_lse.shape[0], covered)
+        for start, end in schedule.empty_token_ranges:
+            if start < covered:
+                context_out[start:end].zero_()
+                context_lse[:, start:end].fill_(float("-inf"))
 
-    # The context partial of every token up to the last request with context.
-    covered = schedule.prefill_tokens_with_context
-    context_out = q.new_empty(covered, num_heads, value_dim)
-    context_lse = q.new_empty(num_heads, covered, dtype=acc)
-    for start, end in schedule.empty_token_ranges:
-        if start < covered:
-            context_out[start:end].zero_()
-            context_lse[:, start:end].fill_(float("-inf"))
-
-    workspace = q.new_empty(max(c.num_context_tokens for c in schedule.chunks), latent_dim + rope_dim)
+    if schedule.num_chunks:
+        schedule = schedule.to(q.device, non_blocking=True)
+        workspace = q.new_empty(max(c.num_context_tokens for c in schedule.chunks), dims.latent + dims.rope)
     for chunk in schedule.chunks:
         rows = workspace.narrow(0, 0, chunk.num_context_tokens)
-        kernels.gather_context(
-            kv_cache, block_table.narrow(0, chunk.request_start, chunk.num_requests),
-            chunk.cu_seq_lens, chunk.starts, scale, rows,
-        )
-        latent, rope = rows.split([latent_dim, rope_dim], dim=1)
-        chunk_k_nope, chunk_v = heads(torch.mm(latent, kv_b_proj_weight.t()))
+        kernels.gather_context(kv_cache, block_table.narrow(0, chunk.request_start, chunk.num_requests),
+                               chunk.cu_seq_lens, chunk.starts, k_scale, rows)
+        latent, rope = rows.split([dims.latent, dims.rope], dim=1)
+        chunk_k_nope, chunk_v = dims.heads(torch.mm(latent, weight.t()))  # the host knows the live rows
         tokens = chunk.token_end - chunk.token_start
         kernels.context_attention(
-            q.narrow(0, chunk.token_start, tokens), chunk_k_nope, rope, chunk_v,
-            chunk.query_start_loc, chunk.cu_seq_lens, chunk.starts, softmax_scale,
+            q.narrow(0, chunk.token_start, tokens), chunk_k_nope, rope, chunk_v, chunk.query_start_loc,
+            chunk.cu_seq_lens, chunk.starts, softmax_scale,
             context_out.narrow(0, chunk.token_start, tokens), context_lse.narrow(1, chunk.token_start, tokens),
         )
 

@@ -51,10 +51,12 @@ WEIGHT = torch.randn(HEADS * (NOPE + VALUE), LATENT, generator=torch.Generator()
 torch._dynamo.mark_static(WEIGHT)  # a parameter in a real model
 
 
-def make_prefill_step(max_chunks):
+def make_prefill_step(max_chunks, absorb_max_query_len=3):
+    """One prefill; requests with at most 3 new tokens take the absorbed path, the rest chunks."""
     def prefill_step(q, kv_c, k_pe, kv_cache, block_table, query_start_loc, context_lens):
         return mla_ops.mla_prefill(q, kv_c, k_pe, kv_cache, block_table, query_start_loc, context_lens,
-                                   WEIGHT, 0.25, workspace_size=WORKSPACE, max_chunks=max_chunks)
+                                   WEIGHT, 0.25, workspace_size=WORKSPACE, max_chunks=max_chunks,
+                                   absorb_max_query_len=absorb_max_query_len)
     return prefill_step
 
 
@@ -98,7 +100,9 @@ def test_generated_code_fuses_merge_and_planner_and_reuses_buffers():
     code = "\n".join(codes)
     opaque = re.findall(r"torch\.ops\.mla_ops\.(\w+)\.default\(", code)
     # The merge and the device planner are traced into Inductor kernels, not called.
-    assert sorted(set(opaque)) == ["context_attention", "gather_context", "suffix_attention", "up_project"]
+    assert sorted(set(opaque)) == [
+        "absorbed_context_attention", "context_attention", "gather_context", "suffix_attention", "up_project"
+    ]
     assert opaque.count("gather_context") == opaque.count("context_attention") == 3
     kernels = re.findall(r"^(cpp_fused_\w+) = async_compile", code, flags=re.M)
     assert any("merge_attn_states" in k for k in kernels), kernels
@@ -129,7 +133,7 @@ class PinnedGraphs(expecttest.TestCase):
         (gm,) = backend.fw_graphs
         assert get_first_incompatible_cudagraph_node(gm) is None  # capture-safe, checked without a GPU
         self.assertExpectedInline(graph_text(gm), """\
-def forward(self, arg0_1: "Sym(s85)", arg1_1: "f32[s85, 2, 10]", arg2_1: "f32[s85, 12]", arg3_1: "f32[s85, 4]", arg4_1: "f32[40, 4, 16]", arg5_1: "Sym(s37)", arg6_1: "i32[s37, 20]", arg7_1: "i32[s37 + 1]", arg8_1: "i32[s37]", arg9_1: "f32[22, 12]", arg10_1: "Sym(1)"):
+def forward(self, arg0_1: "Sym(s85)", arg1_1: "f32[s85, 2, 10]", arg2_1: "f32[s85, 12]", arg3_1: "f32[s85, 4]", arg4_1: "f32[40, 4, 16]", arg5_1: "Sym(s37)", arg6_1: "i32[s37, 20]", arg7_1: "i32[s37 + 1]", arg8_1: "i32[s37]", arg9_1: "f32[22, 12]", arg10_1: "Sym(s43)", arg11_1: "Sym(1)"):
     t: "f32[12, 22]" = torch.ops.aten.t.default(arg9_1)
     mm: "f32[s85, 22]" = torch.ops.aten.mm.default(arg2_1, t);  arg2_1 = t = None
     view: "f32[s85, 2, 11]" = torch.ops.aten.view.default(mm, [-1, 2, 11]);  mm = None
@@ -141,48 +145,60 @@ def forward(self, arg0_1: "Sym(s85)", arg1_1: "f32[s85, 2, 10]", arg2_1: "f32[s8
     auto_functionalized_v2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.mla_ops.suffix_attention.default, q = arg1_1, k_nope = getitem, k_pe = arg3_1, v = getitem_1, query_start_loc = arg7_1, softmax_scale = 0.25, _out_base_index = 0, _lse_base_index = 1, _all_bases = [new_empty, new_empty_1]);  getitem = arg3_1 = getitem_1 = new_empty = new_empty_1 = None
     getitem_3: "f32[s85, 2, 5]" = auto_functionalized_v2[1]
     getitem_4: "f32[2, s85]" = auto_functionalized_v2[2];  auto_functionalized_v2 = None
-    plan_context_chunks_device = torch.ops.mla_ops.plan_context_chunks_device.default(arg8_1, 16, 1)
-    getitem_5: "i32[1, s37]" = plan_context_chunks_device[0]
-    getitem_7: "i32[1, s37 + 1]" = plan_context_chunks_device[2];  plan_context_chunks_device = None
-    new_zeros: "f32[s85, 2, 5]" = torch.ops.aten.new_zeros.default(arg1_1, [arg0_1, 2, 5], pin_memory = False)
-    new_full: "f32[2, s85]" = torch.ops.aten.new_full.default(arg1_1, [2, arg0_1], -inf, dtype = torch.float32, pin_memory = False)
+    slice_1: "i32[s37]" = torch.ops.aten.slice.Tensor(arg7_1, 0, 1, 9223372036854775807)
+    slice_2: "i32[s37]" = torch.ops.aten.slice.Tensor(arg7_1, 0, 0, -1)
+    sub_8: "i32[s37]" = torch.ops.aten.sub.Tensor(slice_1, slice_2);  slice_1 = slice_2 = None
+    le: "b8[s37]" = torch.ops.aten.le.Scalar(sub_8, arg10_1);  sub_8 = arg10_1 = None
+    gt: "b8[s37]" = torch.ops.aten.gt.Scalar(arg8_1, 0)
+    bitwise_and: "b8[s37]" = torch.ops.aten.bitwise_and.Tensor(le, gt);  le = gt = None
+    zeros_like: "i32[s37]" = torch.ops.aten.zeros_like.default(arg8_1, pin_memory = False)
+    where: "i32[s37]" = torch.ops.aten.where.self(bitwise_and, arg8_1, zeros_like);  bitwise_and = zeros_like = None
+    sub_15: "i32[s37]" = torch.ops.aten.sub.Tensor(arg8_1, where);  arg8_1 = None
+    zeros_like_1: "f32[s85, 2, 5]" = torch.ops.aten.zeros_like.default(getitem_3, pin_memory = False)
+    full_like: "f32[2, s85]" = torch.ops.aten.full_like.default(getitem_4, -inf, pin_memory = False)
+    auto_functionalized_v2_1 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.mla_ops.absorbed_context_attention.default, q = arg1_1, kv_cache = arg4_1, block_table = arg6_1, query_start_loc = arg7_1, context_lens = where, kv_b_proj_weight = arg9_1, softmax_scale = 0.25, k_scale = None, _out_base_index = 0, _lse_base_index = 1, _all_bases = [zeros_like_1, full_like]);  where = zeros_like_1 = full_like = None
+    getitem_6: "f32[s85, 2, 5]" = auto_functionalized_v2_1[1]
+    getitem_7: "f32[2, s85]" = auto_functionalized_v2_1[2];  auto_functionalized_v2_1 = None
+    plan_context_chunks_device = torch.ops.mla_ops.plan_context_chunks_device.default(sub_15, 16, 1)
+    getitem_8: "i32[1, s37]" = plan_context_chunks_device[0]
+    getitem_10: "i32[1, s37 + 1]" = plan_context_chunks_device[2];  plan_context_chunks_device = None
     new_empty_2: "f32[16, 16]" = torch.ops.aten.new_empty.default(arg1_1, [16, 16], pin_memory = False)
     new_empty_3: "f32[16, 22]" = torch.ops.aten.new_empty.default(arg1_1, [16, 22], pin_memory = False)
-    select: "i32[s37 + 1]" = torch.ops.aten.select.int(getitem_7, 0, 0);  getitem_7 = None
-    select_1: "i32[s37]" = torch.ops.aten.select.int(getitem_5, 0, 0);  getitem_5 = None
-    auto_functionalized_v2_1 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.mla_ops.gather_context.default, kv_cache = arg4_1, block_table = arg6_1, cu_seq_lens = select, starts = select_1, k_scale = None, _workspace_base_index = 0, _all_bases = [new_empty_2]);  arg4_1 = arg6_1 = new_empty_2 = None
-    getitem_14: "f32[16, 16]" = auto_functionalized_v2_1[1];  auto_functionalized_v2_1 = None
-    split_with_sizes_3 = torch.ops.aten.split_with_sizes.default(getitem_14, [12, 4], 1)
-    getitem_15: "f32[16, 12]" = split_with_sizes_3[0];  split_with_sizes_3 = None
-    auto_functionalized_v2_2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.mla_ops.up_project.default, latent = getitem_15, kv_b_proj_weight = arg9_1, cu_seq_lens = select, _out_base_index = 0, _all_bases = [new_empty_3]);  getitem_15 = arg9_1 = new_empty_3 = None
-    getitem_18: "f32[16, 22]" = auto_functionalized_v2_2[1];  auto_functionalized_v2_2 = None
-    view_2: "f32[16, 2, 11]" = torch.ops.aten.view.default(getitem_18, [-1, 2, 11])
+    select: "i32[s37 + 1]" = torch.ops.aten.select.int(getitem_10, 0, 0);  getitem_10 = None
+    select_1: "i32[s37]" = torch.ops.aten.select.int(getitem_8, 0, 0);  getitem_8 = None
+    auto_functionalized_v2_2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.mla_ops.gather_context.default, kv_cache = arg4_1, block_table = arg6_1, cu_seq_lens = select, starts = select_1, k_scale = None, _workspace_base_index = 0, _all_bases = [new_empty_2]);  arg4_1 = arg6_1 = new_empty_2 = None
+    getitem_17: "f32[16, 16]" = auto_functionalized_v2_2[1];  auto_functionalized_v2_2 = None
+    split_with_sizes_3 = torch.ops.aten.split_with_sizes.default(getitem_17, [12, 4], 1)
+    getitem_18: "f32[16, 12]" = split_with_sizes_3[0];  split_with_sizes_3 = None
+    auto_functionalized_v2_3 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.mla_ops.up_project.default, latent = getitem_18, kv_b_proj_weight = arg9_1, cu_seq_lens = select, _out_base_index = 0, _all_bases = [new_empty_3]);  getitem_18 = arg9_1 = new_empty_3 = None
+    getitem_21: "f32[16, 22]" = auto_functionalized_v2_3[1];  auto_functionalized_v2_3 = None
+    view_2: "f32[16, 2, 11]" = torch.ops.aten.view.default(getitem_21, [-1, 2, 11])
     split_with_sizes_4 = torch.ops.aten.split_with_sizes.default(view_2, [6, 5], -1);  view_2 = None
-    getitem_19: "f32[16, 2, 6]" = split_with_sizes_4[0];  split_with_sizes_4 = None
-    split_with_sizes_5 = torch.ops.aten.split_with_sizes.default(getitem_14, [12, 4], 1);  getitem_14 = None
-    getitem_22: "f32[16, 4]" = split_with_sizes_5[1];  split_with_sizes_5 = None
-    view_3: "f32[16, 2, 11]" = torch.ops.aten.view.default(getitem_18, [-1, 2, 11]);  getitem_18 = None
+    getitem_22: "f32[16, 2, 6]" = split_with_sizes_4[0];  split_with_sizes_4 = None
+    split_with_sizes_5 = torch.ops.aten.split_with_sizes.default(getitem_17, [12, 4], 1);  getitem_17 = None
+    getitem_25: "f32[16, 4]" = split_with_sizes_5[1];  split_with_sizes_5 = None
+    view_3: "f32[16, 2, 11]" = torch.ops.aten.view.default(getitem_21, [-1, 2, 11]);  getitem_21 = None
     split_with_sizes_6 = torch.ops.aten.split_with_sizes.default(view_3, [6, 5], -1);  view_3 = None
-    getitem_24: "f32[16, 2, 5]" = split_with_sizes_6[1];  split_with_sizes_6 = None
-    auto_functionalized_v2_3 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.mla_ops.context_attention.default, q = arg1_1, k_nope = getitem_19, k_pe = getitem_22, v = getitem_24, query_start_loc = arg7_1, cu_seq_lens = select, starts = select_1, softmax_scale = 0.25, _out_base_index = 0, _lse_base_index = 1, _all_bases = [new_zeros, new_full]);  arg1_1 = getitem_19 = getitem_22 = getitem_24 = select = select_1 = new_zeros = new_full = None
-    getitem_26: "f32[s85, 2, 5]" = auto_functionalized_v2_3[1]
-    getitem_27: "f32[2, s85]" = auto_functionalized_v2_3[2];  auto_functionalized_v2_3 = None
-    merge_attn_states = torch.ops.mla_ops.merge_attn_states.default(getitem_26, getitem_27, getitem_3, getitem_4);  getitem_26 = getitem_27 = getitem_3 = getitem_4 = None
-    getitem_28: "f32[s85, 2, 5]" = merge_attn_states[0];  merge_attn_states = None
-    cumsum: "i64[s37]" = torch.ops.aten.cumsum.default(arg8_1, 0)
-    gt: "b8[s37]" = torch.ops.aten.gt.Scalar(cumsum, 16);  cumsum = None
-    gt_1: "b8[s37]" = torch.ops.aten.gt.Scalar(arg8_1, 0);  arg8_1 = None
-    bitwise_and: "b8[s37]" = torch.ops.aten.bitwise_and.Tensor(gt, gt_1);  gt = gt_1 = None
+    getitem_27: "f32[16, 2, 5]" = split_with_sizes_6[1];  split_with_sizes_6 = None
+    auto_functionalized_v2_4 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.mla_ops.context_attention.default, q = arg1_1, k_nope = getitem_22, k_pe = getitem_25, v = getitem_27, query_start_loc = arg7_1, cu_seq_lens = select, starts = select_1, softmax_scale = 0.25, _out_base_index = 0, _lse_base_index = 1, _all_bases = [getitem_6, getitem_7]);  arg1_1 = getitem_22 = getitem_25 = getitem_27 = select = select_1 = getitem_6 = getitem_7 = None
+    getitem_29: "f32[s85, 2, 5]" = auto_functionalized_v2_4[1]
+    getitem_30: "f32[2, s85]" = auto_functionalized_v2_4[2];  auto_functionalized_v2_4 = None
+    merge_attn_states = torch.ops.mla_ops.merge_attn_states.default(getitem_29, getitem_30, getitem_3, getitem_4);  getitem_29 = getitem_30 = getitem_3 = getitem_4 = None
+    getitem_31: "f32[s85, 2, 5]" = merge_attn_states[0];  merge_attn_states = None
+    cumsum: "i64[s37]" = torch.ops.aten.cumsum.default(sub_15, 0)
+    gt_1: "b8[s37]" = torch.ops.aten.gt.Scalar(cumsum, 16);  cumsum = None
+    gt_2: "b8[s37]" = torch.ops.aten.gt.Scalar(sub_15, 0);  sub_15 = None
+    bitwise_and_1: "b8[s37]" = torch.ops.aten.bitwise_and.Tensor(gt_1, gt_2);  gt_1 = gt_2 = None
     arange: "i32[s85]" = torch.ops.aten.arange.default(arg0_1, dtype = torch.int32, device = device(type='cpu'), pin_memory = False);  arg0_1 = None
     searchsorted: "i64[s85]" = torch.ops.aten.searchsorted.Tensor(arg7_1, arange, right = True);  arg7_1 = arange = None
-    sub_21: "i64[s85]" = torch.ops.aten.sub.Tensor(searchsorted, 1);  searchsorted = None
-    sub_23: "Sym(s37 - 1)" = arg5_1 - 1;  arg5_1 = None
-    clamp: "i64[s85]" = torch.ops.aten.clamp.default(sub_21, 0, sub_23);  sub_21 = sub_23 = None
-    index_select: "b8[s85]" = torch.ops.aten.index_select.default(bitwise_and, 0, clamp);  bitwise_and = clamp = None
+    sub_32: "i64[s85]" = torch.ops.aten.sub.Tensor(searchsorted, 1);  searchsorted = None
+    sub_34: "Sym(s37 - 1)" = arg5_1 - 1;  arg5_1 = None
+    clamp: "i64[s85]" = torch.ops.aten.clamp.default(sub_32, 0, sub_34);  sub_32 = sub_34 = None
+    index_select: "b8[s85]" = torch.ops.aten.index_select.default(bitwise_and_1, 0, clamp);  bitwise_and_1 = clamp = None
     view_4: "b8[s85, 1, 1]" = torch.ops.aten.view.default(index_select, [-1, 1, 1]);  index_select = None
-    full_like: "f32[s85, 2, 5]" = torch.ops.aten.full_like.default(getitem_28, nan, pin_memory = False)
-    where: "f32[s85, 2, 5]" = torch.ops.aten.where.self(view_4, full_like, getitem_28);  view_4 = full_like = getitem_28 = None
-    return (where,)""")
+    full_like_1: "f32[s85, 2, 5]" = torch.ops.aten.full_like.default(getitem_31, nan, pin_memory = False)
+    where_1: "f32[s85, 2, 5]" = torch.ops.aten.where.self(view_4, full_like_1, getitem_31);  view_4 = full_like_1 = getitem_31 = None
+    return (where_1,)""")
 
     def test_fused_merge(self):
         from torch._inductor.decomposition import select_decomp_table

@@ -69,7 +69,7 @@ def test_device_plan_and_up_project_opcheck():
 # ---- mla_prefill(max_chunks=K) ---------------------------------------------------------------
 
 
-def small_batch(context_lens, query_lens, block_size=4, dtype=torch.float64, seed=0, heads=2):
+def small_batch(context_lens, query_lens, block_size=4, dtype=torch.float64, seed=0, heads=2, **options):
     g = torch.Generator().manual_seed(seed)
     latent, nope, rope, value = 12, 6, 4, 5
     randn = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(dtype)  # noqa: E731
@@ -86,14 +86,14 @@ def small_batch(context_lens, query_lens, block_size=4, dtype=torch.float64, see
         kv_cache=randn(sum(blocks) + 3, block_size, latent + rope), block_table=table,
         query_start_loc=torch.tensor([0, *np.cumsum(query_lens).tolist()], dtype=torch.int32),
         context_lens=torch.tensor(context_lens, dtype=torch.int32),
-        kv_b_proj_weight=randn(heads * (nope + value), latent) / 3, softmax_scale=0.3,
+        kv_b_proj_weight=randn(heads * (nope + value), latent) / 3, softmax_scale=0.3, **options,
     )
 
 
 @pytest.mark.parametrize("workspace_size", [1, 5, 16, 64])
 def test_max_chunks_path_equals_host_path(workspace_size):
     context_lens, query_lens = [0, 9, 0, 23, 4, 0], [2, 3, 1, 4, 2, 3]
-    batch = small_batch(context_lens, query_lens)
+    batch = small_batch(context_lens, query_lens, absorb_max_query_len=0)  # every context chunked
     expect = mla_ops.mla_prefill(**batch, workspace_size=workspace_size)
     needed = math.ceil(sum(context_lens) / workspace_size)
     for capacity in (needed, needed + 3):
@@ -103,7 +103,7 @@ def test_max_chunks_path_equals_host_path(workspace_size):
 
 def test_max_chunks_overflow_is_never_silently_wrong():
     context_lens, query_lens = [6, 0, 10, 7, 0], [2, 3, 1, 4, 2]
-    batch = small_batch(context_lens, query_lens)
+    batch = small_batch(context_lens, query_lens, absorb_max_query_len=0)
     expect = mla_ops.mla_prefill(**batch, workspace_size=4)
     out = mla_ops.mla_prefill(**batch, workspace_size=4, max_chunks=3)  # 12 of 23 context rows
     poisoned = out.isnan().flatten(1).all(1)

@@ -47,3 +47,12 @@ def test_triton_matches_torch_backend_exactly_where_it_should():
     batch = make_batch([4, 0, 10], [3, 1, 2], seed=4, block_size=2, dtype=torch.float32)
     torch.testing.assert_close(batch.run(backend="triton", workspace_size=4),
                                batch.run(backend="torch", workspace_size=4), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("absorb", [2, 64])  # some requests absorbed, all absorbed
+def test_routed_between_absorbed_and_chunked_kernels(absorb):
+    batch = make_batch([0, 9, 4, 0, 13], [2, 1, 5, 3, 2], seed=5, block_size=4, dtype=torch.float32)
+    out = batch.run(backend="triton", workspace_size=6, absorb_max_query_len=absorb)
+    check(out, batch, torch.float32)
+    check(batch.run(backend="triton", workspace_size=6, absorb_max_query_len=absorb, max_chunks=5), batch,
+          torch.float32)

@@ -1,0 +1,66 @@
+"""Per-request routing of context attention: absorbed (MQA over the latent cache) or chunked MHA.
+
+Per (query, context key, head) the MHA path costs 2*(P+R+V) FLOPs plus, per (context key, head),
+2*L*(P+V) for the up-projection; the absorbed path costs 2*(2L+R) per (query, key, head) and no
+up-projection, gather or workspace (DESIGN §1). So a request is cheaper absorbed when its query
+length q satisfies ``q * (2*(2L+R) - 2*(P+R+V)) < 2*L*(P+V)``: q < ~170 for DeepSeek's dims.
+
+``absorb_max_query_len`` routes requests with ``query_len <= absorb_max_query_len`` (and some
+context) to the absorbed path; ``0`` disables it. Its default is the cost model's break-even,
+because no GPU measurement has been made yet (``MEASURED_ABSORB_MAX_QUERY_LEN`` stays ``None``
+until ``benchmarks/gpu_check.sh`` has run the absorbed-vs-MHA sweep on an H200).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+# Filled in from the H200 sweep (benchmarks/results/gpu_absorbed.json) once it has run.
+MEASURED_ABSORB_MAX_QUERY_LEN: int | None = None
+
+
+def cost_model_threshold(latent: int, nope: int, rope: int, value: int) -> int:
+    """Largest query length for which the absorbed path needs fewer FLOPs than chunked MHA."""
+    per_key_query_extra = 2 * (2 * latent + rope) - 2 * (nope + rope + value)
+    if per_key_query_extra <= 0:  # absorbed never costs more per query: always cheaper
+        return 2**31 - 1
+    return int(2 * latent * (nope + value) // per_key_query_extra)
+
+
+def default_absorb_max_query_len(latent: int, nope: int, rope: int, value: int) -> int:
+    if MEASURED_ABSORB_MAX_QUERY_LEN is not None:
+        return MEASURED_ABSORB_MAX_QUERY_LEN
+    return cost_model_threshold(latent, nope, rope, value)
+
+
+def route_context(context_lens, query_lens, absorb_max_query_len: int):
+    """Split each request's context between the paths: ``(mha_context_lens, absorbed_context_lens)``.
+
+    Works on tensors (device code, no host sync) and on host sequences / numpy arrays (plan the
+    chunked MHA path with ``plan_context_chunks(mha_context_lens, ...)``). Exactly one of the two
+    is non-zero for a request with context.
+    """
+    if isinstance(context_lens, torch.Tensor):
+        absorbed = (query_lens <= absorb_max_query_len) & (context_lens > 0)
+        absorbed_lens = torch.where(absorbed, context_lens, torch.zeros_like(context_lens))
+        return context_lens - absorbed_lens, absorbed_lens
+    context_lens, query_lens = np.asarray(context_lens), np.asarray(query_lens)
+    absorbed_lens = np.where(query_lens <= absorb_max_query_len, context_lens, 0)
+    return context_lens - absorbed_lens, absorbed_lens
+
+
+def modeled_flops(context_lens, query_lens, heads: int, latent: int, nope: int, rope: int, value: int,
+                  absorb_max_query_len: int) -> dict:
+    """Context-attention FLOPs of a batch, all-MHA versus routed (DESIGN §1 cost model)."""
+    c = np.asarray(context_lens, dtype=np.float64)
+    q = np.asarray(query_lens, dtype=np.float64)
+    mha = heads * (c * 2 * latent * (nope + value) + q * c * 2 * (nope + rope + value))
+    absorbed = heads * q * c * 2 * (2 * latent + rope)
+    routed = q <= absorb_max_query_len
+    return {
+        "mha_only": float(mha.sum()),
+        "routed": float(np.where(routed, absorbed, mha).sum()),
+        "absorbed_context_tokens": int(c[routed].sum()),
+        "mha_context_tokens": int(c[~routed].sum()),
+    }

@@ -1,0 +1,83 @@
+"""Per-request routing between the absorbed and the chunked MHA path gives the same attention."""
+
+import numpy as np
+import pytest
+import torch
+
+import mla_ops
+from mla_ops.routing import cost_model_threshold, modeled_flops, route_context
+from test_prefill import assert_close_to_reference, make_batch
+
+# Query lens 1..40 so thresholds 0, 8 and 64 route none, some and all requests with context.
+CONTEXT_LENS = [0, 37, 5, 0, 90, 12, 64, 1]
+QUERY_LENS = [3, 1, 40, 2, 8, 17, 5, 30]
+SPLITS = [0, 8, 64]
+
+
+def test_cost_model_break_even_is_about_170_for_deepseek():
+    assert cost_model_threshold(512, 128, 64, 128) == 170
+    flops = modeled_flops([1000, 1000], [170, 171], 16, 512, 128, 64, 128, absorb_max_query_len=170)
+    assert flops["routed"] < flops["mha_only"]
+    assert flops["absorbed_context_tokens"] == 1000 and flops["mha_context_tokens"] == 1000
+
+
+def test_route_context_on_host_and_device_agree():
+    mha, absorbed = route_context(CONTEXT_LENS, QUERY_LENS, 8)
+    mha_t, absorbed_t = route_context(torch.tensor(CONTEXT_LENS, dtype=torch.int32),
+                                      torch.tensor(QUERY_LENS, dtype=torch.int32), 8)
+    assert mha.tolist() == mha_t.tolist() and absorbed.tolist() == absorbed_t.tolist()
+    assert (mha + absorbed).tolist() == CONTEXT_LENS and not np.any((mha > 0) & (absorbed > 0))
+    assert absorbed.tolist() == [0, 37, 0, 0, 90, 0, 64, 0]
+
+
+@pytest.mark.parametrize("absorb", SPLITS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_every_split_matches_the_dense_reference(absorb, dtype, block_size):
+    batch = make_batch(CONTEXT_LENS, QUERY_LENS, seed=absorb, block_size=block_size, dtype=dtype)
+    ref = batch.reference()
+    pure_mha = batch.run(workspace_size=7)
+    for out in (
+        batch.run(workspace_size=7, absorb_max_query_len=absorb),
+        batch.run(workspace_size=7, absorb_max_query_len=absorb, max_chunks=40),
+        batch.run(workspace_size=7, absorb_max_query_len=absorb, policy="whole_requests"),
+    ):
+        assert_close_to_reference(out, ref, dtype, f"absorb<={absorb}")
+        torch.testing.assert_close(out, pure_mha, rtol=0, atol=1e-12 if dtype == torch.float64 else 1e-5)
+
+
+def test_a_schedule_planned_over_the_mha_share():
+    batch = make_batch(CONTEXT_LENS, QUERY_LENS, seed=3)
+    mha_lens, _ = route_context(CONTEXT_LENS, QUERY_LENS, 8)
+    schedule = mla_ops.plan_context_chunks(mha_lens, QUERY_LENS, 16)
+    out = batch.run(workspace_size=16, schedule=schedule, absorb_max_query_len=8)
+    assert_close_to_reference(out, batch.reference(), torch.float64)
+
+
+def test_fp8_cache_on_both_paths():
+    batch = make_batch(CONTEXT_LENS, QUERY_LENS, seed=4, fp8_scale=0.5, dtype=torch.float32)
+    assert_close_to_reference(batch.run(workspace_size=9, absorb_max_query_len=8), batch.reference(), torch.float32)
+
+
+def test_default_routes_by_the_cost_model():
+    batch = make_batch(CONTEXT_LENS, QUERY_LENS, seed=5)  # L=16, P=8, R=4, V=8: break-even 16
+    assert cost_model_threshold(16, 8, 4, 8) == 16
+    out = mla_ops.mla_prefill(*batch.args(), workspace_size=7)
+    assert_close_to_reference(out, batch.reference(), torch.float64)
+
+
+def test_bad_threshold():
+    batch = make_batch([3], [2], seed=0)
+    with pytest.raises(ValueError, match="absorb_max_query_len"):
+        batch.run(absorb_max_query_len=-1)
+
+
+def test_routing_under_compile_matches_eager():
+    mla_ops.enable()
+    batch = make_batch(CONTEXT_LENS, QUERY_LENS, seed=6, dtype=torch.float32)
+
+    def step(*args):
+        return mla_ops.mla_prefill(*args, workspace_size=16, max_chunks=8, absorb_max_query_len=8)
+
+    compiled = torch.compile(step, fullgraph=True)
+    torch.testing.assert_close(compiled(*batch.args()), step(*batch.args()), rtol=1e-5, atol=1e-5)

@@ -3,7 +3,8 @@
 One long cached context among many short ones is the case vLLM PR #50613 fixed: the old
 "batch column" schedule gives every request the same slice of the workspace, so the long request
 alone forces many chunks. We print the chunk count of each schedule, run ``mla_prefill`` with the
-two library policies and check it against a dense, unchunked float64 computation.
+two library policies (and with per-request routing, which sends requests with few new tokens to
+the absorbed path) and check it against a dense, unchunked float64 computation.
 """
 
 from __future__ import annotations
@@ -106,14 +107,18 @@ def run(full: bool = False, dtype: torch.dtype = torch.float32, seed: int = 0, b
     # Untimed warm-up: the first call pays for one-time initialization of the ops and BLAS.
     mla_ops.mla_prefill(**make_batch([32, 0], [4, 4], block_size, dtype, seed), softmax_scale=softmax_scale,
                         workspace_size=16, backend=backend)
-    print(f"\n{'mla_prefill':<16}{'time (s)':>10}{'max |err|':>12}{'rel err':>10}")
-    for policy in ("whole_requests", "packed"):
+    threshold = mla_ops.routing.cost_model_threshold(LATENT, NOPE, ROPE, VALUE)
+    runs = [("whole_requests", dict(policy="whole_requests", absorb_max_query_len=0)),
+            ("packed", dict(policy="packed", absorb_max_query_len=0)),
+            (f"routed (q<={threshold})", dict(policy="packed"))]  # short requests take the absorbed path
+    print(f"\n{'mla_prefill':<22}{'time (s)':>10}{'max |err|':>12}{'rel err':>10}")
+    for name, options in runs:
         start = time.perf_counter()
         out = mla_ops.mla_prefill(**batch, softmax_scale=softmax_scale, workspace_size=workspace_size,
-                                  policy=policy, backend=backend)
+                                  backend=backend, **options)
         elapsed = time.perf_counter() - start
         err = (out.double() - expect).abs().max().item()
-        print(f"{policy:<16}{elapsed:>10.2f}{err:>12.2e}{err / expect.abs().max().item():>10.1e}")
+        print(f"{name:<22}{elapsed:>10.2f}{err:>12.2e}{err / expect.abs().max().item():>10.1e}")
 
 
 def main(argv: list[str] | None = None) -> None:

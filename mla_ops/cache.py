@@ -14,9 +14,9 @@ slots past the end of the cache are not checked (that would read device values).
 
 from __future__ import annotations
 
-import numbers
-
 import torch
+
+from .gather import check_k_scale
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _CACHE_DTYPES = _FLOAT_DTYPES + (torch.float8_e4m3fn,)
@@ -107,21 +107,7 @@ def _validate(kv_c, k_pe, slot_mapping, kv_cache, k_scale) -> None:
             f"kv_cache rows must be L+R = {kv_c.shape[1]}+{k_pe.shape[1]} = {width} wide "
             f"(kv_c and k_pe widths), got {kv_cache.shape[2]}"
         )
-    if kv_cache.dtype == torch.float8_e4m3fn and k_scale is None:
-        raise ValueError("k_scale is required for a float8_e4m3fn kv_cache (stored = row / k_scale)")
-    if isinstance(k_scale, torch.Tensor):
-        if k_scale.numel() != 1 or k_scale.dtype != torch.float32:
-            raise ValueError(
-                f"k_scale must be a float or a one-element float32 tensor, got {k_scale.numel()} "
-                f"elements of {k_scale.dtype}"
-            )
-        if k_scale.device != device:
-            raise ValueError(f"k_scale must be on {device} (the device of kv_cache), got {k_scale.device}")
-    elif k_scale is not None:
-        if isinstance(k_scale, bool) or not isinstance(k_scale, numbers.Real):
-            raise TypeError(f"k_scale must be a float or a one-element float32 tensor, got {type(k_scale).__name__}")
-        if not k_scale > 0:
-            raise ValueError(f"k_scale must be positive, got {k_scale}")
+    check_k_scale(k_scale, kv_cache, device)
 
 
 def write_latent_cache(

@@ -22,13 +22,13 @@ import torch
 
 from . import backends
 from .device_schedule import plan_context_chunks_device
+from .gather import check_k_scale
 from .merge import lse_dtype
 from .routing import default_absorb_max_query_len, route_context
 from .schedule import POLICIES, ContextSchedule, plan_context_chunks
 
 BACKENDS = ("auto", "torch", "triton", "flashmla")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
 
 
 def _check_tensor(x, name: str, ndim: int, shape_doc: str, device: torch.device) -> None:
@@ -122,18 +122,7 @@ def _validate(
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
-    if kv_cache.dtype == torch.float8_e4m3fn and k_scale is None:
-        raise ValueError("k_scale is required for a float8_e4m3fn kv_cache (dequantized = stored * k_scale)")
-    if isinstance(k_scale, torch.Tensor):
-        if k_scale.numel() != 1 or k_scale.dtype != torch.float32:
-            raise ValueError(
-                f"k_scale must be a float or a one-element float32 tensor, got {k_scale.numel()} "
-                f"elements of {k_scale.dtype}"
-            )
-        if k_scale.device != device:
-            raise ValueError(f"k_scale must be on {device} (the device of q), got {k_scale.device}")
-    elif k_scale is not None and (isinstance(k_scale, bool) or not isinstance(k_scale, numbers.Real)):
-        raise TypeError(f"k_scale must be a float or a one-element float32 tensor, got {type(k_scale).__name__}")
+    check_k_scale(k_scale, kv_cache, device)
     return nope_dim, value_dim, latent_dim
 
 

@@ -30,6 +30,7 @@ from torch import nn
 
 from .cache import write_latent_cache
 from .prefill import mla_prefill
+from .routing import default_absorb_max_query_len, route_context
 from .schedule import ContextSchedule, plan_context_chunks
 
 
@@ -161,6 +162,7 @@ class MLAAttention(nn.Module):
         schedule: Optional[ContextSchedule] = None,
         k_scale: float | torch.Tensor | None = None,
         backend: str = "auto",
+        absorb_max_query_len: Optional[int] = None,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         N, L, P, R, V = self.num_heads, self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
@@ -182,7 +184,7 @@ class MLAAttention(nn.Module):
         out = mla_prefill(
             q, kv_c, k_pe, kv_cache, block_table, query_start_loc, context_lens, self.kv_b_proj.weight,
             self.softmax_scale, workspace_size=workspace_size, k_scale=k_scale, backend=backend,
-            schedule=schedule, max_chunks=max_chunks,
+            schedule=schedule, max_chunks=max_chunks, absorb_max_query_len=absorb_max_query_len,
         )  # [T, N, V]
         return self.o_proj(out.reshape(num_tokens, N * V))  # [T, H]
 
@@ -209,12 +211,12 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self, x, positions, kv_cache, slot_mapping, block_table, query_start_loc, context_lens,
-        *, workspace_size, max_chunks, schedule, k_scale, backend,
+        *, workspace_size, max_chunks, schedule, k_scale, backend, absorb_max_query_len,
     ) -> torch.Tensor:
         h = x + self.self_attn(
             self.input_layernorm(x), positions, kv_cache, slot_mapping, block_table, query_start_loc,
             context_lens, workspace_size=workspace_size, max_chunks=max_chunks, schedule=schedule,
-            k_scale=k_scale, backend=backend,
+            k_scale=k_scale, backend=backend, absorb_max_query_len=absorb_max_query_len,
         )
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -255,6 +257,7 @@ class MLAModel(nn.Module):
         schedule: Optional[ContextSchedule] = None,
         k_scale: float | torch.Tensor | None = None,
         backend: str = "auto",
+        absorb_max_query_len: Optional[int] = None,
     ) -> torch.Tensor:
         if kv_caches.dim() != 4 or kv_caches.shape[0] != len(self.layers):
             raise ValueError(
@@ -262,14 +265,21 @@ class MLAModel(nn.Module):
                 f"got shape {tuple(kv_caches.shape)} (see allocate_kv_caches)"
             )
         if schedule is None and max_chunks is None and not torch.compiler.is_compiling():
-            # Eager host planning: once per step for every layer, not once per layer.
+            # Eager host planning: once per step for every layer, not once per layer, over the
+            # requests that the routing leaves to the chunked path.
+            c = self.config
+            if absorb_max_query_len is None:
+                absorb_max_query_len = default_absorb_max_query_len(
+                    c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+                )
             query_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
-            schedule = plan_context_chunks(context_lens.tolist(), query_lens, workspace_size)
+            mha_lens, _ = route_context(context_lens.tolist(), query_lens, absorb_max_query_len)
+            schedule = plan_context_chunks(mha_lens, query_lens, workspace_size)
         x = self.embed_tokens(input_ids)  # [T, H]
         for i, layer in enumerate(self.layers):
             x = layer(
                 x, positions, kv_caches[i], slot_mapping, block_table, query_start_loc, context_lens,
                 workspace_size=workspace_size, max_chunks=max_chunks, schedule=schedule,
-                k_scale=k_scale, backend=backend,
+                k_scale=k_scale, backend=backend, absorb_max_query_len=absorb_max_query_len,
             )
         return self.norm(x)  # [T, H]

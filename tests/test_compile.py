@@ -305,8 +305,10 @@ def test_mla_model_compiles_whole_and_matches_eager():
         caches, expect_caches = base.clone(), base.clone()
         torch._dynamo.mark_static(caches)  # a runner's cache buffer is fixed
         with torch.compiler.set_stance("fail_on_recompile" if i else "default"):
-            out = compiled(ids, positions, caches, slots, table, qsl, lens, workspace_size=32, max_chunks=4)
-        expect = model(ids, positions, expect_caches, slots, table, qsl, lens, workspace_size=32)
+            out = compiled(ids, positions, caches, slots, table, qsl, lens, workspace_size=32, max_chunks=4,
+                           absorb_max_query_len=3)  # both paths in one graph
+        expect = model(ids, positions, expect_caches, slots, table, qsl, lens, workspace_size=32,
+                       absorb_max_query_len=0)  # eager, host plan, all chunked
         torch.testing.assert_close(out, expect, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(caches, expect_caches, rtol=1e-5, atol=1e-5)
 

@@ -231,7 +231,7 @@ def _attn_fwd(
 # time for sm90 with Triton 3.6 and 3.9 (not run): 16-bit takes 104 KB of shared memory and 232-255
 # registers per thread without spills, so two programs fit an SM (3 stages: 144 KB, one per SM).
 # fp32 runs tl.dot without tensor cores ("ieee"): 64-row tiles spill kilobytes; 32 x 32 tiles with
-# 8 warps spill 0-8 bytes (3.6) or 40-376 (3.9). Token and request counts are not compile-time
+# 8 warps spill 0-32 bytes (3.6) or 60-572 (3.9, causal worst). Token and request counts are not compile-time
 # keys: a new batch never recompiles.
 CUDA_CONFIG_16BIT = (64, 64, 4, 2)
 CUDA_CONFIG_FP32 = (32, 32, 8, 2)

@@ -14,7 +14,6 @@ absorbed path is faster for every context length of the sweep; ``mla_ops.routing
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -24,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mla_ops  # noqa: E402
 from benchmarks.kernel_bench import HEADS, LATENT, NOPE, ROPE, VALUE, context_pipeline, full_batch_chunks  # noqa: E402
-from benchmarks.kernel_bench import make_inputs, timed  # noqa: E402
+from benchmarks.kernel_bench import make_inputs, timed, write_report  # noqa: E402
 
 WORKSPACE = 65536
 
@@ -133,11 +132,7 @@ def main(argv=None) -> None:
     report = run(args)
     print("suggested absorb_max_query_len:", report["suggested_absorb_max_query_len"],
           "(cost model:", report["cost_model_threshold"], ")")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-    if args.plot:
-        plot(report, args.plot)
+    write_report(report, args.json, plot, args.plot)
 
 
 if __name__ == "__main__":

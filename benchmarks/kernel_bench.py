@@ -219,6 +219,15 @@ def plot(report: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def write_report(report: dict, json_path: str | None, plot_fn, plot_path: str | None) -> None:
+    if json_path:
+        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=1)
+    if plot_path:
+        plot_fn(report, plot_path)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the report here")
@@ -227,13 +236,7 @@ def main(argv=None) -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (CI and CPU)")
     args = parser.parse_args(argv)
-    report = run(args)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-    if args.plot:
-        plot(report, args.plot)
+    write_report(run(args), args.json, plot, args.plot)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .gather import check_k_scale
+from .validation import check_k_scale, check_tensor
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _CACHE_DTYPES = _FLOAT_DTYPES + (torch.float8_e4m3fn,)
@@ -68,23 +68,14 @@ def _(kv_c, k_pe, slot_mapping, k_scale, kv_cache) -> None:
 _write_latent_cache_op = torch.ops.mla_ops.write_latent_cache.default
 
 
-def _check_tensor(x, name: str, ndim: int, shape_doc: str, device: torch.device) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor {shape_doc}, got {type(x).__name__}")
-    if x.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D {shape_doc}, got shape {tuple(x.shape)}")
-    if x.device != device:
-        raise ValueError(f"{name} must be on {device} (the device of kv_cache), got {x.device}")
-
-
 def _validate(kv_c, k_pe, slot_mapping, kv_cache, k_scale) -> None:
     if not isinstance(kv_cache, torch.Tensor):
         raise TypeError(f"kv_cache must be a torch.Tensor [num_blocks, block_size, L+R], got {type(kv_cache).__name__}")
     device = kv_cache.device
-    _check_tensor(kv_cache, "kv_cache", 3, "[num_blocks, block_size, L+R]", device)
-    _check_tensor(kv_c, "kv_c", 2, "[T, L]", device)
-    _check_tensor(k_pe, "k_pe", 2, "[T, R]", device)
-    _check_tensor(slot_mapping, "slot_mapping", 1, "[T]", device)
+    check_tensor(kv_cache, "kv_cache", 3, "[num_blocks, block_size, L+R]", device, "kv_cache")
+    check_tensor(kv_c, "kv_c", 2, "[T, L]", device, "kv_cache")
+    check_tensor(k_pe, "k_pe", 2, "[T, R]", device, "kv_cache")
+    check_tensor(slot_mapping, "slot_mapping", 1, "[T]", device, "kv_cache")
     if kv_cache.dtype not in _CACHE_DTYPES:
         raise TypeError(f"kv_cache must be float16, bfloat16, float32, float64 or float8_e4m3fn, got {kv_cache.dtype}")
     if kv_c.dtype not in _FLOAT_DTYPES:

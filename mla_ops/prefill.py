@@ -22,22 +22,13 @@ import torch
 
 from . import backends
 from .device_schedule import plan_context_chunks_device
-from .gather import check_k_scale
+from .validation import check_k_scale, check_tensor
 from .merge import lse_dtype
 from .routing import default_absorb_max_query_len, route_context
 from .schedule import POLICIES, ContextSchedule, plan_context_chunks
 
 BACKENDS = ("auto", "torch", "triton", "flashmla")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def _check_tensor(x, name: str, ndim: int, shape_doc: str, device: torch.device) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor {shape_doc}, got {type(x).__name__}")
-    if x.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D {shape_doc}, got shape {tuple(x.shape)}")
-    if x.device != device:
-        raise ValueError(f"{name} must be on {device} (the device of q), got {x.device}")
 
 
 def _check_int32(x: torch.Tensor, name: str) -> None:
@@ -53,16 +44,16 @@ def _validate(
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor [T, N, P+R], got {type(q).__name__}")
     device = q.device
-    _check_tensor(q, "q", 3, "[T, N, P+R]", device)
+    check_tensor(q, "q", 3, "[T, N, P+R]", device, "q")
     if q.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"q must be float16, bfloat16, float32 or float64, got {q.dtype}")
-    _check_tensor(kv_c, "kv_c", 2, "[T, L]", device)
-    _check_tensor(k_pe, "k_pe", 2, "[T, R]", device)
-    _check_tensor(kv_cache, "kv_cache", 3, "[num_blocks, block_size, L+R]", device)
-    _check_tensor(block_table, "block_table", 2, "[B, max_blocks]", device)
-    _check_tensor(query_start_loc, "query_start_loc", 1, "[B+1]", device)
-    _check_tensor(context_lens, "context_lens", 1, "[B]", device)
-    _check_tensor(kv_b_proj_weight, "kv_b_proj_weight", 2, "[N*(P+V), L]", device)
+    check_tensor(kv_c, "kv_c", 2, "[T, L]", device, "q")
+    check_tensor(k_pe, "k_pe", 2, "[T, R]", device, "q")
+    check_tensor(kv_cache, "kv_cache", 3, "[num_blocks, block_size, L+R]", device, "q")
+    check_tensor(block_table, "block_table", 2, "[B, max_blocks]", device, "q")
+    check_tensor(query_start_loc, "query_start_loc", 1, "[B+1]", device, "q")
+    check_tensor(context_lens, "context_lens", 1, "[B]", device, "q")
+    check_tensor(kv_b_proj_weight, "kv_b_proj_weight", 2, "[N*(P+V), L]", device, "q")
     for name, x in (("kv_c", kv_c), ("k_pe", k_pe), ("kv_b_proj_weight", kv_b_proj_weight)):
         if x.dtype != q.dtype:
             raise TypeError(f"{name} must have the dtype of q ({q.dtype}), got {x.dtype}")

@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from ..absorbed import absorbed_dims, fold_queries, split_kv_b_proj, token_requests, unfold_outputs
-from .attention import _find_request
+from .attention import _find_request, _online_softmax_step
 from .gather import _e4m3fn_to_float32
 
 LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln(2): natural -> base-2 exponents
@@ -101,14 +101,9 @@ def _absorbed_inner(
         qk = qk * qk_scale  # base-2 logits; scaled before the max so any sign of the scale works
         if MASK_KEYS:
             qk = tl.where(key_ok[None, :], qk, float("-inf"))
-        # Every row sees key 0 in the first tile it processes, so m_ij is finite from then on.
-        m_ij = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_ij[:, None])
-        alpha = tl.math.exp2(m_i - m_ij)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        # Every row sees key 0 in the first tile it processes, so the running max is finite from then on.
+        p, acc, l_i, m_i = _online_softmax_step(qk, acc, l_i, m_i)
         acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
-        m_i = m_ij
     return acc, l_i, m_i
 
 

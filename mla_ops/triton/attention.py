@@ -65,6 +65,15 @@ def _find_request(query_start_loc_ptr, stride_qsl, num_requests, slot, BLOCK_M: 
 
 
 @triton.jit
+def _online_softmax_step(qk, acc, l_i, m_i):
+    """Fold a tile of base-2 logits into the running (max, sum): probabilities, rescaled acc, sums, max."""
+    m_ij = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.math.exp2(qk - m_ij[:, None])
+    alpha = tl.math.exp2(m_i - m_ij)
+    return p, acc * alpha[:, None], l_i * alpha + tl.sum(p, 1), m_ij
+
+
+@triton.jit
 def _attn_fwd_inner(
     acc, l_i, m_i,  # [BLOCK_M, BLOCK_V] fp32, [BLOCK_M] fp32 (base-2 running sum and max)
     q_nope, q_pe,  # [BLOCK_M, BLOCK_P], [BLOCK_M, BLOCK_R]
@@ -101,14 +110,9 @@ def _attn_fwd_inner(
             qk = tl.where(key_ok[None, :], qk, float("-inf"))
         if DIAGONAL:
             qk = tl.where(keys[None, :] <= query_pos[:, None], qk, float("-inf"))
-        # Every row sees a key in the first tile it processes, so m_ij is finite from then on.
-        m_ij = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_ij[:, None])
-        alpha = tl.math.exp2(m_i - m_ij)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        # Every row sees a key in the first tile it processes, so the running max is finite from then on.
+        p, acc, l_i, m_i = _online_softmax_step(qk, acc, l_i, m_i)
         acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
-        m_i = m_ij
     return acc, l_i, m_i
 
 

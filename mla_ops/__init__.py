@@ -9,10 +9,12 @@ from .cache import write_latent_cache
 from .device_schedule import DeviceSchedule, plan_context_chunks_device
 from .layer import MLAAttention, MLAConfig, MLAModel
 from .merge import merge_attn_states
-from .prefill import mla_prefill
+from .plan import PrefillPlan, plan_prefill
+from .prefill import mla_prefill, run_prefill
 from . import routing
 from .routing import route_context
 from .schedule import ContextChunk, ContextSchedule, plan_context_chunks
+from .validation import set_debug
 
 
 def enable() -> dict:
@@ -40,6 +42,10 @@ __all__ = [
     "mla_prefill",
     "plan_context_chunks",
     "plan_context_chunks_device",
+    "plan_prefill",
+    "PrefillPlan",
     "route_context",
+    "run_prefill",
+    "set_debug",
     "write_latent_cache",
 ]

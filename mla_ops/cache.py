@@ -9,14 +9,15 @@ kv_cache      [num_blocks, block_size, L+R]   slot s is ``kv_cache[s // block_si
                             and receives ``[kv_c | k_pe]`` cast to the cache dtype (out=)
 
 Two real tokens must not share a slot (which of them lands is then unspecified, as in vLLM);
-slots past the end of the cache are not checked (that would read device values).
+slots past the end of the cache are rejected where the slots are readable (CPU), not on a GPU
+(that would read device values).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .validation import check_k_scale, check_tensor
+from .validation import check_k_scale, check_tensor, values_readable
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _CACHE_DTYPES = _FLOAT_DTYPES + (torch.float8_e4m3fn,)
@@ -68,7 +69,8 @@ def _(kv_c, k_pe, slot_mapping, k_scale, kv_cache) -> None:
 _write_latent_cache_op = torch.ops.mla_ops.write_latent_cache.default
 
 
-def _validate(kv_c, k_pe, slot_mapping, kv_cache, k_scale) -> None:
+def check_write(kv_c, k_pe, slot_mapping, kv_cache, k_scale) -> None:
+    """Every check of a ``write_latent_cache`` call; slots by value where readable (CPU)."""
     if not isinstance(kv_cache, torch.Tensor):
         raise TypeError(f"kv_cache must be a torch.Tensor [num_blocks, block_size, L+R], got {type(kv_cache).__name__}")
     device = kv_cache.device
@@ -99,6 +101,11 @@ def _validate(kv_c, k_pe, slot_mapping, kv_cache, k_scale) -> None:
             f"(kv_c and k_pe widths), got {kv_cache.shape[2]}"
         )
     check_k_scale(k_scale, kv_cache, device)
+    if num_tokens and values_readable(slot_mapping):
+        num_slots = kv_cache.shape[0] * kv_cache.shape[1]
+        last = int(slot_mapping.max())
+        if last >= num_slots:
+            raise ValueError(f"slot_mapping holds slot {last}, past the {num_slots} slots of kv_cache")
 
 
 def write_latent_cache(
@@ -115,7 +122,12 @@ def write_latent_cache(
     range; other caches store the row cast to their dtype and ignore ``k_scale``. Reads no device
     value on the host, so it is safe under CUDA graphs.
     """
-    _validate(kv_c, k_pe, slot_mapping, kv_cache, k_scale)
+    check_write(kv_c, k_pe, slot_mapping, kv_cache, k_scale)
+    write_checked(kv_c, k_pe, slot_mapping, kv_cache, k_scale)
+
+
+def write_checked(kv_c, k_pe, slot_mapping, kv_cache, k_scale) -> None:
+    """``write_latent_cache`` after ``check_write`` (for callers that check everything first)."""
     scale = None
     if kv_cache.dtype == torch.float8_e4m3fn:
         scale = k_scale if isinstance(k_scale, torch.Tensor) else torch.tensor([float(k_scale)], device=kv_cache.device)

@@ -12,11 +12,10 @@ R k_pe rows of ``kv_a_proj_with_mqa`` must be permuted (evens first, then odds) 
 DeepSeek-V2 uses MoE feed-forwards after its first layer, where every block here has the dense
 gated MLP of ``intermediate_size``.
 
-The cache tensors, slot mapping and block table are passed in on every call; nothing is stored in
-the modules. Context chunks are planned by ``mla_prefill`` in one of three ways: on the host each
-call (the default, reads the lengths), from a host ``schedule=`` made once per step and shared by
-every layer, or on the device with ``max_chunks=K`` (reads no device value: the form for
-``torch.compile`` and CUDA graphs, where the other two are refused).
+The cache tensors, slot mapping, block table and the step's ``PrefillPlan`` (``mla_ops.plan_prefill``,
+made once per step) are passed in on every call; nothing is stored in the modules. Every layer
+runs the same plan: with a device plan (``max_chunks=K``) the whole step reads no device value
+and compiles to one graph, the planner running once however many layers there are.
 """
 
 from __future__ import annotations
@@ -28,10 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import write_latent_cache
-from .prefill import mla_prefill
-from .routing import default_absorb_max_query_len, route_context
-from .schedule import ContextSchedule, plan_context_chunks
+from .cache import check_write, write_checked
+from .plan import PrefillPlan
+from .prefill import check_run, launch
 
 
 @dataclass
@@ -153,16 +151,11 @@ class MLAAttention(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_cache: torch.Tensor,  # [num_blocks, block_size, L+R]
         slot_mapping: torch.Tensor,  # [T] int64/int32, negative = padding (not written)
-        block_table: torch.Tensor,  # [B, max_blocks] int32
-        query_start_loc: torch.Tensor,  # [B+1] int32
-        context_lens: torch.Tensor,  # [B] int32, cached tokens before this step
+        block_table: torch.Tensor,  # [B, max_blocks] int32: the plan's
+        plan: PrefillPlan,
         *,
-        workspace_size: int,
-        max_chunks: Optional[int] = None,
-        schedule: Optional[ContextSchedule] = None,
         k_scale: float | torch.Tensor | None = None,
         backend: str = "auto",
-        absorb_max_query_len: Optional[int] = None,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         N, L, P, R, V = self.num_heads, self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
@@ -180,13 +173,26 @@ class MLAAttention(nn.Module):
         k_pe = apply_rotary_emb(k_pe, cos, sin)
         q = torch.cat([q_nope, q_pe], dim=-1)  # [T, N, P+R]
 
-        write_latent_cache(kv_c, k_pe, slot_mapping, kv_cache, k_scale=k_scale)
-        out = mla_prefill(
-            q, kv_c, k_pe, kv_cache, block_table, query_start_loc, context_lens, self.kv_b_proj.weight,
-            self.softmax_scale, workspace_size=workspace_size, k_scale=k_scale, backend=backend,
-            schedule=schedule, max_chunks=max_chunks, absorb_max_query_len=absorb_max_query_len,
-        )  # [T, N, V]
+        # Everything is checked before the cache is written: a rejected call writes nothing.
+        check_plan_block_table(block_table, plan)
+        weight = self.kv_b_proj.weight
+        dims = check_run(q, kv_c, k_pe, kv_cache, weight, self.softmax_scale, plan, k_scale, backend, None)
+        check_write(kv_c, k_pe, slot_mapping, kv_cache, k_scale)
+        write_checked(kv_c, k_pe, slot_mapping, kv_cache, k_scale)
+        out = launch(q, kv_c, k_pe, kv_cache, weight, self.softmax_scale, plan, k_scale, backend, dims)  # [T, N, V]
         return self.o_proj(out.reshape(num_tokens, N * V))  # [T, H]
+
+
+def check_plan_block_table(block_table: torch.Tensor, plan: PrefillPlan) -> None:
+    """The layers read ``plan.block_table``; the ``block_table`` argument must be that table."""
+    if not isinstance(plan, PrefillPlan):
+        raise TypeError(f"plan must be a PrefillPlan (mla_ops.plan_prefill), got {type(plan).__name__}")
+    if not isinstance(block_table, torch.Tensor) or block_table.shape != plan.block_table.shape \
+            or block_table.device != plan.block_table.device:
+        raise ValueError(
+            f"block_table does not fit plan: shape {tuple(getattr(block_table, 'shape', ()))}, the plan's "
+            f"block table is {tuple(plan.block_table.shape)} on {plan.block_table.device}"
+        )
 
 
 class FeedForward(nn.Module):
@@ -209,15 +215,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = FeedForward(config)
 
-    def forward(
-        self, x, positions, kv_cache, slot_mapping, block_table, query_start_loc, context_lens,
-        *, workspace_size, max_chunks, schedule, k_scale, backend, absorb_max_query_len,
-    ) -> torch.Tensor:
-        h = x + self.self_attn(
-            self.input_layernorm(x), positions, kv_cache, slot_mapping, block_table, query_start_loc,
-            context_lens, workspace_size=workspace_size, max_chunks=max_chunks, schedule=schedule,
-            k_scale=k_scale, backend=backend, absorb_max_query_len=absorb_max_query_len,
-        )
+    def forward(self, x, positions, kv_cache, slot_mapping, block_table, plan, *, k_scale, backend) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, slot_mapping, block_table, plan,
+                               k_scale=k_scale, backend=backend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -248,38 +248,18 @@ class MLAModel(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_caches: torch.Tensor,  # [num_hidden_layers, num_blocks, block_size, L+R]
         slot_mapping: torch.Tensor,  # [T]
-        block_table: torch.Tensor,  # [B, max_blocks] int32, shared by all layers
-        query_start_loc: torch.Tensor,  # [B+1] int32
-        context_lens: torch.Tensor,  # [B] int32
+        block_table: torch.Tensor,  # [B, max_blocks] int32, shared by all layers: the plan's
+        plan: PrefillPlan,  # one plan per step (mla_ops.plan_prefill), shared by all layers
         *,
-        workspace_size: int,
-        max_chunks: Optional[int] = None,
-        schedule: Optional[ContextSchedule] = None,
         k_scale: float | torch.Tensor | None = None,
         backend: str = "auto",
-        absorb_max_query_len: Optional[int] = None,
     ) -> torch.Tensor:
         if kv_caches.dim() != 4 or kv_caches.shape[0] != len(self.layers):
             raise ValueError(
                 f"kv_caches must be [num_hidden_layers={len(self.layers)}, num_blocks, block_size, L+R], "
                 f"got shape {tuple(kv_caches.shape)} (see allocate_kv_caches)"
             )
-        if schedule is None and max_chunks is None and not torch.compiler.is_compiling():
-            # Eager host planning: once per step for every layer, not once per layer, over the
-            # requests that the routing leaves to the chunked path.
-            c = self.config
-            if absorb_max_query_len is None:
-                absorb_max_query_len = default_absorb_max_query_len(
-                    c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
-                )
-            query_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
-            mha_lens, _ = route_context(context_lens.tolist(), query_lens, absorb_max_query_len)
-            schedule = plan_context_chunks(mha_lens, query_lens, workspace_size)
         x = self.embed_tokens(input_ids)  # [T, H]
         for i, layer in enumerate(self.layers):
-            x = layer(
-                x, positions, kv_caches[i], slot_mapping, block_table, query_start_loc, context_lens,
-                workspace_size=workspace_size, max_chunks=max_chunks, schedule=schedule,
-                k_scale=k_scale, backend=backend, absorb_max_query_len=absorb_max_query_len,
-            )
+            x = layer(x, positions, kv_caches[i], slot_mapping, block_table, plan, k_scale=k_scale, backend=backend)
         return self.norm(x)  # [T, H]

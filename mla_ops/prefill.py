@@ -1,70 +1,45 @@
-"""``mla_prefill``: MLA prefill attention with a chunked, paged latent context.
+"""``run_prefill`` / ``mla_prefill``: MLA prefill attention with a chunked, paged latent context.
 
 q                 [T, N, P+R]   rotated queries of the new tokens
 kv_c              [T, L]        latent rows of the new tokens      k_pe [T, R] (rotated)
 kv_cache          [num_blocks, block_size, L+R]   every request's context rows
-block_table       [B, max_blocks] int32
-query_start_loc   [B+1] int32   context_lens [B] int32
 kv_b_proj_weight  [N*(P+V), L]
+plan              PrefillPlan   (``mla_ops.plan_prefill``: lengths, block table, schedule, routing)
 -> out            [T, N, V]
 
-plan -> per chunk: gather, up-project, attend, fold into the context partial -> causal suffix
-attention over the new tokens -> one merge of the two partials.
+causal suffix attention over the new tokens -> context partial: absorbed requests, then per chunk
+gather, up-project, attend, fold in -> one merge of the two partials.
 """
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import NamedTuple
 
 import torch
 
 from . import backends
-from .device_schedule import plan_context_chunks_device
-from .validation import check_k_scale, check_tensor
+from . import validation as V
 from .merge import lse_dtype
-from .routing import default_absorb_max_query_len, route_context
-from .schedule import POLICIES, ContextSchedule, plan_context_chunks
+from .plan import PrefillPlan, plan_prefill
 
 BACKENDS = ("auto", "torch", "triton", "flashmla")
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _check_int32(x: torch.Tensor, name: str) -> None:
-    if x.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32, got {x.dtype}")
-
-
-def _validate(
-    q, kv_c, k_pe, kv_cache, block_table, query_start_loc, context_lens, kv_b_proj_weight,
-    softmax_scale, workspace_size, policy, k_scale, backend, split_alignment,
-) -> tuple[int, int, int]:
-    """Check everything from shapes and arguments; returns ``(P, V, L)``."""
-    if not isinstance(q, torch.Tensor):
-        raise TypeError(f"q must be a torch.Tensor [T, N, P+R], got {type(q).__name__}")
+def check_run(q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, plan, k_scale, backend, out) -> "_Dims":
+    """Every check of a ``run_prefill`` call (shapes, dtypes, devices, the plan's fit); the dims."""
+    V.check_tensor(q, "q", 3, "[T, N, P+R]")
     device = q.device
-    check_tensor(q, "q", 3, "[T, N, P+R]", device, "q")
-    if q.dtype not in _FLOAT_DTYPES:
+    if q.dtype not in V.FLOAT_DTYPES:
         raise TypeError(f"q must be float16, bfloat16, float32 or float64, got {q.dtype}")
-    check_tensor(kv_c, "kv_c", 2, "[T, L]", device, "q")
-    check_tensor(k_pe, "k_pe", 2, "[T, R]", device, "q")
-    check_tensor(kv_cache, "kv_cache", 3, "[num_blocks, block_size, L+R]", device, "q")
-    check_tensor(block_table, "block_table", 2, "[B, max_blocks]", device, "q")
-    check_tensor(query_start_loc, "query_start_loc", 1, "[B+1]", device, "q")
-    check_tensor(context_lens, "context_lens", 1, "[B]", device, "q")
-    check_tensor(kv_b_proj_weight, "kv_b_proj_weight", 2, "[N*(P+V), L]", device, "q")
-    for name, x in (("kv_c", kv_c), ("k_pe", k_pe), ("kv_b_proj_weight", kv_b_proj_weight)):
-        if x.dtype != q.dtype:
-            raise TypeError(f"{name} must have the dtype of q ({q.dtype}), got {x.dtype}")
+    V.check_tensor(kv_c, "kv_c", 2, "[T, L]", device, "q", dtype=q.dtype)
+    V.check_tensor(k_pe, "k_pe", 2, "[T, R]", device, "q", dtype=q.dtype)
+    V.check_tensor(kv_cache, "kv_cache", 3, "[num_blocks, block_size, L+R]", device, "q")
+    V.check_tensor(kv_b_proj_weight, "kv_b_proj_weight", 2, "[N*(P+V), L]", device, "q", dtype=q.dtype)
     if kv_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
         raise TypeError(f"kv_cache must have the dtype of q ({q.dtype}) or float8_e4m3fn, got {kv_cache.dtype}")
-    for name, x in (("block_table", block_table), ("query_start_loc", query_start_loc), ("context_lens", context_lens)):
-        _check_int32(x, name)
 
     num_tokens, num_heads, qk_dim = q.shape
-    rope_dim = k_pe.shape[1]
-    latent_dim = kv_c.shape[1]
+    rope_dim, latent_dim = k_pe.shape[1], kv_c.shape[1]
     nope_dim = qk_dim - rope_dim
     if nope_dim < 0:
         raise ValueError(f"k_pe width R={rope_dim} exceeds the q head dim P+R={qk_dim}")
@@ -84,61 +59,65 @@ def _validate(
             f"kv_b_proj_weight must be [N*(P+V), L] with N={num_heads}, P={nope_dim}, L={latent_dim}, "
             f"V >= 1, got {list(kv_b_proj_weight.shape)}"
         )
-    value_dim = rows // num_heads - nope_dim
+    dims = _Dims(num_heads, latent_dim, nope_dim, rope_dim, rows // num_heads - nope_dim)
+    V.check_softmax_scale(softmax_scale)
+    V.check_choice(backend, "backend", BACKENDS)
+    V.check_k_scale(k_scale, kv_cache, device)
 
-    batch = context_lens.shape[0]
-    if query_start_loc.shape[0] != batch + 1:
+    if not isinstance(plan, PrefillPlan):
+        raise TypeError(f"plan must be a PrefillPlan (mla_ops.plan_prefill), got {type(plan).__name__}")
+    if plan.device != device:
+        raise ValueError(f"plan must be on {device} (the device of q), got a plan on {plan.device}")
+    if plan.num_tokens is not None and plan.num_tokens != num_tokens:
+        raise ValueError(f"plan was made for T={plan.num_tokens} tokens (its query_start_loc[-1]), but q has {num_tokens}")
+    if plan.block_size != kv_cache.shape[1]:
+        raise ValueError(f"plan was made for block_size {plan.block_size}, but kv_cache has {kv_cache.shape[1]}")
+    if plan.max_block_id >= kv_cache.shape[0]:
         raise ValueError(
-            f"query_start_loc must be [B+1] = [{batch + 1}] for B={batch} context_lens, "
-            f"got {list(query_start_loc.shape)}"
+            f"plan.block_table uses block {plan.max_block_id}, past the {kv_cache.shape[0]} blocks of kv_cache"
         )
-    if block_table.shape[0] < batch:
-        raise ValueError(f"block_table must have a row per request (B={batch}), got {block_table.shape[0]} rows")
-
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (numbers.Real, torch.SymFloat)):
-        raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
-    if not torch.compiler.is_compiling() and not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
-    if isinstance(workspace_size, bool) or not isinstance(workspace_size, int):
-        raise TypeError(f"workspace_size must be an int, got {type(workspace_size).__name__}")
-    if isinstance(split_alignment, bool) or not isinstance(split_alignment, int) or split_alignment < 1:
-        raise ValueError(f"split_alignment must be a positive int, got {split_alignment!r}")
-    if workspace_size < split_alignment:
+    if plan.max_chunks is None and torch.compiler.is_compiling():
         raise ValueError(
-            f"workspace_size must hold at least one split_alignment step ({split_alignment} rows), "
-            f"got {workspace_size}"
+            "run_prefill under torch.compile needs a device plan (plan_prefill(..., max_chunks=K)): a host "
+            "plan's chunks are Python values that would be baked into the graph"
         )
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-
-    check_k_scale(k_scale, kv_cache, device)
-    return nope_dim, value_dim, latent_dim
+    if out is not None:
+        V.check_tensor(out, "out", 3, "[T, N, V]", device, "q", dtype=q.dtype)
+        if tuple(out.shape) != (num_tokens, num_heads, dims.value):
+            raise ValueError(f"out must be [T, N, V] = {[num_tokens, num_heads, dims.value]}, got {list(out.shape)}")
+    return dims
 
 
-def _validate_lengths(
-    query_start_loc_host: list[int], context_lens_host: list[int], num_tokens: int,
-    block_table: torch.Tensor, block_size: int,
-) -> None:
-    """Checks that need the lengths' values (host copies)."""
-    if query_start_loc_host[0] != 0:
-        raise ValueError(f"query_start_loc must start at 0, got {query_start_loc_host[0]}")
-    if query_start_loc_host[-1] != num_tokens:
-        raise ValueError(
-            f"query_start_loc must end at the number of tokens T={num_tokens}, got {query_start_loc_host[-1]}"
-        )
-    for i, (a, b) in enumerate(zip(query_start_loc_host[:-1], query_start_loc_host[1:])):
-        if b < a:
-            raise ValueError(f"query_start_loc must be non-decreasing, got {a} then {b} at index {i + 1}")
-    for r, c in enumerate(context_lens_host):
-        if c < 0:
-            raise ValueError(f"context_lens must be non-negative, got {c} for request {r}")
-        if -(-c // block_size) > block_table.shape[1]:
-            raise ValueError(
-                f"block_table row {r} has {block_table.shape[1]} blocks, too short for context "
-                f"{c} at block_size {block_size} (needs {-(-c // block_size)})"
-            )
+def run_prefill(
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_b_proj_weight: torch.Tensor,
+    softmax_scale: float,
+    plan: PrefillPlan,
+    k_scale: float | torch.Tensor | None = None,
+    backend: str = "auto",
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of each request's new tokens over its cached context and, causally, itself.
+
+    Request r's queries ``q[query_start_loc[r]:query_start_loc[r+1]]`` see its ``context_lens[r]``
+    context keys (latent rows ``kv_cache[block_table[r, p // block_size], p % block_size]``,
+    up-projected with ``kv_b_proj_weight``) and, causally, the keys of its own new tokens, which
+    need not be in ``kv_cache``; lengths and block table come from ``plan``. ``k_scale``
+    dequantizes a float8_e4m3fn cache (ignored for other cache dtypes). ``out`` ``[T, N, V]`` is
+    written in place if given. With a device plan nothing is read on the host; tokens of requests
+    whose context does not fit the plan's ``max_chunks`` come out as NaN, never silently wrong.
+
+    Returns ``[T, N, V]`` in the dtype of q.
+    """
+    dims = check_run(q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, plan, k_scale, backend, out)
+    result = launch(q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, plan, k_scale, backend, dims)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
 
 
 def mla_prefill(
@@ -157,107 +136,70 @@ def mla_prefill(
     backend: str = "auto",
     *,
     split_alignment: int = 1,
-    schedule: ContextSchedule | None = None,
     max_chunks: int | None = None,
     absorb_max_query_len: int | None = None,
+    plan: PrefillPlan | None = None,
 ) -> torch.Tensor:
-    """Attention of each request's new tokens over its cached context and, causally, itself.
+    """``plan_prefill`` + ``run_prefill`` in one call (see both).
 
-    Request r's queries ``q[query_start_loc[r]:query_start_loc[r+1]]`` see its ``context_lens[r]``
-    context keys (latent rows ``kv_cache[block_table[r, p // block_size], p % block_size]``,
-    up-projected with ``kv_b_proj_weight``) and, causally, the keys of its own new tokens, which
-    need not be in ``kv_cache``. ``k_scale`` dequantizes a float8_e4m3fn cache (ignored for other
-    cache dtypes).
-
-    Each request's context takes one of two paths: requests with at most ``absorb_max_query_len``
-    new tokens attend over the latent cache directly (absorbed / MQA: no gather, no workspace);
-    the others go through chunks of at most ``workspace_size`` gathered, up-projected rows.
-    ``0`` disables the absorbed path; the default is ``mla_ops.routing``'s break-even point
-    (none when a ``schedule=`` is given: it already says what the chunked path covers; plan it
-    over ``route_context(...)[0]`` and pass ``absorb_max_query_len`` to route with one).
-
-    Planning of the chunked path, one of three ways:
-
-    * default: ``plan_context_chunks(..., policy=policy, split_alignment=split_alignment)`` on the
-      host, which reads ``query_start_loc`` and ``context_lens`` (a sync if they live on a GPU);
-    * ``schedule=``: a host plan made once per step and reused in every layer; nothing is read;
-    * ``max_chunks=K``: the packed schedule is planned on the device in K fixed slots and the call
-      reads no device value on the host: the form for ``torch.compile`` and CUDA graphs (required
-      under ``torch.compile``). Tokens of requests whose context does not fit in K chunks come out
-      as NaN, never silently wrong; ``plan_context_chunks_device(...).overflow`` tells in advance.
-      Only shapes are validated on this path.
-
-    Returns ``[T, N, V]`` in the dtype of q.
+    ``plan=``: a plan made once per step (then the planning arguments must be left at their
+    defaults, and ``block_table``, ``query_start_loc``, ``context_lens`` must be the plan's).
     """
-    nope_dim, value_dim, latent_dim = _validate(
-        q, kv_c, k_pe, kv_cache, block_table, query_start_loc, context_lens, kv_b_proj_weight,
-        softmax_scale, workspace_size, policy, k_scale, backend, split_alignment,
-    )
-    rope_dim = k_pe.shape[1]
-    if absorb_max_query_len is None:
-        absorb_max_query_len = 0 if schedule is not None else default_absorb_max_query_len(
-            latent_dim, nope_dim, rope_dim, value_dim
+    V.check_tensor(q, "q", 3, "[T, N, P+R]")
+    for name, x, ndim, doc in (("block_table", block_table, 2, "[B, max_blocks]"),
+                               ("query_start_loc", query_start_loc, 1, "[B+1]"), ("context_lens", context_lens, 1, "[B]")):
+        V.check_tensor(x, name, ndim, doc, q.device, "q")
+    if plan is None:
+        plan = plan_prefill(
+            query_start_loc, context_lens, block_table, block_size=_block_size(kv_cache),
+            workspace_size=workspace_size, policy=policy, split_alignment=split_alignment,
+            max_chunks=max_chunks, absorb_max_query_len=absorb_max_query_len,
         )
-    elif isinstance(absorb_max_query_len, bool) or not isinstance(absorb_max_query_len, int) or absorb_max_query_len < 0:
-        raise ValueError(f"absorb_max_query_len must be an int >= 0 (0 disables), got {absorb_max_query_len!r}")
-    if max_chunks is not None:
-        if isinstance(max_chunks, bool) or not isinstance(max_chunks, int) or max_chunks < 1:
-            raise ValueError(f"max_chunks must be a positive int, got {max_chunks!r}")
-        if schedule is not None or policy != "packed" or split_alignment != 1:
-            raise ValueError(
-                "max_chunks plans the packed schedule (split_alignment=1) on the device: it cannot be "
-                "combined with schedule=, another policy or split_alignment"
-            )
-    elif torch.compiler.is_compiling():
-        raise ValueError(
-            "mla_prefill under torch.compile needs max_chunks=K (a static capacity): the host planner "
-            "would read device values. Pick K per batch bucket, e.g. ceil(max total context / workspace_size)."
-        )
-    num_tokens = q.shape[0]
-    if max_chunks is None and schedule is None:
-        qsl_host = query_start_loc.tolist()  # a device sync when the lengths live on a GPU
-        ctx_host = context_lens.tolist()
-        _validate_lengths(qsl_host, ctx_host, num_tokens, block_table, kv_cache.shape[1])
-        query_lens = [b - a for a, b in zip(qsl_host[:-1], qsl_host[1:])]
-        mha_lens, absorbed_lens = route_context(ctx_host, query_lens, absorb_max_query_len)
-        schedule = plan_context_chunks(mha_lens, query_lens, workspace_size, policy=policy,
-                                       split_alignment=split_alignment)
-        if not absorbed_lens.any():
-            absorb_max_query_len = 0  # nothing to absorb in this batch: skip the op
-    elif schedule is not None and schedule.num_chunks and (
-        schedule.chunks[-1].request_end > context_lens.shape[0] or schedule.prefill_tokens_with_context > num_tokens
-    ):
-        raise ValueError(
-            f"schedule covers {schedule.chunks[-1].request_end} requests and "
-            f"{schedule.prefill_tokens_with_context} tokens, more than this batch's "
-            f"{context_lens.shape[0]} requests and {num_tokens} tokens"
-        )
+    else:
+        if not isinstance(plan, PrefillPlan):
+            raise TypeError(f"plan must be a PrefillPlan (mla_ops.plan_prefill), got {type(plan).__name__}")
+        given = dict(workspace_size=(workspace_size, 65536), policy=(policy, "packed"),
+                     split_alignment=(split_alignment, 1), max_chunks=(max_chunks, None),
+                     absorb_max_query_len=(absorb_max_query_len, None))
+        for name, (value, default) in given.items():
+            if value != default:
+                raise ValueError(f"{name} is part of the plan: pass it to plan_prefill, not with plan= ({name}={value!r})")
+        for name, x, planned in (("block_table", block_table, plan.block_table),
+                                 ("query_start_loc", query_start_loc, plan.query_start_loc),
+                                 ("context_lens", context_lens, plan.context_lens)):
+            if not isinstance(x, torch.Tensor) or x.shape != planned.shape:
+                raise ValueError(
+                    f"{name} does not fit plan: shape {tuple(getattr(x, 'shape', ()))}, the plan's is "
+                    f"{tuple(planned.shape)}"
+                )
+    return run_prefill(q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, plan, k_scale, backend)
 
-    kernels = backends.select(backend, q.device, absorb_max_query_len)
+
+def _block_size(kv_cache) -> int:
+    V.check_tensor(kv_cache, "kv_cache", 3, "[num_blocks, block_size, L+R]")
+    return kv_cache.shape[1]
+
+
+def launch(q, kv_c, k_pe, kv_cache, weight, softmax_scale, plan, k_scale, backend, dims) -> torch.Tensor:
+    """``run_prefill`` after ``check_run`` (for callers that check everything first)."""
     softmax_scale = float(softmax_scale)  # a compile-time constant: kernels take it as a float
-    dims = _Dims(q.shape[1], latent_dim, nope_dim, rope_dim, value_dim)
-    if kv_cache.dtype == torch.float8_e4m3fn and not isinstance(k_scale, torch.Tensor):
-        k_scale = torch.tensor([float(k_scale)], device=q.device)
-    elif kv_cache.dtype != torch.float8_e4m3fn:
+    kernels = backends.select(backend, q.device, plan.absorb_max_query_len)
+    if kv_cache.dtype != torch.float8_e4m3fn:
         k_scale = None
+    elif not isinstance(k_scale, torch.Tensor):
+        k_scale = torch.tensor([float(k_scale)], device=q.device)
 
     # Suffix partial: every token over its own request's new keys, causally.
-    k_nope, v = dims.heads(torch.mm(kv_c, kv_b_proj_weight.t()))
-    suffix_out = q.new_empty(num_tokens, dims.heads_n, value_dim)
+    num_tokens = q.shape[0]
+    k_nope, v = dims.heads(torch.mm(kv_c, weight.t()))
+    suffix_out = q.new_empty(num_tokens, dims.heads_n, dims.value)
     suffix_lse = q.new_empty(dims.heads_n, num_tokens, dtype=lse_dtype(q.dtype))
-    kernels.suffix_attention(q, k_nope, k_pe, v, query_start_loc, softmax_scale, suffix_out, suffix_lse)
+    kernels.suffix_attention(q, k_nope, k_pe, v, plan.query_start_loc, softmax_scale, suffix_out, suffix_lse)
 
-    # Context partial: absorbed requests, then the chunked ones; each path writes only its requests.
-    mha_context_lens, absorbed_context_lens = context_lens, None
-    if absorb_max_query_len:
-        mha_context_lens, absorbed_context_lens = route_context(
-            context_lens, query_start_loc[1:] - query_start_loc[:-1], absorb_max_query_len
-        )
-    args = (kernels, dims, q, kv_cache, block_table, query_start_loc, kv_b_proj_weight, softmax_scale, k_scale)
-    if max_chunks is not None:
-        return _prefill_device_plan(*args, mha_context_lens, absorbed_context_lens, workspace_size, max_chunks,
-                                    suffix_out, suffix_lse)
-    return _prefill_host_plan(*args, absorbed_context_lens, schedule, suffix_out, suffix_lse)
+    step = _Step(kernels, dims, q, kv_cache, weight, softmax_scale, k_scale, plan)
+    if plan.max_chunks is not None:
+        return _device_plan_context(step, suffix_out, suffix_lse)
+    return _host_plan_context(step, suffix_out, suffix_lse)
 
 
 class _Dims(NamedTuple):
@@ -272,45 +214,62 @@ class _Dims(NamedTuple):
         return kv.view(-1, self.heads_n, self.nope + self.value).split([self.nope, self.value], dim=-1)
 
 
-def _prefill_device_plan(kernels, dims, q, kv_cache, block_table, query_start_loc, weight, softmax_scale, k_scale,
-                         mha_context_lens, absorbed_context_lens, workspace_size, max_chunks, suffix_out, suffix_lse):
+class _Step(NamedTuple):
+    """What both context paths of one ``run_prefill`` call share."""
+
+    kernels: backends.Kernels
+    dims: _Dims
+    q: torch.Tensor
+    kv_cache: torch.Tensor
+    weight: torch.Tensor
+    softmax_scale: float
+    k_scale: torch.Tensor | None
+    plan: PrefillPlan
+
+    def absorbed(self, context_out, context_lse) -> None:
+        """The absorbed requests' context partials, written into their rows only."""
+        p = self.plan
+        self.kernels.absorbed_context_attention(
+            self.q, self.kv_cache, p.block_table, p.query_start_loc, p.absorbed_context_lens, self.weight,
+            self.softmax_scale, self.k_scale, context_out, context_lse,
+        )
+
+
+def _device_plan_context(step: _Step, suffix_out, suffix_lse) -> torch.Tensor:
     """K static chunk steps over the device plan; no host read of a device value."""
-    num_tokens = q.shape[0]
+    kernels, dims, q, plan = step.kernels, step.dims, step.q, step.plan
     context_out = torch.zeros_like(suffix_out)
     context_lse = torch.full_like(suffix_lse, float("-inf"))
-    if absorbed_context_lens is not None:
-        kernels.absorbed_context_attention(q, kv_cache, block_table, query_start_loc, absorbed_context_lens, weight,
-                                           softmax_scale, k_scale, context_out, context_lse)
-    plan = plan_context_chunks_device(mha_context_lens, workspace_size, max_chunks)
-    workspace = q.new_empty(workspace_size, dims.latent + dims.rope)
-    kv = q.new_empty(workspace_size, weight.shape[0])
+    if plan.absorbed_context_lens is not None:
+        step.absorbed(context_out, context_lse)
+    schedule = plan.device_schedule
+    workspace = q.new_empty(plan.workspace_size, dims.latent + dims.rope)
+    kv = q.new_empty(plan.workspace_size, step.weight.shape[0])
     latent, rope = workspace.split([dims.latent, dims.rope], dim=1)
     chunk_k_nope, chunk_v = dims.heads(kv)
-    for k in range(max_chunks):  # chunks past the device count touch nothing
-        cu_seq_lens, starts = plan.cu_seq_lens.select(0, k), plan.starts.select(0, k)
-        kernels.gather_context(kv_cache, block_table, cu_seq_lens, starts, k_scale, workspace)
-        kernels.up_project(latent, weight, cu_seq_lens, kv)
-        kernels.context_attention(q, chunk_k_nope, rope, chunk_v, query_start_loc, cu_seq_lens, starts,
-                                  softmax_scale, context_out, context_lse)
+    for k in range(schedule.max_chunks):  # chunks past the device count touch nothing
+        cu_seq_lens, starts = schedule.cu_seq_lens.select(0, k), schedule.starts.select(0, k)
+        kernels.gather_context(step.kv_cache, plan.block_table, cu_seq_lens, starts, step.k_scale, workspace)
+        kernels.up_project(latent, step.weight, cu_seq_lens, kv)
+        kernels.context_attention(q, chunk_k_nope, rope, chunk_v, plan.query_start_loc, cu_seq_lens, starts,
+                                  step.softmax_scale, context_out, context_lse)
     out, _ = kernels.merge_attn_states(context_out, context_lse, suffix_out, suffix_lse)
     # Requests whose chunked context runs past chunk K were not fully attended: say so with NaN.
-    truncated = (torch.cumsum(mha_context_lens, 0) > max_chunks * workspace_size) & (mha_context_lens > 0)  # [B]
-    token = torch.arange(num_tokens, device=q.device, dtype=query_start_loc.dtype)
-    request = torch.searchsorted(query_start_loc, token, right=True) - 1  # [T]
-    truncated = truncated.index_select(0, request.clamp(0, mha_context_lens.shape[0] - 1))
+    token = torch.arange(q.shape[0], device=q.device, dtype=plan.query_start_loc.dtype)
+    request = torch.searchsorted(plan.query_start_loc, token, right=True) - 1  # [T]
+    truncated = plan.truncated.index_select(0, request.clamp(0, max(plan.num_requests - 1, 0)))
     return torch.where(truncated.view(-1, 1, 1), torch.full_like(out, float("nan")), out)
 
 
-def _prefill_host_plan(kernels, dims, q, kv_cache, block_table, query_start_loc, weight, softmax_scale, k_scale,
-                       absorbed_context_lens, schedule, suffix_out, suffix_lse):
+def _host_plan_context(step: _Step, suffix_out, suffix_lse) -> torch.Tensor:
     """The host schedule's chunks, each over its own requests only."""
-    num_tokens = q.shape[0]
-    if absorbed_context_lens is not None:  # any token may get an absorbed partial
+    kernels, dims, q, plan = step.kernels, step.dims, step.q, step.plan
+    schedule, num_tokens = plan.schedule, q.shape[0]
+    if plan.absorbed_context_lens is not None:  # any token may get an absorbed partial
         covered = num_tokens
         context_out = torch.zeros_like(suffix_out)
         context_lse = torch.full_like(suffix_lse, float("-inf"))
-        kernels.absorbed_context_attention(q, kv_cache, block_table, query_start_loc, absorbed_context_lens, weight,
-                                           softmax_scale, k_scale, context_out, context_lse)
+        step.absorbed(context_out, context_lse)
     elif schedule.num_chunks == 0:
         return suffix_out
     else:  # the context partial of every token up to the last request with context
@@ -323,18 +282,17 @@ def _prefill_host_plan(kernels, dims, q, kv_cache, block_table, query_start_loc,
                 context_lse[:, start:end].fill_(float("-inf"))
 
     if schedule.num_chunks:
-        schedule = schedule.to(q.device, non_blocking=True)
         workspace = q.new_empty(max(c.num_context_tokens for c in schedule.chunks), dims.latent + dims.rope)
     for chunk in schedule.chunks:
         rows = workspace.narrow(0, 0, chunk.num_context_tokens)
-        kernels.gather_context(kv_cache, block_table.narrow(0, chunk.request_start, chunk.num_requests),
-                               chunk.cu_seq_lens, chunk.starts, k_scale, rows)
+        kernels.gather_context(step.kv_cache, plan.block_table.narrow(0, chunk.request_start, chunk.num_requests),
+                               chunk.cu_seq_lens, chunk.starts, step.k_scale, rows)
         latent, rope = rows.split([dims.latent, dims.rope], dim=1)
-        chunk_k_nope, chunk_v = dims.heads(torch.mm(latent, weight.t()))  # the host knows the live rows
+        chunk_k_nope, chunk_v = dims.heads(torch.mm(latent, step.weight.t()))  # the host knows the live rows
         tokens = chunk.token_end - chunk.token_start
         kernels.context_attention(
             q.narrow(0, chunk.token_start, tokens), chunk_k_nope, rope, chunk_v, chunk.query_start_loc,
-            chunk.cu_seq_lens, chunk.starts, softmax_scale,
+            chunk.cu_seq_lens, chunk.starts, step.softmax_scale,
             context_out.narrow(0, chunk.token_start, tokens), context_lse.narrow(1, chunk.token_start, tokens),
         )
 

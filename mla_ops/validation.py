@@ -1,20 +1,144 @@
 """Argument checks of the public functions: errors name the argument, what was expected and what
-arrived, and run on shapes and host values only (before any kernel)."""
+arrived, and run on shapes and host values only (before any kernel).
+
+Lengths (``query_start_loc``, ``context_lens``) and block ids are checked by value only where the
+values are free to read: on the CPU, outside of tracing. On a GPU nothing is read on the host;
+``set_debug(True)`` (or ``MLA_OPS_DEBUG=1``) adds the same checks as device-side asserts, which
+fail the next synchronizing call without a host sync of their own.
+"""
 
 from __future__ import annotations
 
+import math
 import numbers
+import os
 
+import numpy as np
 import torch
 
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-def check_tensor(x, name: str, ndim: int, shape_doc: str, device: torch.device, device_of: str) -> None:
+_debug = os.environ.get("MLA_OPS_DEBUG") == "1"
+
+
+def set_debug(enabled: bool) -> None:
+    """Device-side checks of lengths, block ids and chunk capacity on the device path (module doc).
+
+    They catch: ``query_start_loc`` not starting at 0 or decreasing, negative ``context_lens``, a
+    block table too short for a context, a block id outside the cache, and a device plan whose
+    batch needs more chunks than ``max_chunks`` (tokens that would otherwise come out as NaN).
+    Under torch.compile the switch is read when a function is traced: set it before compiling.
+    """
+    global _debug
+    _debug = bool(enabled)
+
+
+def debug_enabled() -> bool:
+    return _debug
+
+
+def values_readable(*tensors: torch.Tensor) -> bool:
+    """True when reading these tensors' values on the host is free: plain CPU tensors (not fake or
+    other subclasses), not being traced."""
+    return not torch.compiler.is_compiling() and all(type(t) is torch.Tensor and t.device.type == "cpu"
+                                                     for t in tensors)
+
+
+def check_positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value}")
+    return int(value)
+
+
+def check_nonnegative_int(value, name: str, meaning: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int{meaning}, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be an int >= 0{meaning}, got {value}")
+    return int(value)
+
+
+def check_softmax_scale(softmax_scale) -> float:
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (numbers.Real, torch.SymFloat)):
+        raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
+    if not torch.compiler.is_compiling() and not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    return float(softmax_scale)
+
+
+def check_choice(value, name: str, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def check_tensor(x, name: str, ndim: int, shape_doc: str, device: torch.device | None = None,
+                 device_of: str = "", dtype: torch.dtype | None = None) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor {shape_doc}, got {type(x).__name__}")
     if x.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D {shape_doc}, got shape {tuple(x.shape)}")
-    if x.device != device:
+    if device is not None and x.device != device:
         raise ValueError(f"{name} must be on {device} (the device of {device_of}), got {x.device}")
+    if dtype is not None and x.dtype != dtype:
+        raise TypeError(f"{name} must be {str(dtype).removeprefix('torch.')}, got {x.dtype}")
+
+
+def check_int32(x: torch.Tensor, name: str, ndim: int, shape_doc: str, device=None, device_of: str = "") -> None:
+    check_tensor(x, name, ndim, shape_doc, device, device_of, dtype=torch.int32)
+
+
+def check_lengths(query_start_loc: np.ndarray, context_lens: np.ndarray, block_table: np.ndarray,
+                  block_size: int) -> int:
+    """Value checks of a step's lengths and the block ids they use (host arrays); returns the
+    largest block id the contexts use (-1 if none)."""
+    if query_start_loc[0] != 0:
+        raise ValueError(f"query_start_loc must start at 0, got {int(query_start_loc[0])}")
+    steps = np.diff(query_start_loc)
+    if steps.size and steps.min() < 0:
+        i = int(np.argmin(steps))
+        raise ValueError(
+            f"query_start_loc must be non-decreasing, got {int(query_start_loc[i])} then "
+            f"{int(query_start_loc[i + 1])} at index {i + 1}"
+        )
+    if context_lens.size == 0:
+        return -1
+    if context_lens.min() < 0:
+        r = int(np.argmin(context_lens))
+        raise ValueError(f"context_lens must be non-negative, got {int(context_lens[r])} for request {r}")
+    blocks = -(-context_lens // block_size)  # blocks each context uses
+    if blocks.max() > block_table.shape[1]:
+        r = int(np.argmax(blocks))
+        raise ValueError(
+            f"block_table row {r} has {block_table.shape[1]} blocks, too short for context "
+            f"{int(context_lens[r])} at block_size {block_size} (needs {int(blocks[r])})"
+        )
+    width = int(blocks.max())
+    if width == 0:
+        return -1
+    used = block_table[: context_lens.size, :width]
+    in_context = np.arange(width) < blocks[:, None]
+    lowest = np.where(in_context, used, 0).min()
+    if lowest < 0:
+        r, col = np.argwhere(in_context & (used < 0))[0]
+        raise ValueError(f"block_table[{r}, {col}] is {int(used[r, col])}: block ids must be >= 0")
+    return int(np.where(in_context, used, -1).max())
+
+
+def assert_lengths_async(query_start_loc: torch.Tensor, context_lens: torch.Tensor, block_table: torch.Tensor,
+                         block_size: int) -> None:
+    """The debug switch's device-side form of ``check_lengths`` (no host sync)."""
+    torch._assert_async(query_start_loc[0] == 0, "mla_ops debug: query_start_loc must start at 0")
+    torch._assert_async((query_start_loc[1:] >= query_start_loc[:-1]).all(),
+                        "mla_ops debug: query_start_loc must be non-decreasing")
+    torch._assert_async((context_lens >= 0).all(), "mla_ops debug: context_lens must be non-negative")
+    blocks = (context_lens + block_size - 1) // block_size
+    torch._assert_async((blocks <= block_table.shape[1]).all(),
+                        "mla_ops debug: block_table too short for a context")
+    in_context = torch.arange(block_table.shape[1], device=block_table.device) < blocks.unsqueeze(1)
+    used = block_table.narrow(0, 0, context_lens.shape[0])
+    torch._assert_async((~in_context | (used >= 0)).all(), "mla_ops debug: block ids must be >= 0")
 
 
 def check_k_scale(k_scale, kv_cache: torch.Tensor, device: torch.device) -> None:

@@ -154,12 +154,15 @@ def test_cuda_graph_capture_replays_changing_batches():
     torch.nn.init.normal_(caches)
     base = caches.clone()
     static = StaticStep(config, max_tokens=40, max_requests=8, max_blocks=20)
-    compiled = torch.compile(model, fullgraph=True, dynamic=False)
+    def planned_step(ids, pos, caches, slots, table, qsl, lens):  # the planner runs inside the graph
+        plan = mla_ops.plan_prefill(qsl, lens, table, 4, 32, max_chunks=4, absorb_max_query_len=3)
+        return model(ids, pos, caches, slots, table, plan)  # both context paths in the captured graph
+
+    compiled = torch.compile(planned_step, fullgraph=True, dynamic=False)
 
     def step():
         ids, pos, _, slots, table, qsl, lens = static.args()
-        return compiled(ids, pos, caches, slots, table, qsl, lens, workspace_size=32, max_chunks=4,
-                        absorb_max_query_len=3)  # both context paths in the captured graph
+        return compiled(ids, pos, caches, slots, table, qsl, lens)
 
     static.load(*[t.to(DEVICE) for t in model_step(config, *BUCKET_4[0], seed=0)])
     stream = torch.cuda.Stream()
@@ -179,7 +182,9 @@ def test_cuda_graph_capture_replays_changing_batches():
         tokens = static.load(*inputs)
         graph.replay()
         expect_caches = base.clone()
-        expect = model(inputs[0], inputs[1], expect_caches, *inputs[2:], workspace_size=32, absorb_max_query_len=0)
+        ids, pos, slots, table, qsl, lens = inputs
+        plan = mla_ops.plan_prefill(qsl, lens, table, 4, 32, absorb_max_query_len=0)  # eager, host plan
+        expect = model(ids, pos, expect_caches, slots, table, plan)
         torch.testing.assert_close(static_out[:tokens], expect, rtol=2e-3, atol=2e-3)
         torch.testing.assert_close(caches, expect_caches, rtol=2e-3, atol=2e-3)
 
@@ -196,12 +201,16 @@ def test_reduce_overhead_runs_without_cudagraph_skips():
     caches = model.allocate_kv_caches(64, 4)
     torch._dynamo.mark_static_address(caches)  # a fixed buffer: cudagraphs may mutate it in place
     with torch._inductor.config.patch({"triton.cudagraph_or_error": True}):
-        compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+        def planned_step(ids, pos, caches, slots, table, qsl, lens):
+            plan = mla_ops.plan_prefill(qsl, lens, table, 4, 32, max_chunks=4)
+            return model(ids, pos, caches, slots, table, plan)
+
+        compiled = torch.compile(planned_step, mode="reduce-overhead", fullgraph=True)
         for i, batch in enumerate(BUCKET_4[:4]):
             ids, pos, slots, table, qsl, lens = [t.to(DEVICE) for t in model_step(config, *batch, seed=i)]
             for _ in range(3):  # warm-up, record, replay
                 expect_caches = caches.clone()
-                out = compiled(ids, pos, caches, slots, table, qsl, lens, workspace_size=32, max_chunks=4).clone()
-            expect = model(ids, pos, expect_caches, slots, table, qsl, lens, workspace_size=32)
+                out = compiled(ids, pos, caches, slots, table, qsl, lens).clone()
+            expect = model(ids, pos, expect_caches, slots, table, mla_ops.plan_prefill(qsl, lens, table, 4, 32))
             torch.testing.assert_close(out, expect, rtol=2e-3, atol=2e-3)
     assert math.isfinite(out.float().sum().item())

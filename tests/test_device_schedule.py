@@ -122,6 +122,7 @@ def test_max_chunks_rejects_host_only_options():
         mla_ops.mla_prefill(**batch, workspace_size=4, max_chunks=0)
     with pytest.raises(ValueError, match="max_chunks"):
         mla_ops.mla_prefill(**batch, workspace_size=4, max_chunks=2, policy="whole_requests")
-    sched = mla_ops.plan_context_chunks([3, 5], [2, 2], 4)
+    plan = mla_ops.plan_prefill(batch["query_start_loc"], batch["context_lens"], batch["block_table"],
+                                batch["kv_cache"].shape[1], 4)
     with pytest.raises(ValueError, match="max_chunks"):
-        mla_ops.mla_prefill(**batch, workspace_size=4, max_chunks=2, schedule=sched)
+        mla_ops.mla_prefill(**batch, max_chunks=2, plan=plan)

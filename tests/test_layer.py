@@ -245,7 +245,7 @@ def dense_attention_layer(attn, config, hidden, positions, cache_before, block_t
     return out.reshape(T, N * V) @ w["o_proj.weight"].T, torch.cat([kv_c, k_pe], dim=-1)
 
 
-@pytest.mark.parametrize("q_lora,planning", [(True, "host"), (False, "host"), (True, "schedule"), (True, "device")])
+@pytest.mark.parametrize("q_lora,planning", [(True, "host"), (False, "host"), (True, "whole_requests"), (True, "device")])
 def test_attention_matches_dense_layer(q_lora, planning):
     config = MLAConfig.from_name("tiny")
     if not q_lora:
@@ -263,14 +263,14 @@ def test_attention_matches_dense_layer(q_lora, planning):
     cache_before = kv_cache.clone()
 
     expect, new_rows = dense_attention_layer(attn, config, hidden, positions, cache_before, table, qsl, ctx_t)
-    plan = {
+    options = {
         "host": {},
-        "schedule": {"schedule": mla_ops.plan_context_chunks(ctx, qlens, workspace)},
+        "whole_requests": {"policy": "whole_requests"},
         "device": {"max_chunks": math.ceil(sum(ctx) / workspace)},
     }[planning]
+    plan = mla_ops.plan_prefill(qsl, ctx_t, table, block_size, workspace, absorb_max_query_len=0, **options)
     with torch.no_grad():
-        out = attn(hidden, positions, kv_cache, slots, table, qsl, ctx_t, workspace_size=workspace,
-                   backend="torch", **plan)
+        out = attn(hidden, positions, kv_cache, slots, table, plan, backend="torch")
 
     assert out.shape == hidden.shape and out.dtype == torch.float64
     err = (out - expect).abs().max().item() / max(1.0, expect.abs().max().item())
@@ -296,17 +296,16 @@ def test_two_step_prefill_equals_one_prefill():
     def run(kv_caches, ctx, qlens, **kwargs):
         positions, slots, qsl, ctx_t = step_inputs(table, ctx, qlens, block_size)
         ids = torch.cat([p[c : c + q] for p, c, q in zip(prompts, ctx, qlens)])
+        plan = mla_ops.plan_prefill(qsl, ctx_t, table, block_size, workspace, **kwargs)  # one plan, every layer
         with torch.no_grad():
-            return model(ids, positions, kv_caches, slots, table, qsl, ctx_t,
-                         workspace_size=workspace, backend="torch", **kwargs)
+            return model(ids, positions, kv_caches, slots, table, plan, backend="torch")
 
     one_caches = model.allocate_kv_caches(num_blocks, block_size)
     one = run(one_caches, [0, 0], prompt_lens)
 
     two_caches = model.allocate_kv_caches(num_blocks, block_size)
     step1 = run(two_caches, [0, 0], first)
-    schedule = mla_ops.plan_context_chunks(first, second, workspace)  # planned once, used by every layer
-    step2 = run(two_caches, first, second, schedule=schedule)
+    step2 = run(two_caches, first, second, absorb_max_query_len=0)
 
     split = lambda x, lens: x.split(lens)  # noqa: E731
     one_parts = split(one, prompt_lens)
@@ -332,7 +331,8 @@ def test_tiny_model_runs_and_is_deterministic():
         caches = model.allocate_kv_caches(num_blocks, block_size)
         ids = torch.arange(len(positions)) * 7 % config.vocab_size
         with torch.no_grad():
-            outs.append(model(ids, positions, caches, slots, table, qsl, ctx_t, workspace_size=4))
+            plan = mla_ops.plan_prefill(qsl, ctx_t, table, block_size, workspace_size=4)
+            outs.append(model(ids, positions, caches, slots, table, plan))
     assert outs[0].shape == (sum(qlens), config.hidden_size) and outs[0].dtype == torch.float32
     assert torch.isfinite(outs[0]).all()
     assert torch.equal(outs[0], outs[1])
@@ -343,10 +343,11 @@ def test_tiny_model_runs_and_is_deterministic():
 def test_model_rejects_caches_for_the_wrong_layer_count():
     model = MLAModel(MLAConfig.from_name("tiny"))
     caches = model.allocate_kv_caches(4, 4)[:1]
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    plan = mla_ops.plan_prefill(torch.tensor([0, 1], dtype=torch.int32), torch.zeros(1, dtype=torch.int32), table, 4)
     with pytest.raises(ValueError, match="kv_caches"):
         model(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), caches,
-              torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.int32),
-              torch.tensor([0, 1], dtype=torch.int32), torch.zeros(1, dtype=torch.int32), workspace_size=4)
+              torch.zeros(1, dtype=torch.long), table, plan)
 
 
 def test_deepseek_v2_lite_attention_shapes():
@@ -372,28 +373,3 @@ def test_deepseek_v2_lite_attention_shapes():
 def test_unknown_preset_is_rejected():
     with pytest.raises(ValueError, match="deepseek-v2-lite"):
         MLAConfig.from_name("deepseek-v9")
-
-
-def test_compiled_model_matches_eager_without_graph_breaks():
-    config = MLAConfig.from_name("tiny")
-    torch.manual_seed(0)
-    model = spread_weights(MLAModel(config), seed=8)
-    block_size, workspace = 4, 8
-    ctx, qlens = [0, 9, 3], [2, 3, 4]
-    num_blocks, table = block_table_for([c + q for c, q in zip(ctx, qlens)], block_size, seed=9)
-    positions, slots, qsl, ctx_t = step_inputs(table, ctx, qlens, block_size)
-    ids = torch.arange(len(positions)) * 5 % config.vocab_size
-    g = torch.Generator().manual_seed(10)
-    caches = torch.randn(model.allocate_kv_caches(num_blocks, block_size).shape, generator=g)
-    eager_caches, compiled_caches = caches.clone(), caches.clone()
-    max_chunks = math.ceil(sum(ctx) / workspace)
-
-    def step(kv_caches):
-        return model(ids, positions, kv_caches, slots, table, qsl, ctx_t, workspace_size=workspace,
-                     max_chunks=max_chunks, backend="torch")
-
-    with torch.no_grad():
-        expect = step(eager_caches)
-        got = torch.compile(step, fullgraph=True)(compiled_caches)
-    torch.testing.assert_close(got, expect, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(compiled_caches, eager_caches, rtol=1e-5, atol=1e-6)

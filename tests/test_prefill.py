@@ -173,7 +173,8 @@ class Batch:
 
     def run(self, **kwargs):
         kwargs.setdefault("backend", "torch")
-        kwargs.setdefault("absorb_max_query_len", 0)  # the chunked path; tests/test_routing.py sweeps
+        if "plan" not in kwargs:
+            kwargs.setdefault("absorb_max_query_len", 0)  # the chunked path; tests/test_routing.py sweeps
         if self.k_scale is not None:
             kwargs.setdefault("k_scale", self.k_scale)
         return mla_ops.mla_prefill(*self.args(), **kwargs)

@@ -46,12 +46,14 @@ def test_every_split_matches_the_dense_reference(absorb, dtype, block_size):
         torch.testing.assert_close(out, pure_mha, rtol=0, atol=1e-12 if dtype == torch.float64 else 1e-5)
 
 
-def test_a_schedule_planned_over_the_mha_share():
+def test_a_plan_holds_the_routing_split():
     batch = make_batch(CONTEXT_LENS, QUERY_LENS, seed=3)
-    mha_lens, _ = route_context(CONTEXT_LENS, QUERY_LENS, 8)
-    schedule = mla_ops.plan_context_chunks(mha_lens, QUERY_LENS, 16)
-    out = batch.run(workspace_size=16, schedule=schedule, absorb_max_query_len=8)
-    assert_close_to_reference(out, batch.reference(), torch.float64)
+    plan = mla_ops.plan_prefill(batch.query_start_loc, batch.context_lens, batch.block_table,
+                                batch.kv_cache.shape[1], 16, absorb_max_query_len=8)
+    mha_lens, absorbed_lens = route_context(CONTEXT_LENS, QUERY_LENS, 8)
+    assert plan.absorbed_context_lens.tolist() == list(absorbed_lens)
+    assert plan.schedule.num_context_tokens == sum(mha_lens)  # the chunks cover the MHA share only
+    assert_close_to_reference(batch.run(plan=plan), batch.reference(), torch.float64)
 
 
 def test_fp8_cache_on_both_paths():
@@ -59,9 +61,13 @@ def test_fp8_cache_on_both_paths():
     assert_close_to_reference(batch.run(workspace_size=9, absorb_max_query_len=8), batch.reference(), torch.float32)
 
 
-def test_default_routes_by_the_cost_model():
-    batch = make_batch(CONTEXT_LENS, QUERY_LENS, seed=5)  # L=16, P=8, R=4, V=8: break-even 16
-    assert cost_model_threshold(16, 8, 4, 8) == 16
+def test_default_routes_by_the_cost_model_at_deepseek_dims():
+    assert cost_model_threshold(512, 128, 64, 128) == mla_ops.routing.DEFAULT_ABSORB_MAX_QUERY_LEN == 170
+    batch = make_batch(CONTEXT_LENS, QUERY_LENS, seed=5)
+    plan = mla_ops.plan_prefill(batch.query_start_loc, batch.context_lens, batch.block_table,
+                                batch.kv_cache.shape[1], 7)
+    expect = [c if q <= 170 else 0 for c, q in zip(CONTEXT_LENS, QUERY_LENS)]
+    assert plan.absorbed_context_lens.tolist() == expect
     out = mla_ops.mla_prefill(*batch.args(), workspace_size=7)
     assert_close_to_reference(out, batch.reference(), torch.float64)
 

@@ -49,13 +49,15 @@ def _merge_attn_states(
     suffix_out: torch.Tensor,
     suffix_lse: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return merge_states_reference(prefix_out, prefix_lse, suffix_out, suffix_lse)
+    out, lse = merge_states_reference(prefix_out, prefix_lse, suffix_out, suffix_lse)
+    # Elementwise results follow their inputs' layout; the op promises contiguous ones (its fake).
+    return out.contiguous(), lse.contiguous()
 
 
 @_merge_attn_states.register_fake
 def _(prefix_out, prefix_lse, suffix_out, suffix_lse):
     out = torch.empty_like(prefix_out, memory_format=torch.contiguous_format)
-    return out, prefix_lse.new_empty(prefix_lse.shape, dtype=lse_dtype(prefix_out.dtype))
+    return out, torch.empty_like(prefix_lse, dtype=lse_dtype(prefix_out.dtype), memory_format=torch.contiguous_format)
 
 
 def merge_attn_states(

@@ -85,6 +85,11 @@ def test_merge_opcheck():
     l[0, 1] = float("-inf")
     torch.library.opcheck(ops.merge_attn_states, (o, l, torch.randn(5, 2, 4), torch.randn(2, 5)),
                           test_utils=OPCHECK_UTILS)
+    # Permuted-dense inputs (heads-first outputs, tokens-first LSEs seen as [N, T]): the fake's
+    # contiguous strides must be what the real op returns.
+    o_p, l_p = torch.randn(2, 5, 4).transpose(0, 1), torch.randn(5, 2).t()
+    torch.library.opcheck(ops.merge_attn_states, (o_p, l_p, torch.randn(4, 5, 2).permute(1, 2, 0), l_p),
+                          test_utils=OPCHECK_UTILS)
 
 
 # ---- gather_context ----------------------------------------------------------------------------

@@ -4,6 +4,10 @@ Importing registers the ``torch.ops.mla_ops`` operators; it changes no global co
 ``mla_ops.enable()`` switches on the Inductor integration (see ``enable``).
 """
 
+from ._source_tree import alias_lowering
+
+alias_lowering(__path__)
+
 from . import absorbed, backends, context_attention, gather, suffix_attention, up_projection  # noqa: F401  (ops)
 from .cache import write_latent_cache
 from .device_schedule import DeviceSchedule, plan_context_chunks_device
@@ -25,7 +29,7 @@ def enable() -> dict:
     uuid hashes the lowering sources, so a changed lowering never reuses stale cached code.
     Idempotent; call it before ``torch.compile``. Returns what it registered.
     """
-    import lowering
+    from . import lowering
 
     return lowering.enable()
 

@@ -372,7 +372,7 @@ def test_the_device_planner_runs_once_per_step_whatever_the_layer_count():
 
 CACHE_SCRIPT = """
 import os, sys, torch
-import mla_ops, lowering.decompositions as decompositions
+import mla_ops, mla_ops.lowering.decompositions as decompositions
 from mla_ops.merge import merge_states_reference
 
 if os.environ.get("PATCH_LOWERING"):

@@ -39,10 +39,14 @@ class Kernels(NamedTuple):
 
 
 REFERENCE = Kernels(
-    gather_reference, up_project_reference, context_attention_reference, suffix_attention_reference,
-    merge_states_reference, absorbed_reference,
+    gather_context=gather_reference,
+    up_project=up_project_reference,
+    context_attention=context_attention_reference,
+    suffix_attention=suffix_attention_reference,
+    merge_attn_states=merge_states_reference,
+    absorbed_context_attention=absorbed_reference,
 )
-OPS = Kernels(*(getattr(torch.ops.mla_ops, name).default for name in Kernels._fields))
+OPS = Kernels(**{name: getattr(torch.ops.mla_ops, name).default for name in Kernels._fields})
 
 
 @functools.cache
@@ -59,8 +63,12 @@ def triton_kernels() -> Kernels:
     from .triton import absorbed, attention, gather, merge, up_projection
 
     return Kernels(
-        gather.gather_context, up_projection.up_project, attention.context_attention,
-        attention.suffix_attention, merge.merge_attn_states, absorbed.absorbed_context_attention,
+        gather_context=gather.gather_context,
+        up_project=up_projection.up_project,
+        context_attention=attention.context_attention,
+        suffix_attention=attention.suffix_attention,
+        merge_attn_states=merge.merge_attn_states,
+        absorbed_context_attention=absorbed.absorbed_context_attention,
     )
 
 
@@ -107,5 +115,5 @@ def _cuda_kernel(name: str, reference: Callable) -> Callable:
     return kernel
 
 
-for _name, _reference in zip(Kernels._fields, REFERENCE):
+for _name, _reference in REFERENCE._asdict().items():
     torch.library.register_kernel(f"mla_ops::{_name}", "cuda", _cuda_kernel(_name, _reference))

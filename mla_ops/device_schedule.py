@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .validation import check_int32, check_positive_int
+
 
 @dataclass(frozen=True)
 class DeviceSchedule:
@@ -68,13 +70,9 @@ def _(context_lens, workspace_size, max_chunks):
 
 def plan_context_chunks_device(context_lens: torch.Tensor, workspace_size: int, max_chunks: int) -> DeviceSchedule:
     """The packed schedule of ``context_lens`` in ``max_chunks`` fixed slots (see module doc)."""
-    if not isinstance(context_lens, torch.Tensor) or context_lens.dim() != 1:
-        raise ValueError(f"context_lens must be a 1-D tensor [B], got {getattr(context_lens, 'shape', context_lens)}")
-    if context_lens.dtype != torch.int32:
-        raise TypeError(f"context_lens must be int32, got {context_lens.dtype}")
-    for name, value in (("workspace_size", workspace_size), ("max_chunks", max_chunks)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    check_int32(context_lens, "context_lens", 1, "[B]")
+    check_positive_int(workspace_size, "workspace_size")
+    check_positive_int(max_chunks, "max_chunks")
     starts, seq_lens, cu_seq_lens, num_chunks = torch.ops.mla_ops.plan_context_chunks_device(
         context_lens, workspace_size, max_chunks
     )

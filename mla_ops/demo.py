@@ -121,6 +121,58 @@ def run(full: bool = False, dtype: torch.dtype = torch.float32, seed: int = 0, b
         print(f"{name:<22}{elapsed:>10.2f}{err:>12.2e}{err / expect.abs().max().item():>10.1e}")
 
 
+def step_inputs(config, context_lens, query_lens, block_size, max_blocks, seed):
+    """One model step: each request's new tokens go right after its context, in its own blocks."""
+    g = torch.Generator().manual_seed(seed)
+    table = torch.zeros(len(context_lens), max_blocks, dtype=torch.int32)
+    slots, positions, used = [], [], 0
+    for r, (c, q) in enumerate(zip(context_lens, query_lens)):
+        n = -(-(c + q) // block_size)
+        table[r, :n] = torch.arange(used, used + n, dtype=torch.int32)
+        used += n
+        positions += range(c, c + q)
+        slots += [int(table[r, p // block_size]) * block_size + p % block_size for p in range(c, c + q)]
+    ids = torch.randint(0, config.vocab_size, (sum(query_lens),), generator=g)
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return ids, torch.tensor(positions), torch.tensor(slots), table, qsl, torch.tensor(context_lens, dtype=torch.int32)
+
+
+def compiled_demo(max_chunks: int = 4, workspace_size: int = 32, block_size: int = 4) -> None:
+    """A tiny model step compiled whole, planned on the device inside the graph: one graph serves
+    every batch of the bucket (contexts up to ``max_chunks * workspace_size`` rows)."""
+    mla_ops.enable()
+    torch.manual_seed(0)
+    config = mla_ops.MLAConfig.from_name("tiny")
+    model = mla_ops.MLAModel(config).eval()
+    caches = model.allocate_kv_caches(64, block_size)
+    torch.nn.init.normal_(caches)
+    torch._dynamo.mark_static(caches)  # a runner's fixed cache buffer, not a dynamic shape
+
+    def step(ids, positions, kv_caches, slots, table, qsl, context_lens):
+        plan = mla_ops.plan_prefill(qsl, context_lens, table, block_size, workspace_size, max_chunks=max_chunks)
+        return model(ids, positions, kv_caches, slots, table, plan)
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(step, fullgraph=True, dynamic=True)
+    batches = [([5, 0, 13], [3, 2, 4]), ([40, 7, 0, 2, 11], [1, 2, 3, 4, 5]), ([0, 0], [3, 3]), ([63, 1, 20], [4, 4, 2])]
+    print(f"\ntorch.compile(fullgraph=True, dynamic=True), tiny {config.num_hidden_layers}-layer model, "
+          f"device plan max_chunks={max_chunks}, workspace {workspace_size} rows")
+    print(f"{'batch (context lens)':<24}{'chunks':>8}{'graphs':>8}{'max |eager - compiled|':>25}")
+    for i, (context_lens, query_lens) in enumerate(batches):
+        ids, positions, slots, table, qsl, lens = step_inputs(config, context_lens, query_lens, block_size, 20, i)
+        eager_caches, compiled_caches = caches.clone(), caches.clone()
+        torch._dynamo.mark_static(compiled_caches)
+        start = time.perf_counter()
+        got = compiled(ids, positions, compiled_caches, slots, table, qsl, lens)
+        elapsed = time.perf_counter() - start
+        expect = step(ids, positions, eager_caches, slots, table, qsl, lens)
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        chunks = -(-sum(context_lens) // workspace_size)
+        note = f"  (compiled in {elapsed:.1f} s)" if i == 0 else ""
+        print(f"{str(context_lens):<24}{chunks:>8}{graphs:>8}{(got - expect).abs().max().item():>25.2e}{note}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mla_ops demo", description=__doc__)
     parser.add_argument("--full", action="store_true",
@@ -131,3 +183,4 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
     run(full=args.full, dtype=getattr(torch, args.dtype), seed=args.seed, backend=args.backend)
+    compiled_demo()

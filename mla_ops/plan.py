@@ -45,6 +45,10 @@ class PrefillPlan:
     absorb_max_query_len: int  # 0: no absorbed path
     num_tokens: int | None  # T, where the lengths were readable
     max_block_id: int  # largest block id a context uses; -1 if none or not readable
+    # Context parallel (mla_ops/context_parallel.py): this rank's chunk pieces and reorder index; a pytree
+    # node whose tensors are leaves and whose ContextParallel config and sizes are static context.
+    # Its plans keep ``schedule`` / ``device_schedule`` in stripes of interleave * world_size rows.
+    context_parallel: "ContextParallelPlan | None" = None
 
     @property
     def num_requests(self) -> int:
@@ -86,6 +90,8 @@ def plan_prefill(
     split_alignment: int = 1,
     max_chunks: int | None = None,
     absorb_max_query_len: int | None = None,
+    *,
+    context_parallel: "ContextParallel | None" = None,
 ) -> PrefillPlan:
     """Plan a prefill step once for all layers (module doc).
 
@@ -93,6 +99,10 @@ def plan_prefill(
     device is the plan's). ``max_chunks=K`` gives the device form (packed, ``split_alignment=1``).
     ``absorb_max_query_len``: requests with at most this many new tokens (and some context) take the
     absorbed path; None is ``routing.DEFAULT_ABSORB_MAX_QUERY_LEN``, 0 disables the path.
+    ``context_parallel=mla_ops.ContextParallel(group, interleave)``: the latent cache is sharded over
+    the group's ranks; ``block_table`` is this rank's, the lengths are global, and
+    ``absorb_max_query_len`` routes between the all-gather and absorbed-queries paths (None: their
+    cost model); see ``mla_ops/context_parallel.py``.
 
     Checks shapes and arguments always, and the lengths' values and the block ids the contexts use
     wherever they are readable for free (CPU tensors, not traced). Raises before anything runs.
@@ -118,6 +128,11 @@ def plan_prefill(
             f"got {workspace_size}"
         )
     V.check_choice(policy, "policy", POLICIES)
+    if context_parallel is not None:
+        from .context_parallel import plan_context_parallel  # that module builds on this one
+
+        return plan_context_parallel(query_start_loc, context_lens, block_table, block_size, workspace_size, policy,
+                                     split_alignment, max_chunks, absorb_max_query_len, context_parallel)
     if absorb_max_query_len is None:
         absorb_max_query_len = DEFAULT_ABSORB_MAX_QUERY_LEN
     absorb_max_query_len = V.check_nonnegative_int(absorb_max_query_len, "absorb_max_query_len", " (0 disables)")
@@ -191,6 +206,11 @@ def _device_plan(query_start_loc, context_lens, block_table, block_size, workspa
         mha_lens, absorbed = route_context(context_lens, query_start_loc[1:] - query_start_loc[:-1],
                                            absorb_max_query_len)
     schedule = plan_context_chunks_device(mha_lens, workspace_size, max_chunks)
+    if not torch.compiler.is_compiling():
+        # Passed into a compiled function, K stays a constant: under dynamic=True, duck sizing
+        # would otherwise tie a dynamic size equal to K (e.g. B+1 = K) to it and specialize both.
+        for t in (schedule.starts, schedule.seq_lens, schedule.cu_seq_lens):
+            torch._dynamo.mark_static(t, 0)
     if V.debug_enabled():
         torch._assert_async(~schedule.overflow, "mla_ops debug: the batch needs more chunks than max_chunks")
     truncated = (torch.cumsum(mha_lens, 0) > max_chunks * workspace_size) & (mha_lens > 0)

@@ -17,7 +17,7 @@ from torch._inductor.utils import get_first_incompatible_cudagraph_node, run_and
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mla_ops
-from mla_batches import BUCKET_4, model_step
+from mla_batches import BUCKET_4, make_batch, model_step
 
 try:
     import expecttest
@@ -31,19 +31,11 @@ HEADS, LATENT, NOPE, ROPE, VALUE = 2, 12, 6, 4, 5
 WORKSPACE = 16
 
 
-def prefill_inputs(context_lens, query_lens, seed=0, num_blocks=40, block_size=4, max_blocks=20):
-    g = torch.Generator().manual_seed(seed)
-    table = torch.randint(0, num_blocks, (len(context_lens), max_blocks), generator=g, dtype=torch.int32)
-    tokens = sum(query_lens)
-    args = (
-        torch.randn(tokens, HEADS, NOPE + ROPE, generator=g),
-        torch.randn(tokens, LATENT, generator=g),
-        torch.randn(tokens, ROPE, generator=g),
-        torch.randn(num_blocks, block_size, LATENT + ROPE, generator=g),
-        table,
-        torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32),
-        torch.tensor(context_lens, dtype=torch.int32),
-    )
+def prefill_inputs(context_lens, query_lens, seed=0, block_size=4):
+    b = make_batch(context_lens, query_lens, seed=seed, block_size=block_size, N=HEADS, L=LATENT, P=NOPE, R=ROPE,
+                   V=VALUE, dtype=torch.float32, garbage_blocks=40 - sum(-(-c // block_size) for c in context_lens),
+                   pad_cols=20 - max(-(-c // block_size) for c in context_lens))
+    args = (b.q, b.kv_c, b.k_pe, b.kv_cache, b.block_table, b.query_start_loc, b.context_lens)
     # What a runner keeps fixed: model widths and the cache/block-table buffers. Only tokens (T)
     # and requests (B) vary, so they are the only dynamic dims.
     for t, dims in zip(args, [(1, 2), (1,), (1,), (0, 1, 2), (1,), (), ()]):

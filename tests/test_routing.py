@@ -6,7 +6,7 @@ import torch
 
 import mla_ops
 from mla_ops.routing import cost_model_threshold, modeled_flops, route_context
-from test_prefill import assert_close_to_reference, make_batch
+from mla_batches import assert_close_to_reference, make_batch
 
 # Query lens 1..40 so thresholds 0, 8 and 64 route none, some and all requests with context.
 CONTEXT_LENS = [0, 37, 5, 0, 90, 12, 64, 1]

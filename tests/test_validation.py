@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import mla_ops
+from mla_batches import paged_block_table
 
 FP8 = torch.float8_e4m3fn
 N, L, P, R, V = 2, 8, 4, 2, 4
@@ -30,14 +31,7 @@ def valid_args(dtype=torch.float32):
     def rnd(*shape):
         return torch.randn(*shape, generator=g).to(dtype)
 
-    n_blocks = [math.ceil(c / BLOCK_SIZE) for c in CTX]
-    num_blocks = sum(n_blocks) + 2
-    perm = torch.randperm(num_blocks, generator=g).to(torch.int32)
-    table = torch.zeros(len(CTX), max(n_blocks) + 1, dtype=torch.int32)  # one padding column
-    nxt = 0
-    for r, n in enumerate(n_blocks):
-        table[r, :n] = perm[nxt:nxt + n]
-        nxt += n
+    num_blocks, table = paged_block_table([math.ceil(c / BLOCK_SIZE) for c in CTX], g, spare_blocks=2, pad_cols=1)
     return dict(
         q=rnd(T, N, P + R), kv_c=rnd(T, L), k_pe=rnd(T, R),
         kv_cache=rnd(num_blocks, BLOCK_SIZE, L + R), block_table=table,

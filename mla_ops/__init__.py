@@ -10,8 +10,11 @@ alias_lowering(__path__)
 
 from . import absorbed, backends, context_attention, gather, suffix_attention, up_projection  # noqa: F401  (ops)
 from .cache import write_latent_cache
+from .context_parallel import ContextParallel, shard_context
 from .device_schedule import DeviceSchedule, plan_context_chunks_device
-from .layer import MLAAttention, MLAConfig, MLAModel
+from .graphs import PrefillGraphs
+from .generation import Generator, generate
+from .layer import MLAAttention, MLAConfig, MLAForCausalLM, MLAModel
 from .merge import merge_attn_states
 from .plan import PrefillPlan, plan_prefill
 from .prefill import mla_prefill, run_prefill
@@ -37,19 +40,25 @@ def enable() -> dict:
 __all__ = [
     "enable",
     "ContextChunk",
+    "ContextParallel",
     "ContextSchedule",
     "DeviceSchedule",
     "MLAAttention",
     "MLAConfig",
+    "MLAForCausalLM",
     "MLAModel",
+    "Generator",
+    "generate",
     "merge_attn_states",
     "mla_prefill",
     "plan_context_chunks",
     "plan_context_chunks_device",
     "plan_prefill",
+    "PrefillGraphs",
     "PrefillPlan",
     "route_context",
     "run_prefill",
     "set_debug",
+    "shard_context",
     "write_latent_cache",
 ]

@@ -4,13 +4,12 @@ T new tokens (all requests, concatenated)   H hidden_size        N num_attention
 L kv_lora_rank   P qk_nope_head_dim   R qk_rope_head_dim   V v_head_dim   B requests
 kv_cache  [num_blocks, block_size, L+R]   one latent row [kv_c | k_pe] per token, k_pe rotated
 
-Module and parameter names follow DeepSeek's (``q_a_proj``, ``kv_a_proj_with_mqa``, ``kv_b_proj``,
-``input_layernorm``, ...), so a checkpoint's tensors map by name. Two things differ from a
-checkpoint and are left to a loader: DeepSeek's RoPE parts use the interleaved pair layout while
-``apply_rotary_emb`` rotates halves (NeoX), so the R rows of each head in the q projection and the
-R k_pe rows of ``kv_a_proj_with_mqa`` must be permuted (evens first, then odds) at load time; and
-DeepSeek-V2 uses MoE feed-forwards after its first layer, where every block here has the dense
-gated MLP of ``intermediate_size``.
+Module and parameter names follow DeepSeek's and transformers' (``q_a_proj``, ``kv_a_proj_with_mqa``,
+``kv_b_proj``, ``mlp.experts.gate_up_proj``, ``lm_head``, ...), so a checkpoint's tensors map by name;
+``mla_ops.checkpoint`` converts the rest once at load (interleaved RoPE rows to the halves the layers
+rotate, per-expert tensors to stacked ones, float8 blocks to the model dtype). YaRN frequencies and
+their softmax-scale correction come from the config (``mla_ops.rope``); layers from
+``first_k_dense_replace`` on have DeepSeek's mixture of experts (``mla_ops.moe``).
 
 The cache tensors, slot mapping, block table and the step's ``PrefillPlan`` (``mla_ops.plan_prefill``,
 made once per step) are passed in on every call; nothing is stored in the modules. Every layer
@@ -20,68 +19,15 @@ and compiles to one graph, the planner running once however many layers there ar
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .cache import check_write, write_checked
+from .config import MLAConfig, mla_configs  # noqa: F401  (mla_configs: the presets, re-exported)
+from .moe import MoE, FeedForward, _linear
 from .plan import PrefillPlan
 from .prefill import check_run, launch
-
-
-@dataclass
-class MLAConfig:
-    hidden_size: int
-    num_attention_heads: int
-    q_lora_rank: Optional[int]  # None: a plain q_proj (DeepSeek-V2-Lite)
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    rope_theta: float
-    rms_norm_eps: float
-    intermediate_size: int
-    num_hidden_layers: int
-    vocab_size: int
-    initializer_range: float = 0.02
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @classmethod
-    def from_name(cls, name: str) -> MLAConfig:
-        if name not in mla_configs:
-            raise ValueError(f"unknown MLAConfig name {name!r}; known: {sorted(mla_configs)}")
-        return cls(**mla_configs[name])
-
-
-mla_configs = {
-    "deepseek-v2-lite": dict(
-        hidden_size=2048, num_attention_heads=16, q_lora_rank=None, kv_lora_rank=512,
-        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rope_theta=10000.0,
-        rms_norm_eps=1e-6, intermediate_size=10944, num_hidden_layers=27, vocab_size=102400,
-    ),
-    "tiny": dict(  # for tests
-        hidden_size=64, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32,
-        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope_theta=10000.0,
-        rms_norm_eps=1e-6, intermediate_size=128, num_hidden_layers=2, vocab_size=256,
-    ),
-}
-
-
-def _linear(in_features: int, out_features: int, std: float) -> nn.Linear:
-    layer = nn.Linear(in_features, out_features, bias=False)
-    nn.init.normal_(layer.weight, std=std)
-    return layer
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for half types, float64 stays float64."""
-    return torch.promote_types(dtype, torch.float32)
+from .rope import acc_dtype, apply_rotary_emb, rotary_cos_sin, rotate_half  # noqa: F401
 
 
 class RMSNorm(nn.Module):
@@ -91,32 +37,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x.to(_acc_dtype(x.dtype))
+        y = x.to(acc_dtype(x.dtype))
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         return y.to(x.dtype) * self.weight
-
-
-def rotary_cos_sin(
-    positions: torch.Tensor, rope_dim: int, theta: float, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, R] for token positions [T] (NeoX layout: each frequency twice, halves)."""
-    acc = _acc_dtype(dtype)
-    inv_freq = 1.0 / theta ** (torch.arange(0, rope_dim, 2, device=positions.device, dtype=acc) / rope_dim)  # [R/2]
-    freqs = positions.to(acc)[:, None] * inv_freq[None, :]  # [T, R/2]
-    emb = torch.cat([freqs, freqs], dim=-1)  # [T, R]
-    return emb.cos(), emb.sin()
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """NeoX rotate-half RoPE of x [..., R]; cos, sin broadcast to x. Not DeepSeek's interleaved
-    pair layout: checkpoints are permuted at load time (see the module docstring)."""
-    y = x.to(cos.dtype)
-    return (y * cos + rotate_half(y) * sin).to(x.dtype)
 
 
 class MLAAttention(nn.Module):
@@ -129,19 +52,18 @@ class MLAAttention(nn.Module):
         self.qk_rope_head_dim = c.qk_rope_head_dim
         self.v_head_dim = c.v_head_dim
         self.rope_theta = c.rope_theta
-        # DeepSeek's YaRN mscale (long-context checkpoints) is the caller's concern: multiply it
-        # into softmax_scale after construction.
-        self.softmax_scale = c.qk_head_dim ** -0.5
+        self.rope_scaling = c.rope_scaling  # YaRN frequencies (None: plain RoPE)
+        self.softmax_scale = c.softmax_scale  # 1/sqrt(P+R), times YaRN's mscale correction
 
         self.q_lora_rank = c.q_lora_rank
         if c.q_lora_rank is None:
             self.q_proj = _linear(c.hidden_size, c.num_attention_heads * c.qk_head_dim, std)
         else:
             self.q_a_proj = _linear(c.hidden_size, c.q_lora_rank, std)
-            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.lora_norm_eps)
             self.q_b_proj = _linear(c.q_lora_rank, c.num_attention_heads * c.qk_head_dim, std)
         self.kv_a_proj_with_mqa = _linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, std)
-        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.lora_norm_eps)
         self.kv_b_proj = _linear(c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), std)
         self.o_proj = _linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, std)
 
@@ -168,7 +90,7 @@ class MLAAttention(nn.Module):
         kv_c, k_pe = self.kv_a_proj_with_mqa(hidden).split([L, R], dim=-1)  # [T, L], [T, R]
         kv_c = self.kv_a_layernorm(kv_c)
 
-        cos, sin = rotary_cos_sin(positions, R, self.rope_theta, q.dtype)  # [T, R] each
+        cos, sin = rotary_cos_sin(positions, R, self.rope_theta, q.dtype, self.rope_scaling)  # [T, R] each
         q_pe = apply_rotary_emb(q_pe, cos[:, None, :], sin[:, None, :])
         k_pe = apply_rotary_emb(k_pe, cos, sin)
         q = torch.cat([q_nope, q_pe], dim=-1)  # [T, N, P+R]
@@ -195,25 +117,16 @@ def check_plan_block_table(block_table: torch.Tensor, plan: PrefillPlan) -> None
         )
 
 
-class FeedForward(nn.Module):
-    def __init__(self, config: MLAConfig):
-        super().__init__()
-        std = config.initializer_range
-        self.gate_proj = _linear(config.hidden_size, config.intermediate_size, std)
-        self.up_proj = _linear(config.hidden_size, config.intermediate_size, std)
-        self.down_proj = _linear(config.intermediate_size, config.hidden_size, std)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [T, I] -> [T, H]
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, config: MLAConfig):
+    def __init__(self, config: MLAConfig, layer_idx: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = MLAAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = FeedForward(config)
+        if config.is_moe_layer(layer_idx):
+            self.mlp = MoE(config)
+        else:
+            self.mlp = FeedForward(config.hidden_size, config.intermediate_size, config.initializer_range)
 
     def forward(self, x, positions, kv_cache, slot_mapping, block_table, plan, *, k_scale, backend) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, slot_mapping, block_table, plan,
@@ -227,7 +140,7 @@ class MLAModel(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         nn.init.normal_(self.embed_tokens.weight, std=config.initializer_range)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def allocate_kv_caches(
@@ -263,3 +176,43 @@ class MLAModel(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, kv_caches[i], slot_mapping, block_table, plan, k_scale=k_scale, backend=backend)
         return self.norm(x)  # [T, H]
+
+
+class MLAForCausalLM(nn.Module):
+    """``MLAModel`` plus ``lm_head``: logits [T, vocab] for every new token of the step."""
+
+    def __init__(self, config: MLAConfig):
+        super().__init__()
+        self.config = config
+        self.model = MLAModel(config)
+        self.lm_head = _linear(config.hidden_size, config.vocab_size, config.initializer_range)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None) -> MLAForCausalLM:
+        """A checkpoint directory (config.json + safetensors, DeepSeek's release layout or what
+        transformers writes); see ``mla_ops.checkpoint.load_pretrained``."""
+        from .checkpoint import load_pretrained
+
+        return load_pretrained(cls, path, dtype=dtype, device=device)
+
+    def allocate_kv_caches(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
+                           device=None) -> torch.Tensor:
+        return self.model.allocate_kv_caches(num_blocks, block_size, dtype, device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: torch.Tensor,  # [num_hidden_layers, num_blocks, block_size, L+R]
+        slot_mapping: torch.Tensor,  # [T]
+        block_table: torch.Tensor,  # [B, max_blocks] int32: the plan's
+        plan: PrefillPlan,
+        *,
+        k_scale: float | torch.Tensor | None = None,
+        backend: str = "auto",
+    ) -> torch.Tensor:
+        hidden = self.model(input_ids, positions, kv_caches, slot_mapping, block_table, plan,
+                            k_scale=k_scale, backend=backend)  # [T, H]
+        return self.lm_head(hidden)  # [T, vocab]

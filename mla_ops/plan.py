@@ -18,6 +18,7 @@ frozen dataclass and a pytree: tensors are its leaves, the sizes it was planned 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -27,6 +28,9 @@ from . import validation as V
 from .device_schedule import DeviceSchedule, plan_context_chunks_device
 from .routing import DEFAULT_ABSORB_MAX_QUERY_LEN, route_context
 from .schedule import POLICIES, ContextSchedule, plan_context_chunks
+
+if TYPE_CHECKING:  # context_parallel builds on this module
+    from .context_parallel import ContextParallel, ContextParallelPlan
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,7 @@ class PrefillPlan:
     # Context parallel (mla_ops/context_parallel.py): this rank's chunk pieces and reorder index; a pytree
     # node whose tensors are leaves and whose ContextParallel config and sizes are static context.
     # Its plans keep ``schedule`` / ``device_schedule`` in stripes of interleave * world_size rows.
-    context_parallel: "ContextParallelPlan | None" = None
+    context_parallel: ContextParallelPlan | None = None
 
     @property
     def num_requests(self) -> int:
@@ -91,7 +95,7 @@ def plan_prefill(
     max_chunks: int | None = None,
     absorb_max_query_len: int | None = None,
     *,
-    context_parallel: "ContextParallel | None" = None,
+    context_parallel: ContextParallel | None = None,
 ) -> PrefillPlan:
     """Plan a prefill step once for all layers (module doc).
 

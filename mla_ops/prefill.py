@@ -19,6 +19,7 @@ import torch
 
 from . import backends
 from . import validation as V
+from .context_parallel import run_context_parallel
 from .merge import lse_dtype
 from .plan import PrefillPlan, plan_prefill
 
@@ -197,6 +198,8 @@ def launch(q, kv_c, k_pe, kv_cache, weight, softmax_scale, plan, k_scale, backen
     kernels.suffix_attention(q, k_nope, k_pe, v, plan.query_start_loc, softmax_scale, suffix_out, suffix_lse)
 
     step = _Step(kernels, dims, q, kv_cache, weight, softmax_scale, k_scale, plan)
+    if plan.context_parallel is not None:  # a sharded cache: mla_ops/context_parallel.py
+        return run_context_parallel(step, suffix_out, suffix_lse)
     if plan.max_chunks is not None:
         return _device_plan_context(step, suffix_out, suffix_lse)
     return _host_plan_context(step, suffix_out, suffix_lse)

@@ -357,6 +357,14 @@ def test_deepseek_v2_lite_attention_shapes():
     assert (c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim) == (128, 64, 128)
     assert (c.rope_theta, c.rms_norm_eps) == (10000.0, 1e-6)
     assert (c.num_hidden_layers, c.intermediate_size, c.vocab_size) == (27, 10944, 102400)
+    # The released config.json: YaRN x40 over 4,096 positions, 64 routed experts after 1 dense layer.
+    y = c.rope_scaling
+    assert (y.factor, y.original_max_position_embeddings, y.beta_fast, y.beta_slow) == (40, 4096, 32, 1)
+    assert (y.mscale, y.mscale_all_dim, c.max_position_embeddings) == (0.707, 0.707, 163840)
+    assert (c.n_routed_experts, c.num_experts_per_tok, c.n_shared_experts, c.moe_intermediate_size) == (64, 6, 2, 1408)
+    assert (c.first_k_dense_replace, c.scoring_func, c.topk_method, c.norm_topk_prob) == (1, "softmax", "greedy", False)
+    assert (c.routed_scaling_factor, c.lora_norm_eps, c.dtype) == (1.0, 1e-6, "bfloat16")
+    assert [c.is_moe_layer(i) for i in (0, 1, 26)] == [False, True, True]
     with torch.device("meta"):
         attn = MLAAttention(config)
     shapes = {name: tuple(p.shape) for name, p in attn.named_parameters()}
@@ -367,7 +375,21 @@ def test_deepseek_v2_lite_attention_shapes():
         "kv_b_proj.weight": (16 * (128 + 128), 512),
         "o_proj.weight": (2048, 16 * 128),
     }
-    assert attn.softmax_scale == pytest.approx(1 / math.sqrt(192))
+    mscale = 0.1 * 0.707 * math.log(40) + 1  # YaRN's correction: x 1.5896
+    assert attn.softmax_scale == pytest.approx(mscale**2 / math.sqrt(192))
+    assert mscale**2 == pytest.approx(1.5896, abs=1e-4)
+
+
+def test_deepseek_v3_preset():
+    c = MLAConfig.from_name("deepseek-v3")
+    assert (c.hidden_size, c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank, c.num_hidden_layers) == (
+        7168, 128, 1536, 512, 61)
+    assert (c.intermediate_size, c.moe_intermediate_size, c.vocab_size) == (18432, 2048, 129280)
+    assert (c.n_routed_experts, c.num_experts_per_tok, c.n_shared_experts, c.first_k_dense_replace) == (256, 8, 1, 3)
+    assert (c.scoring_func, c.topk_method, c.n_group, c.topk_group) == ("sigmoid", "noaux_tc", 8, 4)
+    assert (c.norm_topk_prob, c.routed_scaling_factor) == (True, 2.5)
+    assert (c.rope_scaling.factor, c.rope_scaling.mscale, c.rope_scaling.mscale_all_dim) == (40, 1.0, 1.0)
+    assert c.softmax_scale == pytest.approx((0.1 * math.log(40) + 1) ** 2 / math.sqrt(192))
 
 
 def test_unknown_preset_is_rejected():

@@ -1,0 +1,403 @@
+"""``PrefillGraphs``: whole prefill steps replayed from CUDA graphs, one per bucket (DESIGN §8).
+
+A captured step replays a fixed launch sequence, so what varies per step lives in static buffers,
+refilled before each replay, and the step is padded to a bucket in three dimensions:
+
+=================  ==================================  ===========================================
+dimension          buckets (defaults)                  padding
+=================  ==================================  ===========================================
+tokens T           ``token_buckets``: 16, 32, 64, ...  the spare tokens (id 0, position 0, slot -1:
+                   below ``max_tokens``, then          they write nothing) form one extra padding
+                   ``max_tokens``                      request with no context, after the slots
+request slots B    ``request_buckets``: 1, 2, 4, ...   zero-length sentinel requests (no tokens,
+                   below ``max_requests``, then it     no context) fill the slots past B
+chunk capacity K   ``chunk_buckets``: 1, 2, 4, 8, 16   the smallest K >= ceil(chunked context /
+                                                       workspace_size); chunks past the device
+                                                       count do no work
+=================  ==================================  ===========================================
+
+The step's device-form plan (``plan_prefill(..., max_chunks=K)``) is made inside the captured or
+compiled function, from the static length buffers, so a replay re-plans on the device. "Chunked
+context" is the context the plan routes to the chunked MHA path (absorbed requests take none).
+The lengths are read on the host once per step (free when they are CPU tensors, as a scheduler
+has them) to pick the bucket. A step beyond the largest bucket in any dimension (or whose contexts
+need more block-table columns than ``max_blocks_per_request``) runs the model eagerly with a
+host plan: still exact.
+
+Modes: ``"cuda_graph"`` captures the eager step of each bucket with ``torch.cuda.graph``, all
+graphs in one memory pool (they never run at once); ``"compile"`` compiles each bucket with
+``torch.compile(fullgraph=True, dynamic=False)``: static shapes, so each bucket is exactly one
+graph (under ``dynamic=True`` sizes 0 and 1 would specialise and recompile); ``"eager"`` runs the
+padded, device-planned step as is. The last two run on any device and test the bucketing on CPU.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import numbers
+import types
+from typing import Callable, NamedTuple
+
+import numpy as np
+import torch
+
+from . import validation as V
+from .plan import plan_prefill
+from .prefill import BACKENDS
+from .routing import DEFAULT_ABSORB_MAX_QUERY_LEN, route_context
+
+MODES = ("cuda_graph", "compile", "eager")
+
+
+class Variant(NamedTuple):
+    """One bucket: padded token count, request slots, chunk capacity K."""
+
+    tokens: int
+    requests: int
+    chunks: int
+
+    def __str__(self) -> str:
+        return f"T{self.tokens}-B{self.requests}-K{self.chunks}"
+
+
+def _powers_of_two_up_to(limit: int, first: int) -> tuple[int, ...]:
+    sizes = []
+    size = first
+    while size < limit:
+        sizes.append(size)
+        size *= 2
+    return (*sizes, limit)
+
+
+def _check_buckets(buckets, name: str, limit: int | None = None) -> tuple[int, ...]:
+    if isinstance(buckets, (str, bytes)) or not hasattr(buckets, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of positive ints, got {type(buckets).__name__}")
+    sizes = tuple(sorted({V.check_positive_int(b, name) for b in buckets}))
+    if not sizes:
+        raise ValueError(f"{name} must hold at least one size")
+    if limit is not None and sizes[-1] > limit:
+        raise ValueError(f"{name} must not exceed {limit} (the static buffers' size), got {sizes[-1]}")
+    return sizes
+
+
+def _smallest_at_least(buckets: tuple[int, ...], n: int) -> int | None:
+    i = bisect.bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else None
+
+
+def _named_copy(fn: Callable, name: str) -> Callable:
+    """``fn`` with its own code object: torch.compile keeps its cache (and recompile limit) per code
+    object, so each bucket gets its own entry instead of piling recompiles onto one."""
+    code = fn.__code__.replace(co_name=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
+class PrefillGraphs:
+    """Run prefill steps of ``model`` from per-bucket CUDA graphs (or compiled functions).
+
+    model: any module with ``forward(input_ids, positions, kv_caches, slot_mapping, block_table,
+    plan, *, k_scale, backend)`` returning a tensor whose first dim is the step's tokens
+    (``MLAModel``: hidden states [T, H]). Sizes: ``max_tokens`` / ``max_requests`` (the largest
+    token / request bucket unless the bucket lists say otherwise), ``max_blocks_per_request``
+    (block-table columns), ``block_size`` and ``workspace_size`` of the plan. ``request_buckets``,
+    ``absorb_max_query_len`` (the plan's routing threshold), ``k_scale`` and ``backend`` (passed to
+    the model) and ``compile_backend`` (``torch.compile``'s, mode ``"compile"``) are extensions.
+
+    ``stats``: ``graphs`` (buckets captured / compiled / set up), ``replays`` (steps run through
+    a bucket), ``eager`` (steps beyond the buckets, run eagerly), ``static_bytes`` (the static
+    input buffers) and ``graph_bytes`` (``"T..-B..-K.."`` -> bytes of device memory the capture
+    of that bucket added to the shared pool; mode ``"cuda_graph"`` only).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        max_tokens: int,
+        max_requests: int,
+        max_blocks_per_request: int,
+        block_size: int,
+        workspace_size: int,
+        chunk_buckets=(1, 2, 4, 8, 16),
+        token_buckets=None,
+        mode: str = "cuda_graph",
+        request_buckets=None,
+        absorb_max_query_len: int | None = None,
+        k_scale: float | torch.Tensor | None = None,
+        backend: str = "auto",
+        compile_backend="inductor",
+    ):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        V.check_choice(mode, "mode", MODES)
+        max_tokens = V.check_positive_int(max_tokens, "max_tokens")
+        max_requests = V.check_positive_int(max_requests, "max_requests")
+        self.max_blocks_per_request = V.check_positive_int(max_blocks_per_request, "max_blocks_per_request")
+        self.block_size = V.check_positive_int(block_size, "block_size")
+        self.workspace_size = V.check_positive_int(workspace_size, "workspace_size")
+        self.chunk_buckets = _check_buckets(chunk_buckets, "chunk_buckets")
+        self.token_buckets = (_powers_of_two_up_to(max_tokens, 16) if token_buckets is None
+                              else _check_buckets(token_buckets, "token_buckets", max_tokens))
+        self.request_buckets = (_powers_of_two_up_to(max_requests, 1) if request_buckets is None
+                                else _check_buckets(request_buckets, "request_buckets", max_requests))
+        if absorb_max_query_len is None:
+            absorb_max_query_len = DEFAULT_ABSORB_MAX_QUERY_LEN
+        self.absorb_max_query_len = V.check_nonnegative_int(absorb_max_query_len, "absorb_max_query_len",
+                                                            " (0 disables)")
+        tensor = next(itertools.chain(model.parameters(), model.buffers()), None)
+        if tensor is None:
+            raise ValueError("model has no parameters or buffers to tell its device")
+        self.device = tensor.device
+        if mode == "cuda_graph" and self.device.type != "cuda":
+            raise ValueError(
+                f"mode='cuda_graph' needs the model on a CUDA device, got {self.device}; use mode='compile' "
+                "or 'eager' elsewhere"
+            )
+        V.check_choice(backend, "backend", BACKENDS)
+        self.model, self.mode, self.backend, self.compile_backend = model, mode, backend, compile_backend
+        self.k_scale = self._device_k_scale(k_scale)
+
+        # Static inputs, sized once for the largest bucket. Request rows: the slots, then the
+        # padding request. ``_lengths`` holds a bucket's query_start_loc [S+2] then context_lens
+        # [S+1], contiguous, so one copy refills both.
+        tokens, rows = self.token_buckets[-1], self.request_buckets[-1] + 1
+        zeros = lambda *s, dtype=torch.int32: torch.zeros(*s, dtype=dtype, device=self.device)  # noqa: E731
+        self._input_ids, self._positions = zeros(tokens, dtype=torch.long), zeros(tokens, dtype=torch.long)
+        self._slot_mapping = torch.full((tokens,), -1, dtype=torch.long, device=self.device)
+        self._block_table = zeros(rows, self.max_blocks_per_request)
+        self._lengths = zeros(2 * rows + 1)
+        static = (self._input_ids, self._positions, self._slot_mapping, self._block_table, self._lengths)
+        self._runs: dict[Variant, Callable[[torch.Tensor], torch.Tensor]] = {}
+        self._caches: torch.Tensor | None = None  # the cache geometry (and memory) the buckets were built for
+        self._pool = torch.cuda.graph_pool_handle() if mode == "cuda_graph" else None
+        self.stats = dict(graphs=0, replays=0, eager=0, static_bytes=sum(t.nbytes for t in static), graph_bytes={})
+
+    # ---- public --------------------------------------------------------------------------
+
+    @property
+    def variants(self) -> tuple[Variant, ...]:
+        """Every bucket combination, largest first (the order ``warmup`` builds them in)."""
+        return tuple(sorted(
+            (Variant(*v) for v in itertools.product(self.token_buckets, self.request_buckets, self.chunk_buckets)),
+            reverse=True,
+        ))
+
+    @property
+    def built(self) -> tuple[Variant, ...]:
+        """The buckets captured / compiled so far, in build order."""
+        return tuple(self._runs)
+
+    @torch.no_grad()
+    def warmup(self, kv_caches: torch.Tensor | None = None) -> None:
+        """Build every bucket now (largest first, so the shared pool is sized by the first).
+
+        The graphs read ``kv_caches`` (mode ``"cuda_graph"``: that very memory; ``"compile"``: its
+        shape), so pass it unless a step already ran. Builds run an empty step: it writes nothing.
+        """
+        if kv_caches is None:
+            kv_caches = self._caches
+        if kv_caches is None:
+            raise ValueError("warmup needs kv_caches (the graphs read them) until a step has run")
+        self._check_caches(kv_caches)
+        for variant in self.variants:
+            if variant not in self._runs:
+                self._build(variant, kv_caches)
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: torch.Tensor,  # the model's caches (MLAModel: [layers, num_blocks, block_size, L+R])
+        slot_mapping: torch.Tensor,  # [T], negative = write nothing
+        block_table: torch.Tensor,  # [B, max_blocks] int32
+        query_start_loc: torch.Tensor,  # [B+1] int32, best on the CPU (read on the host)
+        context_lens: torch.Tensor,  # [B] int32, best on the CPU (read on the host)
+    ) -> torch.Tensor:
+        """The model's output for the step, ``[T, ...]``.
+
+        Mode ``"cuda_graph"``: a view of the graph's static output, overwritten by the next call
+        (clone it to keep it).
+        """
+        qsl, ctx = self._host_lengths(input_ids, positions, slot_mapping, block_table, query_start_loc,
+                                      context_lens)
+        variant = self._variant_for(qsl, ctx)
+        if variant is None:
+            self.stats["eager"] += 1
+            return self._run_eagerly(input_ids, positions, kv_caches, slot_mapping, block_table, query_start_loc,
+                                     context_lens)
+        self._check_caches(kv_caches)
+        run = self._runs.get(variant) or self._build(variant, kv_caches)
+        self._load(variant, input_ids, positions, slot_mapping, block_table, qsl, ctx)
+        out = run(kv_caches)
+        self.stats["replays"] += 1
+        return out[: int(qsl[-1])]
+
+    # ---- bucketing -----------------------------------------------------------------------
+
+    def _variant_for(self, qsl: np.ndarray, ctx: np.ndarray) -> Variant | None:
+        """The smallest bucket that holds the step; None beyond the largest."""
+        if ctx.size and int(-(-ctx.max() // self.block_size)) > self.max_blocks_per_request:
+            return None
+        chunked, _ = route_context(ctx, np.diff(qsl), self.absorb_max_query_len)
+        chunks_needed = max(1, -(-int(chunked.sum()) // self.workspace_size))
+        sizes = (_smallest_at_least(self.token_buckets, int(qsl[-1])),
+                 _smallest_at_least(self.request_buckets, ctx.size),
+                 _smallest_at_least(self.chunk_buckets, chunks_needed))
+        return None if None in sizes else Variant(*sizes)
+
+    def _views(self, variant: Variant) -> tuple[torch.Tensor, ...]:
+        """The static buffers as one bucket's inputs (fixed addresses: what a graph reads)."""
+        tokens, rows = variant.tokens, variant.requests + 1
+        qsl, ctx = self._lengths[: 2 * rows + 1].split([rows + 1, rows])
+        return (self._input_ids[:tokens], self._positions[:tokens], self._slot_mapping[:tokens],
+                self._block_table[:rows], qsl, ctx)
+
+    def _load(self, variant, input_ids, positions, slot_mapping, block_table, qsl, ctx) -> None:
+        """Copy a step into the static buffers, padded to ``variant`` (module doc)."""
+        tokens, requests = int(qsl[-1]), ctx.size
+        self._input_ids[:tokens].copy_(input_ids)
+        self._positions[:tokens].copy_(positions)
+        self._slot_mapping[:tokens].copy_(slot_mapping)
+        if tokens < variant.tokens:
+            self._slot_mapping[tokens : variant.tokens].fill_(-1)  # padding tokens write nothing
+        width = min(block_table.shape[1], self.max_blocks_per_request)  # the contexts fit (checked)
+        self._block_table[:requests, :width].copy_(block_table[:requests, :width])
+        self._load_lengths(variant, qsl, ctx)
+
+    def _load_lengths(self, variant: Variant, qsl: np.ndarray, ctx: np.ndarray) -> None:
+        slots, requests = variant.requests, ctx.size
+        lengths = np.zeros(2 * slots + 3, np.int32)
+        lengths[: requests + 1] = qsl
+        lengths[requests + 1 : slots + 1] = qsl[-1]  # sentinels: no tokens
+        lengths[slots + 1] = variant.tokens  # the padding request takes the spare tokens
+        lengths[slots + 2 : slots + 2 + requests] = ctx  # sentinel and padding contexts stay 0
+        host = torch.from_numpy(lengths)
+        if self.device.type == "cuda":  # pinned: an async copy, the block kept until it is done
+            host = host.pin_memory()
+        self._lengths[: lengths.size].copy_(host, non_blocking=True)
+
+    def _load_empty(self, variant: Variant) -> None:
+        """A step of padding only (reads and writes no cache row): what a build runs."""
+        self._slot_mapping[: variant.tokens].fill_(-1)
+        self._load_lengths(variant, np.zeros(1, np.int32), np.zeros(0, np.int32))
+
+    # ---- building and running -------------------------------------------------------------
+
+    def _step_function(self, chunks: int, name: str) -> Callable:
+        runner = self
+
+        def prefill_step(input_ids, positions, kv_caches, slot_mapping, block_table, query_start_loc, context_lens):
+            # Planned here, on the device: a replay re-plans from the refilled length buffers.
+            plan = plan_prefill(query_start_loc, context_lens, block_table, runner.block_size, runner.workspace_size,
+                                max_chunks=chunks, absorb_max_query_len=runner.absorb_max_query_len)
+            return runner.model(input_ids, positions, kv_caches, slot_mapping, block_table, plan,
+                                k_scale=runner.k_scale, backend=runner.backend)
+
+        return _named_copy(prefill_step, name)
+
+    def _build(self, variant: Variant, kv_caches: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        ids, positions, slots, table, qsl, ctx = self._views(variant)
+        step = self._step_function(variant.chunks, f"prefill_step_{variant}".replace("-", "_"))
+        self._load_empty(variant)
+        if self.mode == "eager":
+            def run(caches):
+                return step(ids, positions, caches, slots, table, qsl, ctx)
+        elif self.mode == "compile":
+            compiled = torch.compile(step, fullgraph=True, dynamic=False, backend=self.compile_backend)
+            compiled(ids, positions, kv_caches, slots, table, qsl, ctx)  # compiles now
+
+            def run(caches):
+                return compiled(ids, positions, caches, slots, table, qsl, ctx)
+        else:
+            run = self._capture(variant, lambda: step(ids, positions, kv_caches, slots, table, qsl, ctx))
+        self._runs[variant] = run
+        self.stats["graphs"] += 1
+        return run
+
+    def _capture(self, variant: Variant, step: Callable[[], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # Triton JIT and library handles, outside the capture
+            step()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # as torch.cuda.graph does on entry: the difference is then the pool's growth
+        before = torch.cuda.memory_reserved(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = step()
+        self.stats["graph_bytes"][str(variant)] = torch.cuda.memory_reserved(self.device) - before
+
+        def run(caches):
+            graph.replay()
+            return out
+
+        return run
+
+    def _run_eagerly(self, input_ids, positions, kv_caches, slot_mapping, block_table, query_start_loc,
+                     context_lens) -> torch.Tensor:
+        block_table = block_table.to(self.device)
+        plan = plan_prefill(query_start_loc, context_lens, block_table, self.block_size, self.workspace_size,
+                            absorb_max_query_len=self.absorb_max_query_len)
+        return self.model(input_ids.to(self.device), positions.to(self.device), kv_caches,
+                          slot_mapping.to(self.device), block_table, plan, k_scale=self.k_scale, backend=self.backend)
+
+    # ---- checks ----------------------------------------------------------------------------
+
+    def _device_k_scale(self, k_scale):
+        """A float scale becomes a device tensor once: no host-to-device copy inside a capture."""
+        if k_scale is None or isinstance(k_scale, torch.Tensor):
+            return k_scale
+        if isinstance(k_scale, bool) or not isinstance(k_scale, numbers.Real) or not k_scale > 0:
+            raise ValueError(f"k_scale must be a positive float or a one-element float32 tensor, got {k_scale!r}")
+        return torch.tensor([float(k_scale)], dtype=torch.float32, device=self.device)
+
+    def _check_caches(self, kv_caches) -> None:
+        """Buckets are built for one cache: its memory (captured) or its geometry (compiled)."""
+        if not isinstance(kv_caches, torch.Tensor):
+            raise TypeError(f"kv_caches must be a torch.Tensor, got {type(kv_caches).__name__}")
+        if kv_caches.device != self.device:
+            raise ValueError(f"kv_caches must be on {self.device} (the model's device), got {kv_caches.device}")
+        bound = self._caches
+        if bound is None or self.mode == "eager":
+            self._caches = kv_caches
+            return
+        same_geometry = (kv_caches.shape, kv_caches.stride(), kv_caches.dtype, kv_caches.device) == \
+            (bound.shape, bound.stride(), bound.dtype, bound.device)
+        if not same_geometry or (self.mode == "cuda_graph" and kv_caches.data_ptr() != bound.data_ptr()):
+            what = "the tensor" if self.mode == "cuda_graph" else "the shape, strides and dtype of the tensor"
+            raise ValueError(
+                f"kv_caches must be {what} the buckets were built with ({tuple(bound.shape)} {bound.dtype} on "
+                f"{bound.device}), got {tuple(kv_caches.shape)} {kv_caches.dtype} on {kv_caches.device}: "
+                "use one runner per cache"
+            )
+
+    def _host_lengths(self, input_ids, positions, slot_mapping, block_table, query_start_loc, context_lens):
+        """The step's lengths as host arrays, checked (argument names in every error)."""
+        V.check_int32(query_start_loc, "query_start_loc", 1, "[B+1]")
+        V.check_int32(context_lens, "context_lens", 1, "[B]")
+        V.check_int32(block_table, "block_table", 2, "[B, max_blocks]")
+        requests = context_lens.shape[0]
+        if query_start_loc.shape[0] != requests + 1:
+            raise ValueError(f"query_start_loc must be [B+1] = [{requests + 1}] for B={requests} context_lens, "
+                             f"got {list(query_start_loc.shape)}")
+        if block_table.shape[0] < requests:
+            raise ValueError(f"block_table must have a row per request (B={requests}), got {block_table.shape[0]} rows")
+        if query_start_loc.device.type == "cpu" and context_lens.device.type == "cpu":
+            qsl, ctx = query_start_loc.numpy(), context_lens.numpy()
+        else:  # one device-to-host read of both
+            both = torch.cat([query_start_loc.to(context_lens.device), context_lens]).cpu().numpy()
+            qsl, ctx = both[: requests + 1], both[requests + 1 :]
+        table = block_table.numpy() if block_table.device.type == "cpu" else \
+            np.zeros((requests, block_table.shape[1]), np.int32)
+        V.check_lengths(qsl, ctx, table, self.block_size)
+        tokens = int(qsl[-1])
+        for name, x in (("input_ids", input_ids), ("positions", positions), ("slot_mapping", slot_mapping)):
+            V.check_tensor(x, name, 1, "[T]")
+            if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+                raise TypeError(f"{name} must be an integer tensor, got {x.dtype}")
+            if x.shape[0] != tokens:
+                raise ValueError(f"{name} must have T = query_start_loc[-1] = {tokens} entries, got {x.shape[0]}")
+        return qsl, ctx

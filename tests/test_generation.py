@@ -1,0 +1,96 @@
+"""Generation without a reference model: the block bookkeeping with prefix caching
+(mla_ops.paged_cache: names, sharing, reference counts, eviction) and generation on a GPU against
+the CPU. (Greedy tokens against transformers: tests/test_hf.py.)"""
+
+import copy
+
+import pytest
+import torch
+
+import mla_ops
+from mla_ops.config import MLAConfig
+from mla_ops.paged_cache import BlockManager, block_hashes, chain_hash
+
+
+def test_block_names_chain_their_prefix():
+    a = block_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], 4)
+    assert len(a) == 2  # the partial third block has no name
+    assert a == block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4)
+    assert block_hashes([9, 9, 9, 9, 5, 6, 7, 8], 4)[1] != a[1]  # same tokens after another prefix
+    assert block_hashes([5, 6, 7, 8], 4)[0] != a[1]  # same tokens at another place
+    assert chain_hash(None, [1, 23]) != chain_hash(None, [12, 3])  # token boundaries count
+
+
+def test_shared_blocks_are_reference_counted_and_cached_after_release():
+    m = BlockManager(4, block_size=2)
+    names = block_hashes([1, 2, 3, 4], 2)
+    a, b = m.allocate(), m.allocate()
+    m.register(a, names[0])
+    m.register(b, names[1])
+    assert m.match(names) == [a, b] and m.match([names[0], b"other", names[1]]) == [a] and m.num_cached == 2
+    for block in (a, b):
+        m.acquire(block)  # a second sequence shares the prefix
+    for block in (b, a, b, a):
+        m.release(block)
+    assert m.num_available == 4 and m.match(names) == [a, b]  # unused, still cached
+    fresh = [m.allocate(), m.allocate()]
+    assert set(fresh).isdisjoint({a, b})  # free blocks go first
+    assert m.allocate() == b and m.match(names) == [a]  # then the least recently released cached one
+    with pytest.raises(RuntimeError, match="full"):
+        m.allocate(), m.allocate()
+
+
+def test_an_unregistered_release_frees_at_once_and_duplicates_stay_private():
+    m = BlockManager(3, block_size=2)
+    name = block_hashes([7, 7], 2)[0]
+    a, b = m.allocate(), m.allocate()
+    m.register(a, name)
+    m.register(b, name)  # same content computed twice: the second copy is not indexed
+    assert m.match([name]) == [a]
+    m.release(b)
+    assert m.num_available == 2 and m.num_cached == 1
+    with pytest.raises(RuntimeError, match="released more often"):
+        m.release(b)
+
+
+def test_grow_and_clear():
+    m = BlockManager(1, block_size=4, prefix_caching=True)
+    a = m.allocate()
+    m.register(a, b"x")
+    m.grow(2)
+    assert m.num_blocks == 3 and m.num_available == 2
+    m.clear_cache()
+    assert m.match([b"x"]) == [] and m.num_available == 2  # a is still held
+    m.release(a)
+    assert m.num_available == 3
+    off = BlockManager(2, block_size=4, prefix_caching=False)
+    block = off.allocate()
+    off.register(block, b"y")
+    assert off.match([b"y"]) == [] and off.num_cached == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@torch.no_grad()
+def test_generation_on_cuda_equals_cpu_eager_and_compiled():
+    """float32 (MoE dense on CUDA), Triton kernels, prefix sharing, a deferred prompt, YaRN."""
+    config = MLAConfig(
+        hidden_size=64, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=16, v_head_dim=16, rope_theta=1e4, rms_norm_eps=1e-6, intermediate_size=96,
+        num_hidden_layers=2, vocab_size=96, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        n_shared_experts=1, first_k_dense_replace=1, scoring_func="sigmoid", topk_method="noaux_tc", n_group=4,
+        topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+        rope_scaling=dict(type="yarn", factor=4, original_max_position_embeddings=32, mscale=1, mscale_all_dim=1),
+    )
+    torch.manual_seed(0)
+    model = mla_ops.MLAForCausalLM(config).eval()
+    for p in model.parameters():
+        p.copy_(torch.randn(p.shape) * p.shape[-1] ** -0.5 * 1.5 if p.dim() >= 2 else 1 + 0.3 * torch.randn(p.shape))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (9, 3, 14)]
+    prompts.append(prompts[2][:9] + [1])
+    expect = mla_ops.Generator(model, block_size=4).generate(prompts, 6)
+    gpu = copy.deepcopy(model).cuda()
+    assert mla_ops.Generator(gpu, block_size=4).generate(prompts, 6) == expect
+    torch._dynamo.reset()
+    assert mla_ops.Generator(gpu, block_size=4, compile=True).generate(prompts, 6) == expect

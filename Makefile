@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test venv clean
+.PHONY: demo test test-compat venv clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,5 +27,38 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests --ignore=tests/interpreter && \
 	TRITON_INTERPRET=1 $(PY) -m pytest -q tests/interpreter
 
+# The GPU machine's software stack (Python 3.12, torch 2.11.0 with CUDA 13, triton 3.6.0, the newest
+# numpy) and the test and bench extras except expecttest, which it lacks, in its own venv: both
+# suites must pass there too. Not in CI: the first run downloads a multi-GB CUDA build of torch.
+# Python 3.12 where it runs (a pyenv 3.12 counts), else 3.11.
+COMPAT_VENV   := .venv-compat
+COMPAT_PY     := $(COMPAT_VENV)/bin/python
+COMPAT_PINS   := torch==2.11.0 triton==3.6.0
+COMPAT_STAMP  := $(COMPAT_VENV)/.installed
+COMPAT_PYTHON ?= $(shell for p in python3.12 $$(pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12 python3.11; do \
+	$$p -c 'import sys' >/dev/null 2>&1 && { echo $$p; break; }; done)
+
+$(COMPAT_STAMP): Makefile
+	test -x $(COMPAT_PY) || $(COMPAT_PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_PY) -m pip install --quiet --upgrade pip
+	$(COMPAT_PY) -m pip install --quiet --upgrade $(COMPAT_PINS) numpy pytest hypothesis matplotlib tqdm
+	touch $(COMPAT_STAMP)
+
+# mla-ops runs from the source tree there (PYTHONPATH), as benchmarks/gpu_check.sh runs it.
+test-compat: $(COMPAT_STAMP)
+	$(COMPAT_PY) -c 'import sys, torch, triton, numpy; print("compat:", sys.version.split()[0], "torch", \
+	    torch.__version__, "triton", triton.__version__, "numpy", numpy.__version__)'
+	export TORCHINDUCTOR_CACHE_DIR=$$(mktemp -d) PYTHONPATH=$(CURDIR) && \
+	$(COMPAT_PY) -m pytest -q tests --ignore=tests/interpreter -p no:cacheprovider && \
+	TRITON_INTERPRET=1 $(COMPAT_PY) -m pytest -q tests/interpreter -p no:cacheprovider
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(COMPAT_VENV) build *.egg-info
+
+# The test suite with the "long" hypothesis profile (tests/conftest.py): thousands of examples
+# per planner property test instead of `make test`'s few dozen.
+.PHONY: test-long
+test-long: $(STAMP)
+	export TORCHINDUCTOR_CACHE_DIR=$$(mktemp -d) HYPOTHESIS_PROFILE=long && \
+	$(PY) -m pytest -q tests --ignore=tests/interpreter && \
+	TRITON_INTERPRET=1 $(PY) -m pytest -q tests/interpreter

@@ -1,7 +1,7 @@
 """Replay a real request trace through a simulated prefix-caching, chunked-prefill scheduler and
 count the context chunks each step needs under every chunk-schedule policy.
 
-Trace: one JSON object per line (the Mooncake FAST'25 format, see /work/shared/traces/README.md):
+Trace: one JSON object per line (the Mooncake FAST'25 format, see benchmarks/traces/README.md):
 ``timestamp`` (arrival, ms), ``input_length`` (prompt tokens), ``output_length`` (generated
 tokens), ``hash_ids`` (one id per ``--block-size``-token prompt block; equal chains = same prefix).
 
@@ -31,8 +31,10 @@ above) is planned for each workspace size with the old vLLM batch-column schedul
 (``benchmarks.batch_column``) and with ``mla_ops.plan_context_chunks`` under ``whole_requests``
 and ``packed``; host planner time is measured with ``time.perf_counter_ns`` around each call.
 
-    python benchmarks/trace_replay.py --trace /work/shared/traces/mooncake_conversation_trace.jsonl \
+    python benchmarks/trace_replay.py \
         --json benchmarks/results/trace_replay.json --plot benchmarks/results/trace_replay.png
+
+replays the Mooncake conversation trace kept in ``benchmarks/traces/``; ``--trace`` takes another.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `mla_ops
 import mla_ops  # noqa: E402
 from benchmarks.batch_column import batch_column_chunks  # noqa: E402
 
+DEFAULT_TRACE = Path(__file__).resolve().parent / "traces" / "mooncake_conversation_trace.jsonl"
 POLICIES = ("batch_column", "whole_requests", "packed")
 PLANNER_POLICIES = ("whole_requests", "packed")
 
@@ -79,6 +82,13 @@ class Step:
     context_lens: list[int]
     query_lens: list[int]
     num_decodes: int
+
+
+def repo_path(path: str | Path) -> str:
+    """``path`` relative to the repository when it lies inside it (results stay machine-independent)."""
+    path = Path(path).resolve()
+    root = Path(__file__).resolve().parent.parent
+    return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
 
 
 def load_trace(path: str | Path, limit: int | None = None) -> list[Request]:
@@ -359,6 +369,8 @@ def plot(result: dict, path: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     colors = {"batch_column": "tab:red", "whole_requests": "tab:orange", "packed": "tab:green"}
+    names = {"batch_column": "batch column (old vLLM)", "whole_requests": "whole_requests (vLLM PR #50613)",
+             "packed": "packed"}
     sizes = result["workspace_sizes"]
     hist_sizes = list(dict.fromkeys([sizes[0], min(sizes)]))  # primary and smallest
     fig, axes = plt.subplots(1, 1 + len(hist_sizes), figsize=(7 + 6 * len(hist_sizes), 5.5))
@@ -370,7 +382,7 @@ def plot(result: dict, path: str | Path) -> None:
         totals = [result["by_workspace"][str(w)]["totals"][p] for w in sizes]
         packed = [result["by_workspace"][str(w)]["totals"]["packed"] for w in sizes]
         labels = [f"{t:,}" + (f"\n{t / b:.2f}x" if b and p != "packed" else "") for t, b in zip(totals, packed)]
-        bars = ax_bar.bar(x + (i - (len(POLICIES) - 1) / 2) * width, totals, width, label=p, color=colors[p])
+        bars = ax_bar.bar(x + (i - (len(POLICIES) - 1) / 2) * width, totals, width, label=names[p], color=colors[p])
         ax_bar.bar_label(bars, labels=labels, fontsize=8, padding=2)
     ax_bar.set_xticks(x, [f"W = {w:,} rows" for w in sizes])
     ax_bar.set_yscale("log")
@@ -394,13 +406,13 @@ def plot(result: dict, path: str | Path) -> None:
         hx = np.arange(len(labels))
         for i, p in enumerate(POLICIES):
             steps_in_bin = np.histogram(per_policy[p], bins=edges)[0]
-            ax.bar(hx + (i - (len(POLICIES) - 1) / 2) * width, steps_in_bin, width, label=p, color=colors[p])
+            ax.bar(hx + (i - (len(POLICIES) - 1) / 2) * width, steps_in_bin, width, label=names[p], color=colors[p])
         ax.set_xticks(hx, labels, rotation=30 if len(labels) > 9 else 0)
         ax.set_yscale("log")
         ax.set_xlabel("context chunks in a step")
         ax.set_ylabel("prefill steps (log)")
         ax.set_title(f"Chunks per step, W = {w:,} rows")
-        ax.legend(loc="upper right")
+        # The bar chart's legend names the colors for all panels.
         ax.grid(axis="y", alpha=0.3)
 
     planner = ", ".join(f"{p} {v} µs" for p, v in result["planner_us_median"].items())
@@ -419,7 +431,7 @@ def plot(result: dict, path: str | Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trace", required=True, help="trace .jsonl (Mooncake format)")
+    parser.add_argument("--trace", default=str(DEFAULT_TRACE), help="trace .jsonl (Mooncake format)")
     parser.add_argument("--json", required=True, help="where to write the results JSON")
     parser.add_argument("--plot", help="where to write a PNG summary")
     parser.add_argument("--token-budget", type=int, default=8192, help="tokens per step")
@@ -442,7 +454,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             parser.error(f"--{name.replace('_', '-')}: expected a positive int")
 
     requests = load_trace(args.trace, args.limit)
-    result = {"trace": str(args.trace)}
+    result = {"trace": repo_path(args.trace)}
     result.update(
         replay(
             requests,

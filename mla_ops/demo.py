@@ -22,13 +22,15 @@ HEADS, LATENT, NOPE, ROPE, VALUE = 16, 512, 128, 64, 128
 
 
 def batch_column_count(context_lens: list[int], workspace_size: int) -> tuple[int | None, float | None]:
-    """Chunks of the old even split (kept in benchmarks/ only: importable from a checkout)."""
-    try:
-        from benchmarks.batch_column import batch_column_schedule
-    except ImportError:
+    """Chunks and workspace use of the old even split (vLLM before PR #50613; the baseline itself
+    lives in benchmarks/batch_column.py): every chunk takes the same ``workspace_size //
+    requests_with_context`` rows of each request, so the longest context sets the count."""
+    with_context = sum(1 for c in context_lens if c > 0)
+    per_request = workspace_size // with_context if with_context else 0
+    if per_request == 0:
         return None, None
-    _, seq_lens = batch_column_schedule(context_lens, workspace_size)
-    return seq_lens.shape[0], float(seq_lens.sum()) / (seq_lens.shape[0] * workspace_size)
+    count = -(-max(context_lens) // per_request)
+    return count, sum(context_lens) / (count * workspace_size)
 
 
 def make_batch(context_lens, query_lens, block_size, dtype, seed):

@@ -7,25 +7,39 @@ the chunks tile it in request order, so a policy is nothing but a choice of boun
 * ``"packed"`` (default): each boundary is the last valid cut at most ``workspace_size`` rows after
   the previous one (valid cuts: request boundaries, and multiples of ``split_alignment`` inside a
   request). With ``split_alignment=1`` that is ``ceil(total / workspace_size)`` chunks, the minimum.
-* ``"whole_requests"``: vLLM PR #50613. Whole requests are packed while they fit; a zero-context
-  request closes the pack; a request longer than the workspace starts a new pack, is split on its
-  own in aligned steps of ``round_down(workspace_size, split_alignment)``, and its remainder opens
-  the next pack.
+* ``"whole_requests"``: vLLM PR #50613 (``plan_mla_context_chunks`` at vllm-project/vllm@27ff206f).
+  Whole requests are packed while they fit; a zero-context request closes the pack; a request
+  longer than the workspace is emitted alone, in pieces of ``round_down(workspace_size,
+  split_alignment)`` rows, the last one shorter, and no other request joins any of its pieces.
 
-From the boundaries every per-chunk field follows with vectorized numpy. All per-chunk tensors
-are views into one int32 buffer, so ``ContextSchedule.to(device)`` costs one host-to-device copy.
+From the boundaries every per-chunk field follows. A step's batch is usually small (the Mooncake
+replay's median step has one request), where each numpy call costs more than the arithmetic it
+replaces, so up to ``SMALL_BATCH`` requests the planner works on Python lists (``itertools``,
+``bisect`` and list builtins); larger batches take vectorized numpy. All per-chunk tensors are
+views into one int32 buffer, cut by one ``split_with_sizes``, so ``ContextSchedule.to(device)``
+costs one host-to-device copy.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from array import array
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Sequence
 
 import numpy as np
 import torch
 
 POLICIES = ("packed", "whole_requests")
+SMALL_BATCH = 384  # requests: about where the numpy path starts to win, measured on a 2-core x86 host
+
+_INT32_MAX = 2**31 - 1
+_INT32_MESSAGE = "context_lens, query_lens and workspace_size must keep every chunk's offsets within int32"
+_INTEGER_DTYPES = frozenset({torch.int8, torch.uint8, torch.int16, torch.uint16, torch.int32, torch.uint32,
+                             torch.int64, torch.uint64})
+_NO_ROWS = torch.empty(0, dtype=torch.int32)  # the buffer of every schedule without chunks; never written
 
 
 @dataclass(frozen=True)
@@ -75,47 +89,71 @@ class ContextSchedule:
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "ContextSchedule":
         """The same schedule with its chunk tensors on ``device``, moved in a single copy."""
         buffer = self._buffer
-        if non_blocking and buffer.device.type == "cpu" and torch.cuda.is_available():
-            buffer = buffer.pin_memory()
+        if non_blocking and buffer.is_cpu and torch.device(device).type != "cpu" and torch.cuda.is_available():
+            buffer = buffer.pin_memory()  # an asynchronous copy needs page-locked host memory
         moved = buffer.to(device, non_blocking=non_blocking)
         if moved is self._buffer:
             return self
-        fields = ("starts", "seq_lens", "cu_seq_lens", "query_start_loc")
-
-        def rebase(t: torch.Tensor) -> torch.Tensor:
-            offset = t.storage_offset() - self._buffer.storage_offset()
-            return moved.narrow(0, offset, t.numel())
-
+        k = len(self.chunks)
+        views = _views(moved, [c.num_requests for c in self.chunks])
         chunks = tuple(
-            dataclasses.replace(c, **{f: rebase(getattr(c, f)) for f in fields}) for c in self.chunks
+            _frozen(ContextChunk, {
+                **c.__dict__,
+                "starts": views[i], "seq_lens": views[k + i],
+                "cu_seq_lens": views[2 * k + i], "query_start_loc": views[3 * k + i],
+            })
+            for i, c in enumerate(self.chunks)
         )
         return dataclasses.replace(self, chunks=chunks, _buffer=moved)
 
 
-def _as_lengths(values, name: str) -> np.ndarray:
-    """A 1-D int64 numpy array from a sequence, numpy array or CPU integer tensor."""
+def _frozen(cls, fields: dict):
+    """An instance of the frozen dataclass ``cls`` holding ``fields``, built without the generated
+    ``__init__``: its one ``object.__setattr__`` per field is most of a chunk's planning cost."""
+    instance = object.__new__(cls)
+    instance.__dict__.update(fields)
+    return instance
+
+
+def _views(buffer: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, ...]:
+    """Cut the buffer into every chunk's tensors. It holds the fields one after the other, each
+    over all chunks: starts, seq_lens (``counts[k]`` entries), cu_seq_lens, query_start_loc (one
+    more); chunk k of K has views ``k``, ``K + k``, ``2K + k`` and ``3K + k``."""
+    if not counts:
+        return ()
+    bounds = [n + 1 for n in counts]
+    return buffer.split_with_sizes(counts + counts + bounds + bounds)
+
+
+def _as_lengths(values, name: str) -> list[int] | np.ndarray:
+    """Non-negative ints from a sequence, numpy array or CPU integer tensor: a list for a batch of
+    up to ``SMALL_BATCH`` requests, an int64 array for a larger one."""
     if isinstance(values, torch.Tensor):
-        if values.device.type != "cpu":
+        if not values.is_cpu:
             raise ValueError(
                 f"{name} must be on the CPU for the host planner (it runs from values the "
                 f"scheduler already has), got a tensor on {values.device}"
             )
-        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+        if values.dtype not in _INTEGER_DTYPES:
             raise TypeError(f"{name} must hold integers, got dtype {values.dtype}")
-        array = values.numpy()
+        if values.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(values.shape)}")
+        lengths = values.tolist() if values.shape[0] <= SMALL_BATCH else values.numpy().astype(np.int64)
+    elif isinstance(values, list) and len(values) <= SMALL_BATCH and all(type(v) is int for v in values):
+        lengths = values  # read only, never kept
     else:
-        array = np.asarray(values)
-        if array.size == 0:
-            array = array.astype(np.int64)
-        if not np.issubdtype(array.dtype, np.integer):
-            raise TypeError(f"{name} must hold integers, got {array.dtype}")
-    if array.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {tuple(array.shape)}")
-    array = array.astype(np.int64, copy=False)
-    if array.size and array.min() < 0:
-        bad = int(np.argmin(array))
-        raise ValueError(f"{name} must be non-negative, got {int(array[bad])} at index {bad}")
-    return array
+        array_ = np.asarray(values)
+        if array_.size == 0:
+            array_ = array_.astype(np.int64)
+        if not np.issubdtype(array_.dtype, np.integer):
+            raise TypeError(f"{name} must hold integers, got {array_.dtype}")
+        if array_.ndim != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(array_.shape)}")
+        lengths = array_.tolist() if array_.size <= SMALL_BATCH else array_.astype(np.int64)
+    if len(lengths) and (min(lengths) if isinstance(lengths, list) else lengths.min()) < 0:
+        bad = int(np.argmin(lengths))
+        raise ValueError(f"{name} must be non-negative, got {lengths[bad]} at index {bad}")
+    return lengths
 
 
 def _check_positive_int(value, name: str) -> int:
@@ -126,10 +164,10 @@ def _check_positive_int(value, name: str) -> int:
     return int(value)
 
 
-def _packed_boundaries(cu_context: np.ndarray, workspace_size: int, alignment: int) -> np.ndarray:
-    total = int(cu_context[-1])
+def _packed_boundaries(cu_context: list[int], workspace_size: int, alignment: int) -> list[int]:
+    total = cu_context[-1]
     if alignment == 1:
-        return np.minimum(np.arange(1, -(-total // workspace_size) + 1) * workspace_size, total)
+        return [*range(workspace_size, total, workspace_size), total] if total else []
     ends = []
     cut = 0
     while cut < total:
@@ -138,34 +176,39 @@ def _packed_boundaries(cu_context: np.ndarray, workspace_size: int, alignment: i
             cut = total
         else:
             # The request holding row `reach` may only be cut at aligned offsets from its start.
-            owner_start = cu_context[np.searchsorted(cu_context, reach, side="right") - 1]
-            cut = int(owner_start + (reach - owner_start) // alignment * alignment)
+            owner_start = cu_context[bisect_right(cu_context, reach) - 1]
+            cut = owner_start + (reach - owner_start) // alignment * alignment
         ends.append(cut)
-    return np.asarray(ends, dtype=np.int64)
+    return ends
 
 
 def _whole_request_boundaries(
-    context_lens: np.ndarray, cu_context: np.ndarray, workspace_size: int, alignment: int
-) -> np.ndarray:
+    context_lens: list[int], cu_context: list[int], workspace_size: int, alignment: int
+) -> list[int]:
     step = workspace_size // alignment * alignment
-    # A pack may not run past the next zero-context request: it closes the pack.
-    zero = np.flatnonzero(context_lens == 0)
     ends = []
-    request, cut, total = 0, 0, int(cu_context[-1])
-    while cut < total:
-        while context_lens[request] == 0 or cu_context[request + 1] <= cut:
-            request += 1  # skip zero-context requests and the one just finished
-        if cu_context[request + 1] - cut > workspace_size:
-            cut += step  # an oversized request is split on its own
-            ends.append(cut)
-            continue
-        # Pack whole requests after the (remainder of the) current one while they fit.
-        stop = zero[np.searchsorted(zero, request)] if zero.size and zero[-1] > request else len(context_lens)
-        last = np.searchsorted(cu_context[request + 1 : stop + 1], cut + workspace_size, side="right")
-        request += int(last) - 1  # at least the current request fits
-        cut = int(cu_context[request + 1])
-        ends.append(cut)
-    return np.asarray(ends, dtype=np.int64)
+    request, num_requests = 0, len(context_lens)
+    next_zero = -1  # the first zero-context request at or after `request`, once looked up
+    while request < num_requests:
+        length = context_lens[request]
+        if length == 0:
+            request += 1
+        elif length > workspace_size:
+            # Alone, in pieces of `step` rows; its remainder is a piece of its own too.
+            ends += range(cu_context[request] + step, cu_context[request + 1], step)
+            ends.append(cu_context[request + 1])
+            request += 1
+        else:
+            if next_zero < request:
+                try:
+                    next_zero = context_lens.index(0, request)
+                except ValueError:
+                    next_zero = num_requests
+            # Whole requests while they fit, up to the next zero-context request, which closes the pack.
+            limit = cu_context[request] + workspace_size
+            request = bisect_right(cu_context, limit, request + 1, next_zero + 1) - 1
+            ends.append(cu_context[request])
+    return ends
 
 
 def plan_context_chunks(
@@ -192,97 +235,156 @@ def plan_context_chunks(
         )
     context_lens = _as_lengths(context_lens, "context_lens")
     query_lens = _as_lengths(query_lens, "query_lens")
-    if context_lens.shape != query_lens.shape:
+    if len(context_lens) != len(query_lens):
         raise ValueError(
-            f"context_lens and query_lens must have one entry per request, got {context_lens.size} "
-            f"and {query_lens.size}"
+            f"context_lens and query_lens must have one entry per request, got {len(context_lens)} "
+            f"and {len(query_lens)}"
         )
 
-    cu_context = np.zeros(context_lens.size + 1, dtype=np.int64)
-    np.cumsum(context_lens, out=cu_context[1:])
+    small = isinstance(context_lens, list)
+    if small:
+        cu_context = list(accumulate(context_lens, initial=0))
+        context_list, cu_list = context_lens, cu_context
+    else:
+        cu_context = np.zeros(len(context_lens) + 1, dtype=np.int64)
+        np.cumsum(context_lens, out=cu_context[1:])
+        cu_list = cu_context.tolist()  # the policies walk lists
+        context_list = context_lens.tolist() if policy == "whole_requests" else None
+    if policy == "packed":
+        ends = _packed_boundaries(cu_list, workspace_size, split_alignment)
+    else:
+        ends = _whole_request_boundaries(context_list, cu_list, workspace_size, split_alignment)
+    build = _schedule_from_lists if small else _schedule_from_arrays
+    return build(ends, context_lens, query_lens, cu_context, workspace_size)
+
+
+def _schedule_from_lists(
+    ends: list[int], context_lens: list[int], query_lens: list[int], cu_context: list[int], workspace_size: int
+) -> ContextSchedule:
+    cu_query = list(accumulate(query_lens, initial=0))
+    starts, seq_lens, cu_seq_lens, query_start_loc = [], [], [], []  # each over all chunks
+    counts, rows = [], []
+    begin = first = 0
+    for end in ends:
+        first = bisect_right(cu_context, begin, first) - 1  # the request holding row `begin`
+        stop = bisect_left(cu_context, end, first)  # one past the request holding row `end - 1`
+        start = begin - cu_context[first]
+        if stop - first == 1:
+            seq = [end - begin]
+        else:
+            seq = context_lens[first:stop]
+            seq[0] -= start
+            seq[-1] = end - cu_context[stop - 1]
+        queries = query_lens[first:stop]
+        starts.append(start)
+        starts += [0] * (stop - first - 1)
+        seq_lens += seq
+        # Offsets that start at 0 are the batch's own prefix sums: slices, nothing to add up.
+        if begin == 0:
+            cu_seq_lens += cu_context[first:stop]
+            cu_seq_lens.append(end)
+        else:
+            cu_seq_lens += accumulate(seq, initial=0)
+        if cu_query[first] == 0:
+            query_start_loc += cu_query[first : stop + 1]
+        else:
+            query_start_loc += accumulate(queries, initial=0)
+        counts.append(stop - first)
+        rows.append((first, stop, end - begin, max(seq), cu_query[first], cu_query[stop], max(queries),
+                     start > 0, cu_query[first + 1]))
+        begin = end
+
+    if counts:
+        try:
+            buffer = torch.frombuffer(array("i", starts + seq_lens + cu_seq_lens + query_start_loc), dtype=torch.int32)
+        except OverflowError:
+            raise ValueError(_INT32_MESSAGE) from None
+    else:
+        buffer = _NO_ROWS
+    total = cu_context[-1]
+    empty = [r for r, c in enumerate(context_lens) if c == 0] if 0 in context_lens else []
+    return _assemble(
+        buffer, counts, rows, workspace_size, total,
+        # The last request with context ends where the context stream first reaches its total.
+        cu_query[bisect_left(cu_context, total)] if total else 0,
+        tuple((cu_query[r], cu_query[r + 1]) for r in empty),
+    )
+
+
+def _schedule_from_arrays(
+    ends: list[int], context_lens: np.ndarray, query_lens: np.ndarray, cu_context: np.ndarray, workspace_size: int
+) -> ContextSchedule:
     cu_query = np.zeros(query_lens.size + 1, dtype=np.int64)
     np.cumsum(query_lens, out=cu_query[1:])
+    total = int(cu_context[-1])
+    zero = np.flatnonzero(context_lens == 0)
+    prefill_tokens = int(cu_query[np.searchsorted(cu_context, total)]) if total else 0
+    empty = tuple(zip(cu_query[zero].tolist(), cu_query[zero + 1].tolist()))
+    if not ends:
+        return _assemble(_NO_ROWS, [], [], workspace_size, total, prefill_tokens, empty)
 
-    if policy == "packed":
-        ends = _packed_boundaries(cu_context, workspace_size, split_alignment)
-    else:
-        ends = _whole_request_boundaries(context_lens, cu_context, workspace_size, split_alignment)
-    return _schedule_from_boundaries(ends, context_lens, cu_context, cu_query, workspace_size)
-
-
-def _schedule_from_boundaries(
-    ends: np.ndarray,
-    context_lens: np.ndarray,
-    cu_context: np.ndarray,
-    cu_query: np.ndarray,
-    workspace_size: int,
-) -> ContextSchedule:
-    begins = np.concatenate(([0], ends[:-1])).astype(np.int64)
-    num_chunks = ends.size
-    # First request with a row at or after `begin`; one past the last request with a row before `end`.
-    first = np.searchsorted(cu_context[1:], begins, side="right")
-    stop = np.searchsorted(cu_context[:-1], ends, side="left")
+    end = np.asarray(ends, dtype=np.int64)
+    begin = np.zeros_like(end)
+    begin[1:] = end[:-1]
+    first = np.searchsorted(cu_context, begin, side="right") - 1  # the request holding row `begin`
+    stop = np.searchsorted(cu_context, end, side="left")  # one past the request holding row `end - 1`
     counts = stop - first
-    total = int(counts.sum())
-
-    # One entry per (chunk, covered request), chunk-major.
-    chunk_of = np.repeat(np.arange(num_chunks), counts)
-    offsets = np.zeros(num_chunks + 1, dtype=np.int64)
-    np.cumsum(counts, out=offsets[1:])
-    request = first[chunk_of] + np.arange(total) - offsets[chunk_of]
-    lo = np.maximum(begins[chunk_of], cu_context[request])
-    hi = np.minimum(ends[chunk_of], cu_context[request + 1])
-    starts = lo - cu_context[request]
-    seq_lens = np.maximum(hi - lo, 0)
-
-    # Boundary arrays have one more entry per chunk: entry i of chunk k is request first[k] + i.
-    bound_chunk = np.repeat(np.arange(num_chunks), counts + 1)
-    bound_pos = np.arange(total + num_chunks) - (offsets + np.arange(num_chunks + 1))[bound_chunk]
-    bound_request = first[bound_chunk] + bound_pos
-    cu_seq_lens = np.clip(cu_context[bound_request], begins[bound_chunk], ends[bound_chunk])
-    cu_seq_lens -= begins[bound_chunk]
-    query_start_loc = cu_query[bound_request] - cu_query[first[bound_chunk]]
-
-    buffer = torch.from_numpy(
-        np.concatenate((starts, seq_lens, cu_seq_lens, query_start_loc)).astype(np.int32)
+    offsets = np.cumsum(counts) - counts  # of each chunk's first entry
+    # One entry per (chunk, covered request), chunk after chunk: entry i of chunk k is request
+    # first[k] + i; the boundary fields have one entry more per chunk.
+    request = np.arange(offsets[-1] + counts[-1]) + np.repeat(first - offsets, counts)
+    bound = np.arange(request.size + end.size) + np.repeat(first - offsets - np.arange(end.size), counts + 1)
+    start = begin - cu_context[first]
+    starts = np.zeros(request.size, dtype=np.int64)
+    starts[offsets] = start
+    seq_lens = context_lens[request]
+    seq_lens[offsets + counts - 1] = end - cu_context[stop - 1]  # the last request ends at `end`
+    seq_lens[offsets] -= start  # the first starts at `begin` (both, for a chunk of one request)
+    cu_seq_lens = np.clip(cu_context[bound] - np.repeat(begin, counts + 1), 0, np.repeat(end - begin, counts + 1))
+    query_start_loc = cu_query[bound] - np.repeat(cu_query[first], counts + 1)
+    values = np.concatenate((starts, seq_lens, cu_seq_lens, query_start_loc))
+    if values.max() > _INT32_MAX:
+        raise ValueError(_INT32_MESSAGE)
+    rows = zip(
+        first.tolist(), stop.tolist(), (end - begin).tolist(), np.maximum.reduceat(seq_lens, offsets).tolist(),
+        cu_query[first].tolist(), cu_query[stop].tolist(), np.maximum.reduceat(query_lens[request], offsets).tolist(),
+        (start > 0).tolist(), cu_query[first + 1].tolist(),
     )
-    query_lens = np.diff(cu_query)
-    if num_chunks:
-        max_seq = np.maximum.reduceat(seq_lens, offsets[:-1])
-        max_query = np.maximum.reduceat(query_lens[request], offsets[:-1])
-    bound_offsets = offsets + np.arange(num_chunks + 1)
-    sections = np.array([0, total, 2 * total, 3 * total + num_chunks])
+    buffer = torch.from_numpy(values.astype(np.int32))
+    return _assemble(buffer, counts.tolist(), rows, workspace_size, total, prefill_tokens, empty)
 
-    chunks = []
-    for k in range(num_chunks):
-        o, n, bo = int(offsets[k]), int(counts[k]), int(bound_offsets[k])
-        r0 = int(first[k])
-        chunks.append(
-            ContextChunk(
-                index=k,
-                request_start=r0,
-                request_end=int(stop[k]),
-                starts=buffer.narrow(0, int(sections[0]) + o, n),
-                seq_lens=buffer.narrow(0, int(sections[1]) + o, n),
-                cu_seq_lens=buffer.narrow(0, int(sections[2]) + bo, n + 1),
-                num_context_tokens=int(ends[k] - begins[k]),
-                max_seq_len=int(max_seq[k]),
-                token_start=int(cu_query[r0]),
-                token_end=int(cu_query[stop[k]]),
-                query_start_loc=buffer.narrow(0, int(sections[3]) + bo, n + 1),
-                max_query_len=int(max_query[k]),
-                is_continuation=bool(begins[k] > cu_context[r0]),
-                continuation_token_end=int(cu_query[r0 + 1]),
-            )
-        )
 
-    has_context = np.flatnonzero(context_lens > 0)
-    empty = np.flatnonzero(context_lens == 0)
-    return ContextSchedule(
-        chunks=tuple(chunks),
-        workspace_size=workspace_size,
-        num_context_tokens=int(cu_context[-1]),
-        prefill_tokens_with_context=int(cu_query[has_context[-1] + 1]) if has_context.size else 0,
-        empty_token_ranges=tuple(zip(cu_query[empty].tolist(), cu_query[empty + 1].tolist())),
-        _buffer=buffer,
+def _assemble(
+    buffer, counts, rows, workspace_size, num_context_tokens, prefill_tokens, empty_ranges
+) -> ContextSchedule:
+    """The schedule from its buffer, chunk sizes and per-chunk scalars (see the two builders)."""
+    k = len(counts)
+    views = _views(buffer, counts)
+    chunks = tuple(
+        _frozen(ContextChunk, {
+            "index": i,
+            "request_start": first,
+            "request_end": stop,
+            "starts": views[i],
+            "seq_lens": views[k + i],
+            "cu_seq_lens": views[2 * k + i],
+            "num_context_tokens": num_rows,
+            "max_seq_len": max_seq_len,
+            "token_start": token_start,
+            "token_end": token_end,
+            "query_start_loc": views[3 * k + i],
+            "max_query_len": max_query_len,
+            "is_continuation": is_continuation,
+            "continuation_token_end": continuation_token_end,
+        })
+        for i, (first, stop, num_rows, max_seq_len, token_start, token_end, max_query_len, is_continuation,
+                continuation_token_end) in enumerate(rows)
     )
+    return _frozen(ContextSchedule, {
+        "chunks": chunks,
+        "workspace_size": workspace_size,
+        "num_context_tokens": num_context_tokens,
+        "prefill_tokens_with_context": prefill_tokens,
+        "empty_token_ranges": empty_ranges,
+        "_buffer": buffer,
+    })

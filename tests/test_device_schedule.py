@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import mla_ops
@@ -13,8 +13,8 @@ import mla_ops
 OPCHECK_UTILS = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
 
 
-@settings(max_examples=1500, deadline=None)
-@given(
+@given(  # examples: the hypothesis profile (tests/conftest.py)
+
     context_lens=st.lists(st.one_of(st.just(0), st.integers(0, 90)), min_size=1, max_size=10),
     workspace_size=st.integers(1, 48),
     spare=st.integers(0, 2),

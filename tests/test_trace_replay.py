@@ -11,8 +11,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 
 from benchmarks.batch_column import batch_column_chunks, batch_column_schedule  # noqa: E402
-
-TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
+from benchmarks.trace_replay import DEFAULT_TRACE  # noqa: E402
 
 
 # --- batch column --------------------------------------------------------------------------------
@@ -65,6 +64,27 @@ def test_batch_column_schedule_tiles_every_context():
         assert (seq_lens.sum(axis=1) <= workspace_size).all()
         assert (starts[1:] == starts[:-1] + seq_lens[:-1]).all()  # contiguous, in order
         assert (starts + seq_lens <= context_lens).all()
+
+
+@pytest.mark.parametrize(
+    "context_lens, workspace_size",
+    [([6000] + [16] * 15, 1024), ([60000] + [16] * 31, 65536), ([5, 0, 3], 4), ([0, 7], 7), ([0, 0], 8), ([9] * 9, 8)],
+)
+def test_demo_batch_column_count_equals_the_baseline(context_lens, workspace_size):
+    # The demo computes the old schedule's count itself (the library never imports benchmarks/).
+    from mla_ops.demo import batch_column_count
+
+    try:
+        _, seq_lens = batch_column_schedule(context_lens, workspace_size)
+    except ValueError:  # fewer rows than requests with context
+        assert batch_column_count(context_lens, workspace_size) == (None, None)
+        return
+    count, use = batch_column_count(context_lens, workspace_size)
+    if seq_lens.shape[0] == 0:
+        assert count is None
+        return
+    assert count == seq_lens.shape[0]
+    assert use == pytest.approx(seq_lens.sum() / (count * workspace_size))
 
 
 def test_batch_column_rejects_a_workspace_too_small_for_the_batch():
@@ -188,16 +208,17 @@ def test_replay_cli_on_a_synthetic_trace(tmp_path):
     assert png.stat().st_size > 10_000
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason="the Mooncake trace is not on this machine")
 def test_replay_cli_on_the_real_trace_prefix(tmp_path):
+    # The Mooncake trace ships in the repository (benchmarks/traces/) and is the default.
     import subprocess
 
+    assert DEFAULT_TRACE.is_relative_to(REPO) and DEFAULT_TRACE.stat().st_size > 1_000_000
     out = tmp_path / "out.json"
     subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "trace_replay.py"), "--trace", str(TRACE),
+        [sys.executable, str(REPO / "benchmarks" / "trace_replay.py"),
          "--json", str(out), "--limit", "200", "--no-progress"],
         check=True, cwd=tmp_path, capture_output=True,
     )
     result = json.loads(out.read_text())
     _check_replay_json(result, [65536, 16384, 4096])
-    assert result["num_requests"] == 200
+    assert result["num_requests"] == 200 and result["trace"] == "benchmarks/traces/mooncake_conversation_trace.jsonl"

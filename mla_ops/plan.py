@@ -27,7 +27,7 @@ import torch.utils._pytree as pytree
 from . import validation as V
 from .device_schedule import DeviceSchedule, plan_context_chunks_device
 from .routing import DEFAULT_ABSORB_MAX_QUERY_LEN, route_context
-from .schedule import POLICIES, ContextSchedule, plan_context_chunks
+from .schedule import POLICIES, SMALL_BATCH, ContextSchedule, plan_context_chunks
 
 if TYPE_CHECKING:  # context_parallel builds on this module
     from .context_parallel import ContextParallel, ContextParallelPlan
@@ -159,11 +159,14 @@ def plan_prefill(
 
 
 def _host_values(query_start_loc, context_lens, block_table, block_size):
-    """Host arrays of the lengths, checked; ``(qsl, ctx, max_block_id)``."""
-    qsl = query_start_loc.cpu().numpy()  # a device sync when the lengths live on a GPU
-    ctx = context_lens.cpu().numpy()
+    """The lengths on the host, checked: lists for a small batch, arrays for a large one (as the host
+    planner takes them); ``(qsl, ctx, max_block_id)``."""
+    small = context_lens.shape[0] <= SMALL_BATCH
+    qsl, ctx = (t.cpu().numpy() for t in (query_start_loc, context_lens))  # a GPU tensor: a sync
+    if small:
+        qsl, ctx = qsl.tolist(), ctx.tolist()  # (numpy's tolist: several times quicker than a tensor's)
     readable_table = block_table.device.type == "cpu"
-    table = block_table.numpy() if readable_table else np.zeros((ctx.size, block_table.shape[1]), np.int32)
+    table = block_table.numpy() if readable_table else np.zeros((len(ctx), block_table.shape[1]), np.int32)
     max_block_id = V.check_lengths(qsl, ctx, table, block_size)
     return qsl, ctx, (max_block_id if readable_table else -1)
 
@@ -171,19 +174,24 @@ def _host_values(query_start_loc, context_lens, block_table, block_size):
 def _host_plan(query_start_loc, context_lens, block_table, block_size, workspace_size, policy, split_alignment,
                absorb_max_query_len, device) -> PrefillPlan:
     qsl, ctx, max_block_id = _host_values(query_start_loc, context_lens, block_table, block_size)
-    query_lens = np.diff(qsl)
+    query_lens = [b - a for a, b in zip(qsl, qsl[1:])] if isinstance(qsl, list) else np.diff(qsl)
     mha_lens, absorbed_lens = route_context(ctx, query_lens, absorb_max_query_len)
-    schedule = plan_context_chunks(mha_lens, query_lens, workspace_size, policy=policy,
-                                   split_alignment=split_alignment).to(device, non_blocking=True)
+    schedule = plan_context_chunks(mha_lens, query_lens, workspace_size, policy=policy, split_alignment=split_alignment)
+    if device.type != "cpu":
+        schedule = schedule.to(device, non_blocking=True)
     absorbed = None
-    if absorbed_lens.any():
-        absorbed = torch.from_numpy(absorbed_lens.astype(np.int32)).to(device, non_blocking=True)
-        absorb_max_query_len = int(query_lens[absorbed_lens > 0].max())  # a tighter static bound
+    routed = [q for q, a in zip(query_lens, absorbed_lens) if a] if isinstance(qsl, list) else \
+        query_lens[absorbed_lens > 0].tolist()
+    if routed:
+        absorbed = torch.tensor(absorbed_lens, dtype=torch.int32).to(device, non_blocking=True)
+        absorb_max_query_len = max(routed)  # a tighter static bound
     else:
         absorb_max_query_len = 0
+    if query_start_loc.device != device:
+        query_start_loc = query_start_loc.to(device, non_blocking=True)
+        context_lens = context_lens.to(device, non_blocking=True)
     return PrefillPlan(
-        query_start_loc=query_start_loc.to(device, non_blocking=True),
-        context_lens=context_lens.to(device, non_blocking=True),
+        query_start_loc=query_start_loc, context_lens=context_lens,
         block_table=block_table, absorbed_context_lens=absorbed, schedule=schedule, device_schedule=None,
         truncated=None, block_size=block_size, workspace_size=workspace_size,
         absorb_max_query_len=absorb_max_query_len, num_tokens=int(qsl[-1]), max_block_id=max_block_id,

@@ -39,7 +39,7 @@ DEFAULT_ABSORB_MAX_QUERY_LEN: int = (
 def route_context(context_lens, query_lens, absorb_max_query_len: int):
     """Split each request's context between the paths: ``(mha_context_lens, absorbed_context_lens)``.
 
-    Works on tensors (device code, no host sync) and on host sequences / numpy arrays (plan the
+    Works on tensors (device code, no host sync), on lists and on numpy arrays (plan the
     chunked MHA path with ``plan_context_chunks(mha_context_lens, ...)``). Exactly one of the two
     is non-zero for a request with context.
     """
@@ -47,6 +47,9 @@ def route_context(context_lens, query_lens, absorb_max_query_len: int):
         absorbed = (query_lens <= absorb_max_query_len) & (context_lens > 0)
         absorbed_lens = torch.where(absorbed, context_lens, torch.zeros_like(context_lens))
         return context_lens - absorbed_lens, absorbed_lens
+    if isinstance(context_lens, list):  # a small batch's host lengths
+        absorbed_lens = [c if q <= absorb_max_query_len else 0 for c, q in zip(context_lens, query_lens)]
+        return [c - a for c, a in zip(context_lens, absorbed_lens)], absorbed_lens
     context_lens, query_lens = np.asarray(context_lens), np.asarray(query_lens)
     absorbed_lens = np.where(query_lens <= absorb_max_query_len, context_lens, 0)
     return context_lens - absorbed_lens, absorbed_lens

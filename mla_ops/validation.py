@@ -91,8 +91,16 @@ def check_int32(x: torch.Tensor, name: str, ndim: int, shape_doc: str, device=No
 
 def check_lengths(query_start_loc: np.ndarray, context_lens: np.ndarray, block_table: np.ndarray,
                   block_size: int) -> int:
-    """Value checks of a step's lengths and the block ids they use (host arrays); returns the
-    largest block id the contexts use (-1 if none)."""
+    """Value checks of a step's lengths and the block ids they use; returns the largest block id
+    the contexts use (-1 if none). Lengths: Python lists (small batches: no numpy call per check)
+    or int arrays; block_table: an array."""
+    if isinstance(context_lens, list):
+        blocks = [-(-c // block_size) for c in context_lens]
+        if query_start_loc[0] == 0 and all(a <= b for a, b in zip(query_start_loc, query_start_loc[1:])) and (
+            not blocks or (min(context_lens) >= 0 and max(blocks) <= block_table.shape[1])
+        ):
+            return _check_block_ids(block_table, np.array(blocks)) if blocks else -1
+        query_start_loc, context_lens = np.array(query_start_loc), np.array(context_lens)  # which check fails
     if query_start_loc[0] != 0:
         raise ValueError(f"query_start_loc must start at 0, got {int(query_start_loc[0])}")
     steps = np.diff(query_start_loc)
@@ -114,16 +122,31 @@ def check_lengths(query_start_loc: np.ndarray, context_lens: np.ndarray, block_t
             f"block_table row {r} has {block_table.shape[1]} blocks, too short for context "
             f"{int(context_lens[r])} at block_size {block_size} (needs {int(blocks[r])})"
         )
-    width = int(blocks.max())
-    if width == 0:
+    return _check_block_ids(block_table, blocks)
+
+
+def _check_block_ids(block_table: np.ndarray, blocks: np.ndarray) -> int:
+    """Block ids in row r's first ``blocks[r]`` columns must be >= 0; returns their maximum (-1 if
+    none). One reduction per row segment over the flat table: work in proportion to the ids used."""
+    rows = np.flatnonzero(blocks)
+    if rows.size == 0:
         return -1
-    used = block_table[: context_lens.size, :width]
-    in_context = np.arange(width) < blocks[:, None]
-    lowest = np.where(in_context, used, 0).min()
-    if lowest < 0:
-        r, col = np.argwhere(in_context & (used < 0))[0]
-        raise ValueError(f"block_table[{r}, {col}] is {int(used[r, col])}: block ids must be >= 0")
-    return int(np.where(in_context, used, -1).max())
+    width = block_table.shape[1]
+    if not block_table.flags.c_contiguous:
+        block_table = np.ascontiguousarray(block_table[: blocks.size, : int(blocks.max())])
+        width = block_table.shape[1]
+    flat = block_table.reshape(-1)
+    bounds = np.empty(2 * rows.size, dtype=np.int64)
+    bounds[0::2] = rows * width
+    bounds[1::2] = rows * width + blocks[rows]
+    if bounds[-1] == flat.size:  # reduceat's last segment runs to the end anyway
+        bounds = bounds[:-1]
+    lowest = np.minimum.reduceat(flat, bounds)[0::2]
+    if lowest.min() < 0:
+        r = int(rows[np.argmin(lowest)])
+        col = int(np.argmin(block_table[r, : blocks[r]]))
+        raise ValueError(f"block_table[{r}, {col}] is {int(block_table[r, col])}: block ids must be >= 0")
+    return int(np.maximum.reduceat(flat, bounds)[0::2].max())
 
 
 def assert_lengths_async(query_start_loc: torch.Tensor, context_lens: torch.Tensor, block_table: torch.Tensor,

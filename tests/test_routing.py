@@ -22,10 +22,11 @@ def test_cost_model_break_even_is_about_170_for_deepseek():
 
 
 def test_route_context_on_host_and_device_agree():
-    mha, absorbed = route_context(CONTEXT_LENS, QUERY_LENS, 8)
+    mha, absorbed = route_context(np.array(CONTEXT_LENS), np.array(QUERY_LENS), 8)
     mha_t, absorbed_t = route_context(torch.tensor(CONTEXT_LENS, dtype=torch.int32),
                                       torch.tensor(QUERY_LENS, dtype=torch.int32), 8)
     assert mha.tolist() == mha_t.tolist() and absorbed.tolist() == absorbed_t.tolist()
+    assert route_context(CONTEXT_LENS, QUERY_LENS, 8) == (mha.tolist(), absorbed.tolist())  # lists: lists
     assert (mha + absorbed).tolist() == CONTEXT_LENS and not np.any((mha > 0) & (absorbed > 0))
     assert absorbed.tolist() == [0, 37, 0, 0, 90, 0, 64, 0]
 

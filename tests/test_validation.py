@@ -143,6 +143,9 @@ CASES = [
     ("block_table_few_rows", _set(block_table=lambda a: a["block_table"][:2]), "block_table"),
     ("block_table_too_short", _set(block_table=lambda a: a["block_table"][:, :2]),
      "block_table"),
+    ("block_id_negative", lambda a: a["block_table"].__setitem__((2, 1), -1), "block_table"),
+    ("block_id_past_the_cache", lambda a: a["block_table"].__setitem__((0, 1), a["kv_cache"].shape[0]),
+     "block_table"),
     ("block_table_too_short_for_longer_context",
      _set(context_lens=torch.tensor([5, 0, 17], dtype=torch.int32)), "block_table"),
     # workspace

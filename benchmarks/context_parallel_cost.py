@@ -41,7 +41,6 @@ import mla_ops  # noqa: E402
 from benchmarks.trace_replay import DEFAULT_TRACE, load_trace, simulate  # noqa: E402
 from mla_ops import context_parallel  # noqa: E402
 
-SHARED_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / DEFAULT_TRACE.name
 STRATEGIES = ("all_gather", "absorbed", "routed")
 
 
@@ -144,8 +143,8 @@ def plot(result: dict, path: str | Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trace", help="trace .jsonl (Mooncake format); default: benchmarks/traces/, else "
-                                        "../shared/traces/")
+    parser.add_argument("--trace", help=f"trace .jsonl (Mooncake format); default: {DEFAULT_TRACE.name} in "
+                                        "benchmarks/traces/")
     parser.add_argument("--json", required=True, help="where to write the results JSON")
     parser.add_argument("--plot", help="where to write a PNG summary")
     parser.add_argument("--world-sizes", default="2,4,8")
@@ -155,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--modeled-only", action="store_true", help="skip running the host planner per step")
     args = parser.parse_args(argv)
 
-    trace = Path(args.trace) if args.trace else DEFAULT_TRACE if DEFAULT_TRACE.exists() else SHARED_TRACE
+    trace = Path(args.trace) if args.trace else DEFAULT_TRACE
     worlds = [int(d) for d in args.world_sizes.split(",")]
     model = context_parallel.CostModel(flops_per_byte=args.flops_per_byte)
     start = time.perf_counter()

@@ -44,13 +44,20 @@ $(COMPAT_STAMP): Makefile
 	$(COMPAT_PY) -m pip install --quiet --upgrade $(COMPAT_PINS) numpy pytest hypothesis matplotlib tqdm
 	touch $(COMPAT_STAMP)
 
-# mla-ops runs from the source tree there (PYTHONPATH), as benchmarks/gpu_check.sh runs it.
+# mla-ops runs from the source tree there (PYTHONPATH), as benchmarks/gpu_check.sh runs it. One
+# pytest process per test file: the whole CPU suite in one torch 2.11 process outgrew this 24 GB
+# machine (OOM-killed at 24 GB), while no file alone needs 1 GB. Exit 5 is a file whose tests all
+# skip at import (a missing optional package).
 test-compat: $(COMPAT_STAMP)
 	$(COMPAT_PY) -c 'import sys, torch, triton, numpy; print("compat:", sys.version.split()[0], "torch", \
 	    torch.__version__, "triton", triton.__version__, "numpy", numpy.__version__)'
-	export TORCHINDUCTOR_CACHE_DIR=$$(mktemp -d) PYTHONPATH=$(CURDIR) && \
-	$(COMPAT_PY) -m pytest -q tests --ignore=tests/interpreter -p no:cacheprovider && \
-	TRITON_INTERPRET=1 $(COMPAT_PY) -m pytest -q tests/interpreter -p no:cacheprovider
+	export TORCHINDUCTOR_CACHE_DIR=$$(mktemp -d) PYTHONPATH=$(CURDIR); failed=""; \
+	for f in tests/test_*.py; do \
+	    $(COMPAT_PY) -m pytest -q -p no:cacheprovider $$f; rc=$$?; \
+	    [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || failed="$$failed $$f"; \
+	done; \
+	TRITON_INTERPRET=1 $(COMPAT_PY) -m pytest -q -p no:cacheprovider tests/interpreter || failed="$$failed tests/interpreter"; \
+	if [ -n "$$failed" ]; then echo "test-compat FAILED:$$failed"; exit 1; fi; echo "test-compat: all passed"
 
 clean:
 	rm -rf $(VENV) $(COMPAT_VENV) build *.egg-info

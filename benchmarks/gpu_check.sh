@@ -1,41 +1,98 @@
 #!/usr/bin/env bash
 # The GPU checks in one command, for an H200 machine without network access (installs nothing
-# from the network): the `cuda` tests, the kernel benchmark, the absorbed-vs-MHA sweep. Results
-# land in benchmarks/results/ (and in $OUT when the device tool runs it). Under 8 minutes: every
-# step has its own time limit. FlashMLA is used when its wheel was carried in .whl/:
+# from the network). Every step writes into the output folder ($OUT when set, else
+# benchmarks/results/) while it runs: its log line by line, benchmark JSON after every
+# configuration. Each step has its own time limit; a failed or timed-out step never stops the
+# next. The last step writes gpu_summary.md (what ran, what passed, the key ratios).
+#
+#   bash benchmarks/gpu_check.sh             # default: at most 6 minutes (the step limits below)
+#   bash benchmarks/gpu_check.sh --long      # the long benchmark sweeps, at most 10 minutes
+#   bash benchmarks/gpu_check.sh --dry-run   # CPU: every step at tiny sizes, into a temporary folder
+#
+# Steps and limits in seconds (default / --long): wheels 10, env 20, cuda_kernels 70 (the tests of
+# tests/test_cuda.py whose names hold neither "graph" nor "reduce_overhead": kernels, FlashMLA,
+# mla_prefill), kernel_bench 50 / 180, absorbed_bench 45 / 175, cuda_graphs 65 (the others: CUDA
+# graphs, torch.compile, PrefillGraphs), graphs_bench 45 / 120 (PrefillGraphs replay vs eager),
+# cuda_models 0 / 120 (--long only: the cuda tests of MoE, generation and context parallel),
+# summary 15; 320 s in all (775 with --long: two device calls, or a 10-minute one without the model
+# tests), and `timeout -k 5` kills a step at most 5 s past its limit. A dry run allows 10x each
+# limit: it checks the code paths, not the speed.
+#
+# Wheels in .whl/ are installed first (--no-deps, into /tmp/site): FlashMLA is measured only if
+# its wheel came along. Fetch it here once; .whl/ is git-ignored, so carry it to the device:
 #
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux2014_x86_64 -d .whl sgl-flash-mla==1.0.0     # here, once
-#   bash benchmarks/gpu_check.sh                                          # there
+#       --platform manylinux2014_x86_64 -d .whl sgl-flash-mla==1.0.0
 set -uo pipefail
 cd "$(dirname "$0")/.."
+
+long=0 dry=0
+for arg in "$@"; do
+    case "$arg" in
+        --long) long=1 ;;
+        --dry-run) dry=1 ;;
+        *) echo "usage: bash benchmarks/gpu_check.sh [--long] [--dry-run]" >&2; exit 2 ;;
+    esac
+done
+
+PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)"   # never reuse code compiled from older lowerings
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+dry_flag=()
+[ "$dry" = 1 ] && dry_flag=(--dry-run)
+flags=("${dry_flag[@]}")
+[ "$long" = 1 ] && flags+=(--long)
+if [ "$dry" = 1 ]; then
+    out="${OUT:-$(mktemp -d -t mla_ops_gpu_check_dry_XXXX)}"
+    case "$(realpath -m "$out")/" in
+        "$(realpath -m benchmarks/results)"/*) echo "--dry-run writes nothing under benchmarks/results/" >&2; exit 2 ;;
+    esac
+else
+    out="${OUT:-benchmarks/results}"
 fi
-results=benchmarks/results
-mkdir -p "$results"
-status=0
+mkdir -p "$out"
+steps="$out/gpu_steps.tsv"
+printf 'step\tstatus\trc\tseconds\tlimit_s\n' > "$steps"
+failed=0
 
-python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__,
-      torch.cuda.get_device_name(), "flash_mla:", __import__("importlib").util.find_spec("flash_mla") is not None)' \
-    || exit 1
+# step NAME LIMIT_S COMMAND...: run under a time limit, log to $out/NAME.log as it goes, record the outcome.
+# (A file, not a pipe through tee: a pipe would wait on any child still holding it after a kill.)
+step() {
+    local name=$1 limit=$2 start=$SECONDS rc status
+    shift 2
+    [ "$dry" = 1 ] && limit=$((limit * 10))
+    echo "== $name (limit ${limit}s)"
+    timeout -k 5 "$limit" "$@" > "$out/$name.log" 2>&1
+    rc=$?
+    tail -n 25 "$out/$name.log"
+    case $rc in
+        0) status=passed ;;
+        124|137) status=timed_out ;;
+        *) status=failed ;;
+    esac
+    [ $rc -eq 0 ] || failed=1
+    printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$rc" "$((SECONDS - start))" "$limit" >> "$steps"
+    echo "== $name: $status after $((SECONDS - start))s"
+}
 
-timeout 180 python3 -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider -rs 2>&1 \
-    | tee "$results/gpu_tests.log"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-
-timeout 180 python3 benchmarks/kernel_bench.py --json "$results/gpu_kernels.json" \
-    --plot "$results/gpu_kernels.png" 2>&1 | tee "$results/gpu_kernels.log"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-
-timeout 90 python3 benchmarks/absorbed_bench.py --json "$results/gpu_absorbed.json" \
-    --plot "$results/gpu_absorbed.png" 2>&1 | tee "$results/gpu_absorbed.log"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-
-if [ -n "${OUT:-}" ]; then
-    cp "$results"/gpu_tests.log "$results"/gpu_kernels.* "$results"/gpu_absorbed.* "$OUT"/ 2>/dev/null
+# Wheels go to /tmp/site (a dry run's into its own folder), found through PYTHONPATH.
+site=/tmp/site
+[ "$dry" = 1 ] && site="$out/site"
+step wheels 10 bash -c 'if ! ls .whl/*.whl >/dev/null 2>&1; then echo "no wheels in .whl/: FlashMLA is not measured"
+    else "$0" -m pip install -q --no-index --no-deps --no-compile --target "$1" .whl/*.whl && ls "$1"; fi' "$PY" "$site"
+[ -d "$site" ] && export PYTHONPATH="$PYTHONPATH:$site"
+step env 20 "$PY" benchmarks/gpu_summary.py env --json "$out/gpu_env.json" "${dry_flag[@]}"
+pytest_args=(-m cuda tests/test_cuda.py -p no:cacheprovider -v -rs)
+step cuda_kernels 70 "$PY" -m pytest "${pytest_args[@]}" -k "not graph and not reduce_overhead"
+if [ "$long" = 1 ]; then bench_limit=180; graphs_limit=120; else bench_limit=50; graphs_limit=45; fi
+step kernel_bench "$bench_limit" "$PY" benchmarks/kernel_bench.py --json "$out/gpu_kernels.json" "${flags[@]}"
+step absorbed_bench $((bench_limit - 5)) "$PY" benchmarks/absorbed_bench.py --json "$out/gpu_absorbed.json" "${flags[@]}"
+step cuda_graphs 65 "$PY" -m pytest "${pytest_args[@]}" -k "graph or reduce_overhead"
+step graphs_bench "$graphs_limit" "$PY" benchmarks/graphs_bench.py --json "$out/gpu_graphs.json" "${flags[@]}"
+if [ "$long" = 1 ]; then
+    step cuda_models 120 "$PY" -m pytest -m cuda tests/test_moe.py tests/test_generation.py \
+        tests/test_context_parallel.py -p no:cacheprovider -v -rs
 fi
-exit $status
+step summary 15 "$PY" benchmarks/gpu_summary.py summary --dir "$out" "${dry_flag[@]}"
+echo "results in $out"
+exit $failed

@@ -10,7 +10,12 @@ roofline measured in the same run (a large bf16 matmul and a device-to-device co
 the work would take at those two rates, over the measured time.
 
     python benchmarks/kernel_bench.py --json benchmarks/results/gpu_kernels.json --plot ...png
+    python benchmarks/kernel_bench.py --long       # every mix (the default run keeps to ~1 minute on an H200)
     python benchmarks/kernel_bench.py --smoke      # tiny sizes on any device (CPU: torch kernels)
+    python benchmarks/kernel_bench.py --dry-run    # smoke on CPU into a temporary folder, marked dry_run
+
+The JSON is rewritten after every (mix, schedule) row (``benchmarks/report.py``), so a run cut
+short leaves every row it finished.
 """
 
 from __future__ import annotations
@@ -29,28 +34,32 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mla_ops  # noqa: E402
 from benchmarks.batch_column import batch_column_schedule  # noqa: E402
+from benchmarks.report import Report, output_path  # noqa: E402
 
 HEADS, LATENT, NOPE, ROPE, VALUE = 16, 512, 128, 64, 128  # DeepSeek-V2-Lite
 BLOCK_SIZE = 64
 
 
-def mixes(smoke: bool):
-    """(name, context_lens, query_lens, workspace_size)."""
+def mixes(smoke: bool, long: bool = False):
+    """(name, context_lens, query_lens, workspace_size); the PR's headline batch first."""
     if smoke:
         return [("smoke", [300] + [4] * 7, [9] * 8, 512), ("smoke-many-chunks", [300] + [4] * 7, [9] * 8, 64)]
     out = [
         ("pr-headline", [60000] + [16] * 31, [513] * 32, 65536),
         ("pr-headline-w16k", [60000] + [16] * 31, [513] * 32, 16384),
-        ("uniform-8x8k", [8192] * 8, [512] * 8, 65536),
-        ("long-tail", [32768] + [4096] * 4 + [512] * 16, [256] * 21, 65536),
         ("many-short", [256] * 128, [64] * 128, 65536),
     ]
+    if long:
+        out += [
+            ("uniform-8x8k", [8192] * 8, [512] * 8, 65536),
+            ("long-tail", [32768] + [4096] * 4 + [512] * 16, [256] * 21, 65536),
+        ]
     trace = os.path.join(os.path.dirname(__file__), "results", "trace_replay.json")
     if os.path.exists(trace):  # the heaviest steps of the Mooncake replay
         with open(trace) as f:
             steps = json.load(f)["steps"]
         steps.sort(key=lambda s: -sum(s["context_lens"]))
-        for i, s in enumerate(steps[:2]):
+        for i, s in enumerate(steps[: 2 if long else 1]):
             out.append((f"mooncake-step-{i}", s["context_lens"], s["query_lens"], 65536))
     return out
 
@@ -156,8 +165,12 @@ def run(args) -> dict:
     torch.set_grad_enabled(False)
     peak = roofline(device, dtype)
     print(f"roofline: matmul {peak['matmul_tflops']:.0f} TFLOP/s, copy {peak['copy_gbps']:.0f} GB/s", flush=True)
-    results = []
-    for name, context_lens, query_lens, workspace_size in mixes(args.smoke):
+    report = Report(args.json, dict(
+        device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
+        dtype=str(dtype), dims=dict(N=HEADS, L=LATENT, P=NOPE, R=ROPE, V=VALUE, block_size=BLOCK_SIZE),
+        long=args.long, roofline=peak,
+    ), dry_run=args.dry_run)
+    for name, context_lens, query_lens, workspace_size in mixes(args.smoke, args.long):
         x = make_inputs(context_lens, query_lens, device, dtype)
         flops, nbytes = model_cost(context_lens, query_lens, torch.finfo(dtype).bits // 8)
         bound_ms = max(flops / (peak["matmul_tflops"] * 1e9), nbytes / (peak["copy_gbps"] * 1e6))
@@ -183,16 +196,14 @@ def run(args) -> dict:
                        requests=len(context_lens), context_tokens=sum(context_lens), query_tokens=sum(query_lens),
                        eager_ms=eager_ms, graph_ms=graph_ms, tflops=flops / best / 1e9,
                        roofline_fraction=bound_ms / best)
-            results.append(row)
+            report.add(row)
             print(f"{name:<20} W={workspace_size:<6} {schedule:<15} chunks={row['chunks']:<4} eager {eager_ms:8.3f} ms"
                   f"  graph {graph_ms if graph_ms is None else round(graph_ms, 3)!s:>8} ms  "
                   f"{row['tflops']:7.1f} TFLOP/s  {row['roofline_fraction']:.1%} of roofline", flush=True)
         del x
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
-                dtype=str(dtype), dims=dict(N=HEADS, L=LATENT, P=NOPE, R=ROPE, V=VALUE, block_size=BLOCK_SIZE),
-                roofline=peak, results=results)
+    return report.finish()
 
 
 def plot(report: dict, path: str) -> None:
@@ -207,8 +218,8 @@ def plot(report: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(mixes_)), 4.5))
     width = 0.27
     for i, s in enumerate(schedules):
-        ms = [next(min(t for t in (r["eager_ms"], r["graph_ms"]) if t is not None) for r in rows
-                   if r["schedule"] == s and r["mix"] + f"\nW={r['workspace_size']}" == m) for m in mixes_]
+        ms = [next((best_ms(r) for r in rows if r["schedule"] == s and r["mix"] + f"\nW={r['workspace_size']}" == m),
+                   np.nan) for m in mixes_]  # a partial report may lack the last schedules
         ax.bar(np.arange(len(mixes_)) + (i - 1) * width, ms, width, label=s)
     ax.set_xticks(np.arange(len(mixes_)), mixes_, fontsize=8)
     ax.set_ylabel("context pipeline, ms (best of eager / graph)")
@@ -219,24 +230,41 @@ def plot(report: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def write_report(report: dict, json_path: str | None, plot_fn, plot_path: str | None) -> None:
-    if json_path:
-        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
-        with open(json_path, "w") as f:
-            json.dump(report, f, indent=1)
-    if plot_path:
-        plot_fn(report, plot_path)
+def best_ms(row: dict) -> float:
+    """The faster of eager and graph replay (graph_ms is None off CUDA)."""
+    return min(t for t in (row["eager_ms"], row["graph_ms"]) if t is not None)
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """The flags both benchmarks take (and ``benchmarks/gpu_check.sh`` passes)."""
+    parser.add_argument("--json", help="write the report here (rewritten after every configuration)")
+    parser.add_argument("--plot", help="write a PNG here at the end")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (CI and CPU)")
+    parser.add_argument("--long", action="store_true", help="the long sweep (the default fits a short GPU session)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="smoke sizes on CPU, one rep, report marked dry_run, never under benchmarks/results/")
+
+
+def parse_args(parser: argparse.ArgumentParser, argv, name: str) -> argparse.Namespace:
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        args.smoke, args.device, args.reps = True, "cpu", 1
+        args.json = output_path(args.json, True, name)
+        if args.plot:
+            output_path(args.plot, True, name)
+        print(f"dry run (CPU, no GPU result): {args.json}", flush=True)
+    return args
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", help="write the report here")
-    parser.add_argument("--plot", help="write a PNG here")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes (CI and CPU)")
-    args = parser.parse_args(argv)
-    write_report(run(args), args.json, plot, args.plot)
+    add_common_args(parser)
+    args = parse_args(parser, argv, "gpu_kernels.json")
+    report = run(args)
+    if args.plot:
+        plot(report, args.plot)
 
 
 if __name__ == "__main__":

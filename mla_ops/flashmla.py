@@ -7,18 +7,30 @@ query_start_loc  [B+1] int32     context_lens [B] int32
                                are left untouched (out=): the contract of
                                ``torch.ops.mla_ops.absorbed_context_attention`` (``mla_ops/absorbed.py``)
 
-FlashMLA (the ``sgl-flash-mla`` wheel, import name ``flash_mla``; DESIGN §7) is reached through
-``flash_mla_with_kvcache(..., use_legacy=True)``: q ``[b, s_q, h_q, 576]``, k_cache
-``[num_blocks, 64, 1, 576]``, ``cache_seqlens [b]``; it returns out ``[b, s_q, h_q, 512]`` and
-lse ``[b, h_q, s_q]`` (natural log, ``+inf`` for a row with no keys). This module is the only one
-that imports it (lazily), and it does all layout and LSE translation:
+FlashMLA is the ``sgl-flash-mla`` wheel (import name ``flash_mla``; DESIGN §7). Its 1.0.0 Python
+surface (``flash_mla/flash_mla_interface.py``, read from the wheel) reaches SM90 dense decoding
+only through ``use_legacy=True``, which routes to the frozen kernel
+``torch.ops.flash_mla_legacy.dense_decode_fwd``::
+
+    flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+                           num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=None,
+                           indices=None, ..., use_legacy=False, kv_format=None, descale_q=None, descale_k=None)
+
+with q ``[b, s_q, h_q, 576]`` and k_cache ``[num_blocks, 64, 1, 576]`` in one dtype (bfloat16 or
+float16), int32 ``block_table [b, max_blocks]`` (stride 1 along blocks) and ``cache_seqlens [b]``,
+``head_dim_v = 512``, ``num_splits`` None, ``indices`` None (``is_fp8_kvcache`` then defaults to
+False). It returns out ``[b, s_q, h_q, 512]`` and lse ``[b, h_q, s_q]`` float32 (natural log,
+``+inf`` for a row with no keys). This module is the only one that imports it (lazily), and it
+does all layout and LSE translation:
 
 * fold: ``q_lat = q_nope @ W_UK`` (batched matmul), ``[q_lat | q_pe]`` in the cache dtype;
 * pack: FlashMLA takes one query length per call, so every request is padded to a common
   ``s_q = max_query_len``: slot ``(r, j)`` of the ``[B, s_q]`` grid holds token
   ``query_start_loc[r] + j`` when ``j < q_r``, a zero row otherwise (a gather; padding rows are
   computed and dropped). ``b = B`` and ``s_q`` come from shapes and the static argument, never
-  from device values, so the shapes are static and the call can be captured in a CUDA graph;
+  from device values, so the shapes are static and the call can be captured in a CUDA graph.
+  A caller who knows the query lengths on the host makes one call per group of equal length
+  (its own ``max_query_len`` and metadata; ``benchmarks/absorbed_bench.py``), so nothing is padded;
 * ``cache_seqlens = context_lens`` (0 for requests without queries or with ``q_r > s_q``);
 * unpack: out and LSE of token t from slot ``(r, j)``; ``_lse_to_tokens_first`` turns
   ``[b, N, s_q]`` (``+inf`` empty) into ``[N, T]`` (``-inf`` empty), the one LSE conversion;
@@ -31,14 +43,22 @@ requests). Its default, T, is always a bound but makes the packed q ``B x T`` ro
 threshold. A request with context and more than ``max_query_len`` queries gets
 ``cache_seqlens = 0`` and is left untouched (the contract is not checked on device values).
 
-Scheduling metadata: FlashMLA's ``get_mla_metadata()`` object is filled by the first kernel call
-and is valid only for the same shapes and ``cache_seqlens``. ``absorbed_context_attention``
-creates one per call unless the caller passes ``metadata`` (made with ``new_metadata()`` where its
-step schedule is made, and shared by the layers of that step). No state is kept here.
+Scheduling metadata: ``get_mla_metadata(*args, **kwargs)`` returns ``(FlashMLASchedMeta(), None)``,
+an empty object; the first dense call stores the split scheduler's tensors on it
+(``tile_scheduler_metadata`` [num_sm_parts, 8] and ``num_splits`` [b+1], int32) and later calls
+pass them back to the kernel unchecked, so one object is valid only for the same b, s_q, h_q and
+``cache_seqlens`` values. ``absorbed_context_attention`` creates one per call unless the caller
+passes ``metadata`` (made with ``new_metadata()`` where its step schedule is made, and shared by
+the layers of that step). No state is kept here.
 
-fp8 caches are refused: FlashMLA's dense fp8 kernel wants per-call descale tensors and its own
-scheduler (``get_mla_decoding_metadata(..., is_fp8_kvcache=True)``), which this adapter does
-not drive yet.
+fp8 caches are refused: FlashMLA's dense fp8 kernel wants ``descale_q`` / ``descale_k`` tensors
+and its scheduler filled beforehand by ``get_mla_decoding_metadata(seqlens_k,
+num_q_tokens_per_head_k, h_k, h_q=None, is_fp8_kvcache=False, topk=None, use_legacy=False)`` with
+``is_fp8_kvcache=True, use_legacy=True``, which this adapter does not drive yet.
+
+The 1.0.0 wheel (``cp310-abi3``, built on torch's stable C ABI) declares ``torch>=2.14.1``; both
+of its extensions load under torch 2.11.0+cu130 and register their ops (checked on a CPU machine
+with a stub ``libcuda.so.1``; no FlashMLA kernel has run yet). Install it with ``--no-deps``.
 """
 
 from __future__ import annotations
@@ -62,9 +82,9 @@ def _import_flash_mla():
         import flash_mla
     except Exception as exc:  # ImportError, or OSError from loading its CUDA extension
         return None, f"flash_mla is not importable ({type(exc).__name__}: {exc}); install sgl-flash-mla"
-    has_legacy = getattr(flash_mla, "has_legacy", None)
-    if has_legacy is not None and not has_legacy():
-        return None, "flash_mla was built without its legacy (SM90 dense decoding) kernels"
+    if not flash_mla.has_legacy():  # the SM90 dense kernel lives in the optional legacy extension
+        why = getattr(getattr(flash_mla, "_loader", None), "_LEGACY_UNAVAILABLE", None) or "unknown reason"
+        return None, f"flash_mla has no legacy (SM90 dense decoding) kernels: {why}"
     return flash_mla, ""
 
 
@@ -107,10 +127,10 @@ def available(q: torch.Tensor | None = None, kv_cache: torch.Tensor | None = Non
 
 
 def new_metadata():
-    """An empty FlashMLA scheduling metadata object, for the caller to share across one step's layers.
+    """An empty ``FlashMLASchedMeta``, for the caller to share across one step's layers.
 
     It is filled by the first call and must only be reused with the same ``B``, ``max_query_len``,
-    N and ``context_lens`` values (FlashMLA does not check them).
+    N and ``context_lens`` values (FlashMLA's dense path does not check them).
     """
     module, reason = _import_flash_mla()
     if module is None:

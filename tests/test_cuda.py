@@ -3,6 +3,8 @@
 All marked ``cuda`` and skipped without a GPU; ``benchmarks/gpu_check.sh`` runs them on an H200.
 """
 
+import dataclasses
+import functools
 import math
 
 import pytest
@@ -97,9 +99,72 @@ def test_merge_kernel():
     assert not out.isnan().any()
 
 
+def moved(batch, device, dtype):
+    """The batch on ``device``, q / weight / a 16-32 bit cache in ``dtype`` (an fp8 cache and k_scale stay)."""
+    cache = batch.kv_cache if batch.kv_cache.dtype == torch.float8_e4m3fn else batch.kv_cache.to(dtype)
+    return dataclasses.replace(
+        batch, q=batch.q.to(device, dtype), kv_cache=cache.to(device), weight=batch.weight.to(device, dtype),
+        block_table=batch.block_table.to(device), query_start_loc=batch.query_start_loc.to(device),
+        context_lens=batch.context_lens.to(device), k_scale=None if batch.k_scale is None else batch.k_scale.to(device),
+    )
+
+
+def absorbed_batch(dtype, fp8=False, nan_free=False, seed=3):
+    """DeepSeek dims (N=16, L=512, R=64, page 64), zero contexts and queries, T = 1 and 130 per request.
+
+    Cache rows outside the contexts are NaN, so an unmasked load shows; ``nan_free`` zeroes them
+    (FlashMLA computes whole pages and may multiply a masked NaN value by 0).
+    """
+    from test_absorbed import make_batch
+
+    batch = make_batch([300, 0, 129, 40, 1, 700], [1, 17, 130, 0, 64, 5], block_size=64, num_heads=16, latent=512,
+                       rope=64, nope=128, value=128, dtype=torch.float32, fp8_scale=0.05 if fp8 else None, seed=seed)
+    if nan_free:
+        batch.kv_cache = torch.nan_to_num(batch.kv_cache.float(), nan=0.0).to(batch.kv_cache.dtype)
+    return moved(batch, DEVICE, dtype)
+
+
+def check_absorbed(batch, fn, dtype):
+    """``fn`` (the op's contract) on the GPU against the torch reference on CPU in float32, same inputs."""
+    from test_absorbed import written_rows
+
+    out, lse = (t.to(DEVICE) for t in batch.sentinels(128, dtype=dtype))
+    fn(*batch.args(), out, lse)
+    cpu = moved(batch, "cpu", torch.float32)
+    want, want_lse = cpu.sentinels(128, dtype=torch.float32)
+    REFERENCE.absorbed_context_attention(*cpu.args(), want, want_lse)
+    written = written_rows(cpu)
+    out, lse = out.cpu().float(), lse.cpu()
+    assert torch.isnan(out[~written]).all() and torch.isnan(lse[:, ~written]).all(), "zero-context rows touched"
+    torch.testing.assert_close(out[written], want[written], atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(lse[:, written], want_lse[:, written], atol=2e-2, rtol=2e-3)
+
+
+@pytest.mark.parametrize("dtype,fp8", [(torch.bfloat16, False), (torch.float16, False), (torch.float32, False),
+                                       (torch.bfloat16, True)])
+def test_absorbed_kernel(dtype, fp8):
+    check_absorbed(absorbed_batch(dtype, fp8), torch.ops.mla_ops.absorbed_context_attention, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flashmla_adapter_against_reference(dtype):
+    from mla_ops import flashmla
+
+    ok, reason = flashmla.available()
+    if not ok:
+        pytest.skip(reason)
+    batch = absorbed_batch(dtype, nan_free=True)
+    check_absorbed(batch, flashmla.absorbed_context_attention, dtype)  # s_q = T: every request padded
+    metadata = flashmla.new_metadata()
+    bounded = functools.partial(flashmla.absorbed_context_attention, max_query_len=130, metadata=metadata)
+    check_absorbed(batch, bounded, dtype)
+    check_absorbed(batch, bounded, dtype)  # the filled metadata reused for the same schedule
+    assert metadata.tile_scheduler_metadata is not None
+
+
 @pytest.mark.parametrize("max_chunks", [None, 6])
 def test_mla_prefill_triton_against_dense_reference(max_chunks):
-    from test_prefill import dense_reference, make_batch
+    from mla_batches import dense_reference, make_batch
 
     batch = make_batch([0, 700, 0, 90, 1500, 3], [20, 33, 5, 130, 1, 64], seed=5, block_size=64, N=16, L=512,
                        P=128, R=64, V=128, dtype=torch.bfloat16)
@@ -214,3 +279,89 @@ def test_reduce_overhead_runs_without_cudagraph_skips():
             expect = model(ids, pos, expect_caches, slots, table, mla_ops.plan_prefill(qsl, lens, table, 4, 32))
             torch.testing.assert_close(out, expect, rtol=2e-3, atol=2e-3)
     assert math.isfinite(out.float().sum().item())
+
+
+# ---- PrefillGraphs: whole steps captured per bucket -----------------------------------------
+
+
+def graphs_setup(spread=False, **kwargs):
+    from test_layer import spread_weights
+
+    torch.manual_seed(0)
+    config = mla_ops.MLAConfig.from_name("tiny")
+    model = mla_ops.MLAModel(config).eval()
+    if spread:  # attention far from uniform: outputs follow the context rows closely
+        spread_weights(model, seed=0)
+    model = model.to(DEVICE)
+    caches = model.allocate_kv_caches(64, 4)
+    torch.nn.init.normal_(caches)
+    options = dict(max_tokens=40, max_requests=8, max_blocks_per_request=20, block_size=4, workspace_size=32,
+                   chunk_buckets=(1, 2, 4), token_buckets=(8, 16, 40), absorb_max_query_len=3, mode="cuda_graph")
+    return config, model, caches, mla_ops.PrefillGraphs(model, **{**options, **kwargs})
+
+
+def graphs_step(config, context_lens, query_lens, seed):
+    """A step as a scheduler hands it over: token inputs on the GPU, lengths on the CPU."""
+    from mla_batches import model_step
+
+    ids, positions, slots, table, qsl, lens = model_step(config, context_lens, query_lens, seed=seed)
+    return ids.to(DEVICE), positions.to(DEVICE), slots.to(DEVICE), table.to(DEVICE), qsl, lens
+
+
+def eager_model_step(model, caches, ids, positions, slots, table, qsl, lens):
+    plan = mla_ops.plan_prefill(qsl, lens, table, 4, 32, absorb_max_query_len=3)  # host plan
+    return model(ids, positions, caches, slots, table, plan)
+
+
+@torch.no_grad()
+def test_cuda_graph_runner_replays_equal_the_eager_model():
+    from mla_batches import BUCKET_4
+
+    config, model, caches, runner = graphs_setup()
+    # B = T = 1 with and without context; 130 context rows need 5 > 4 chunks of 32: runs eagerly.
+    steps = BUCKET_4 + [([0], [1]), ([9], [1]), ([60, 70], [4, 4])]
+    for i, (context_lens, query_lens) in enumerate(steps):
+        ids, positions, slots, table, qsl, lens = graphs_step(config, context_lens, query_lens, seed=i)
+        expect_caches = caches.clone()
+        expect = eager_model_step(model, expect_caches, ids, positions, slots, table, qsl, lens)
+        out = runner(ids, positions, caches, slots, table, qsl, lens)
+        torch.testing.assert_close(out, expect, rtol=2e-3, atol=2e-3, msg=lambda m: f"step {i}: {m}")
+        torch.testing.assert_close(caches, expect_caches, rtol=2e-3, atol=2e-3)
+    stats = runner.stats
+    assert stats["eager"] == 1 and stats["replays"] == len(steps) - 1
+    assert stats["graphs"] == len(runner.built) == len(set(runner.built)) < len(steps)
+    assert set(stats["graph_bytes"]) == {str(v) for v in runner.built}
+    assert stats["graph_bytes"][str(runner.built[0])] > 0
+    print("graph memory per bucket:", stats["graph_bytes"], "static:", stats["static_bytes"])
+
+
+@torch.no_grad()
+def test_cuda_graph_runner_replays_read_the_cache_as_it_is_now():
+    config, model, caches, runner = graphs_setup(spread=True)
+    step = graphs_step(config, [20, 9, 0, 13], [3, 5, 4, 2], seed=3)
+    first = runner(step[0], step[1], caches, *step[2:]).clone()
+    caches.normal_()  # new contents in the memory the graph reads
+    expect = eager_model_step(model, caches.clone(), *step)
+    again = runner(step[0], step[1], caches, *step[2:])
+    assert runner.stats["graphs"] == 1 and runner.stats["replays"] == 2
+    torch.testing.assert_close(again, expect, rtol=1e-2, atol=1e-2)
+    change, error = (expect - first).abs().max(), (again - expect).abs().max()
+    assert change > 10 * error, (change, error)  # the replay read the new context rows
+    with pytest.raises(ValueError, match="kv_caches"):
+        runner(step[0], step[1], caches.clone(), *step[2:])  # graphs are bound to the captured cache
+
+
+@torch.no_grad()
+def test_cuda_graph_runner_warmup_captures_every_bucket_in_one_pool():
+    config, model, caches, runner = graphs_setup(token_buckets=(8, 40), request_buckets=(2, 8), chunk_buckets=(1, 4))
+    before = caches.clone()
+    runner.warmup(caches)
+    assert runner.built == runner.variants and runner.stats["graphs"] == 8
+    assert torch.equal(caches, before)  # the capture steps write nothing
+    sizes = [runner.stats["graph_bytes"][str(v)] for v in runner.built]
+    print("graph memory per bucket, largest bucket first:", dict(zip(map(str, runner.built), sizes)))
+    assert sizes[0] > 0 and min(sizes) >= 0
+    ids, positions, slots, table, qsl, lens = graphs_step(config, [5, 0, 13], [3, 2, 4], seed=0)
+    expect = eager_model_step(model, caches.clone(), ids, positions, slots, table, qsl, lens)
+    torch.testing.assert_close(runner(ids, positions, caches, slots, table, qsl, lens), expect, rtol=2e-3, atol=2e-3)
+    assert runner.stats["graphs"] == 8 and runner.stats["replays"] == 1

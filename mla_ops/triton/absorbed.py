@@ -24,32 +24,77 @@ width L is cut into BLOCK_DV slices along grid axis 2; each slice recomputes the
 FLOPs per row and key) to keep the fp32 accumulator at ``[BLOCK_M * BLOCK_H, BLOCK_DV]``. Slice 0
 writes the LSE. The online softmax runs in fp32 on base-2 statistics; the LSE leaves natural-log.
 
-Work distribution: as in ``mla_ops/triton/attention.py`` (same ``_find_request``). Grid axis 0 has
+Work distribution: as in ``mla_ops/triton/attention.py`` (same ``find_request``). Grid axis 0 has
 ``T // BLOCK_M + B`` slots; request r owns slots ``query_start_loc[r] // BLOCK_M + r ..
 query_start_loc[r+1] // BLOCK_M + r``, a closed-form bound of its ``ceil(q_r / BLOCK_M)`` tiles.
 Axis 1 is the head group, axis 2 the value slice. A program exits at once when its slot is spare,
 its request has no queries or no context.
 
-fp8 caches are decoded from their bits (``_e4m3fn_to_float32`` of ``mla_ops/triton/gather.py``:
-exact on GPUs and in Triton's interpreter, whose float8 cast mangles NaN codes). The raw e4m3
+fp8 caches are decoded from their bits (``e4m3fn_to_float32`` of ``mla_ops/triton/_common.py``,
+shared with the gather: exact on GPUs and in Triton's interpreter, whose float8 cast mangles NaN
+codes). The raw e4m3
 values are exact in fp16/bf16, so they enter ``tl.dot`` undequantized; ``k_scale`` multiplies
 the fp32 scores (folded into the softmax scale) and the fp32 output accumulator instead.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
 from ..absorbed import absorbed_dims, fold_queries, split_kv_b_proj, token_requests, unfold_outputs
-from .attention import _find_request, _online_softmax_step
-from .gather import _e4m3fn_to_float32
+from ._common import (
+    LN2, LOG2E, device_guard, dot_dtype, dot_precision, e4m3fn_to_float32, find_request, online_softmax_step,
+)
 
-LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln(2): natural -> base-2 exponents
-LN2 = tl.constexpr(0.6931471805599453)  # ln(2): base-2 LSE -> natural log
+
+@triton.jit
+def _absorbed_key_tile(
+    acc, l_i, m_i,  # [ROWS, BLOCK_DV] fp32, [ROWS] fp32 (base-2 running sum and max)
+    q_lat, q_pe,  # [ROWS, BLOCK_L], [ROWS, BLOCK_R] in DOT_DTYPE
+    cache_ptr,  # [num_blocks, PAGE_SIZE, L+R]
+    table_row_ptr,  # [max_blocks] the request's block table row
+    stride_table_col, stride_cache_block, stride_cache_token,
+    col_l, col_r, col_dv,  # [BLOCK_L, 1], [BLOCK_R, 1], [1, BLOCK_DV] int64 column offsets
+    mask_l, mask_r, mask_dv,  # [BLOCK_L, 1], [BLOCK_R, 1], [1, BLOCK_DV] column bounds
+    start_n, offs_n, num_keys, qk_scale,  # offs_n: tl.arange(0, BLOCK_N), made once outside the loop
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    MASK_KEYS: tl.constexpr,  # key tiles may run past num_keys
+    IS_FP8: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Fold the latent key tile ``start_n .. start_n + BLOCK_N`` into the running softmax."""
+    keys = start_n + offs_n  # [BLOCK_N] context positions in the request
+    page = (keys // PAGE_SIZE).to(tl.int64) * stride_table_col
+    if MASK_KEYS:
+        key_ok = keys < num_keys
+        block = tl.load(table_row_ptr + page, mask=key_ok, other=0)
+    else:
+        block = tl.load(table_row_ptr + page)
+    row = block.to(tl.int64) * stride_cache_block + (keys % PAGE_SIZE).to(tl.int64) * stride_cache_token
+    if MASK_KEYS:
+        k_lat = tl.load(cache_ptr + row[None, :] + col_l, mask=mask_l & key_ok[None, :], other=0)
+        k_pe = tl.load(cache_ptr + row[None, :] + col_r, mask=mask_r & key_ok[None, :], other=0)
+        v = tl.load(cache_ptr + row[:, None] + col_dv, mask=key_ok[:, None] & mask_dv, other=0)
+    else:
+        k_lat = tl.load(cache_ptr + row[None, :] + col_l, mask=mask_l, other=0)  # [BLOCK_L, BLOCK_N]
+        k_pe = tl.load(cache_ptr + row[None, :] + col_r, mask=mask_r, other=0)  # [BLOCK_R, BLOCK_N]
+        v = tl.load(cache_ptr + row[:, None] + col_dv, mask=mask_dv, other=0)  # [BLOCK_N, BLOCK_DV]
+    if IS_FP8:  # raw e4m3 values; k_scale is applied to the fp32 scores and accumulator
+        k_lat = e4m3fn_to_float32(k_lat.to(tl.int32))
+        k_pe = e4m3fn_to_float32(k_pe.to(tl.int32))
+        v = e4m3fn_to_float32(v.to(tl.int32))
+    qk = tl.dot(q_lat, k_lat.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    qk = tl.dot(q_pe, k_pe.to(DOT_DTYPE), qk, input_precision=DOT_PRECISION)
+    qk = qk * qk_scale  # base-2 logits; scaled before the max so any sign of the scale works
+    if MASK_KEYS:
+        qk = tl.where(key_ok[None, :], qk, float("-inf"))
+    # Every row sees key 0 in the first tile it processes, so the running max is finite from then on.
+    p, acc, l_i, m_i = online_softmax_step(qk, acc, l_i, m_i)
+    acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -67,43 +112,32 @@ def _absorbed_inner(
     IS_FP8: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
-    offs_n = tl.arange(0, BLOCK_N)
+    """Key tiles ``lo, lo + BLOCK_N, ...`` below ``hi``, folded into the running softmax."""
     mask_l = offs_l[:, None] < HEAD_L  # [BLOCK_L, 1]
     mask_r = offs_r[:, None] < HEAD_R  # [BLOCK_R, 1]
     mask_dv = offs_dv[None, :] < HEAD_L  # [1, BLOCK_DV]
     col_l = offs_l[:, None].to(tl.int64) * stride_cache_col
     col_r = (HEAD_L + offs_r)[:, None].to(tl.int64) * stride_cache_col
     col_dv = offs_dv[None, :].to(tl.int64) * stride_cache_col
-    for start_n in range(lo, hi, BLOCK_N):
-        keys = start_n + offs_n  # [BLOCK_N] context positions in the request
-        page = (keys // PAGE_SIZE).to(tl.int64) * stride_table_col
-        if MASK_KEYS:
-            key_ok = keys < num_keys
-            block = tl.load(table_row_ptr + page, mask=key_ok, other=0)
-        else:
-            block = tl.load(table_row_ptr + page)
-        row = block.to(tl.int64) * stride_cache_block + (keys % PAGE_SIZE).to(tl.int64) * stride_cache_token
-        if MASK_KEYS:
-            k_lat = tl.load(cache_ptr + row[None, :] + col_l, mask=mask_l & key_ok[None, :], other=0)
-            k_pe = tl.load(cache_ptr + row[None, :] + col_r, mask=mask_r & key_ok[None, :], other=0)
-            v = tl.load(cache_ptr + row[:, None] + col_dv, mask=key_ok[:, None] & mask_dv, other=0)
-        else:
-            k_lat = tl.load(cache_ptr + row[None, :] + col_l, mask=mask_l, other=0)  # [BLOCK_L, BLOCK_N]
-            k_pe = tl.load(cache_ptr + row[None, :] + col_r, mask=mask_r, other=0)  # [BLOCK_R, BLOCK_N]
-            v = tl.load(cache_ptr + row[:, None] + col_dv, mask=mask_dv, other=0)  # [BLOCK_N, BLOCK_DV]
-        if IS_FP8:  # raw e4m3 values; k_scale is applied to the fp32 scores and accumulator
-            k_lat = _e4m3fn_to_float32(k_lat.to(tl.int32))
-            k_pe = _e4m3fn_to_float32(k_pe.to(tl.int32))
-            v = _e4m3fn_to_float32(v.to(tl.int32))
-        qk = tl.dot(q_lat, k_lat.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-        qk = tl.dot(q_pe, k_pe.to(DOT_DTYPE), qk, input_precision=DOT_PRECISION)
-        qk = qk * qk_scale  # base-2 logits; scaled before the max so any sign of the scale works
-        if MASK_KEYS:
-            qk = tl.where(key_ok[None, :], qk, float("-inf"))
-        # Every row sees key 0 in the first tile it processes, so the running max is finite from then on.
-        p, acc, l_i, m_i = _online_softmax_step(qk, acc, l_i, m_i)
-        acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+    offs_n = tl.arange(0, BLOCK_N)  # made once: inside the tile it cost the fp8 variant ~650 B of spills (3.9)
+    if INTERPRETED:  # bounds read from tensors: no range() under the interpreter (mla_ops/triton/_common.py)
+        start_n = lo
+        while start_n < hi:
+            acc, l_i, m_i = _absorbed_key_tile(
+                acc, l_i, m_i, q_lat, q_pe, cache_ptr, table_row_ptr, stride_table_col, stride_cache_block,
+                stride_cache_token, col_l, col_r, col_dv, mask_l, mask_r, mask_dv, start_n, offs_n, num_keys, qk_scale,
+                BLOCK_N, PAGE_SIZE, MASK_KEYS, IS_FP8, DOT_DTYPE, DOT_PRECISION,
+            )
+            start_n += BLOCK_N
+    else:
+        for start_n in range(lo, hi, BLOCK_N):
+            acc, l_i, m_i = _absorbed_key_tile(
+                acc, l_i, m_i, q_lat, q_pe, cache_ptr, table_row_ptr, stride_table_col, stride_cache_block,
+                stride_cache_token, col_l, col_r, col_dv, mask_l, mask_r, mask_dv, start_n, offs_n, num_keys, qk_scale,
+                BLOCK_N, PAGE_SIZE, MASK_KEYS, IS_FP8, DOT_DTYPE, DOT_PRECISION,
+            )
     return acc, l_i, m_i
 
 
@@ -134,12 +168,13 @@ def _absorbed_fwd(
     IS_FP8: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     slot = tl.program_id(0)
     head_group = tl.program_id(1)
     dv_slice = tl.program_id(2)
 
-    request = tl.maximum(_find_request(query_start_loc_ptr, stride_qsl, num_requests, slot, BLOCK_M), 0)
+    request = find_request(query_start_loc_ptr, stride_qsl, num_requests, slot, BLOCK_M, 1)
     q_begin = tl.load(query_start_loc_ptr + request * stride_qsl)
     q_len = tl.load(query_start_loc_ptr + (request + 1) * stride_qsl) - q_begin
     num_keys = tl.load(context_lens_ptr + request * stride_ctx)
@@ -178,13 +213,13 @@ def _absorbed_fwd(
         acc, l_i, m_i, q_lat, q_pe, cache_ptr, table_row_ptr,
         stride_table_col, stride_cache_block, stride_cache_token, stride_cache_col,
         offs_l, offs_r, offs_dv, 0, full, num_keys, qk_scale,
-        HEAD_L, HEAD_R, BLOCK_N, PAGE_SIZE, False, IS_FP8, DOT_DTYPE, DOT_PRECISION,
+        HEAD_L, HEAD_R, BLOCK_N, PAGE_SIZE, False, IS_FP8, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
     )
     acc, l_i, m_i = _absorbed_inner(
         acc, l_i, m_i, q_lat, q_pe, cache_ptr, table_row_ptr,
         stride_table_col, stride_cache_block, stride_cache_token, stride_cache_col,
         offs_l, offs_r, offs_dv, full, num_keys, num_keys, qk_scale,
-        HEAD_L, HEAD_R, BLOCK_N, PAGE_SIZE, True, IS_FP8, DOT_DTYPE, DOT_PRECISION,
+        HEAD_L, HEAD_R, BLOCK_N, PAGE_SIZE, True, IS_FP8, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
     )
 
     acc = acc / l_i[:, None]
@@ -206,60 +241,52 @@ CUDA_CONFIG_FP32 = (16, 16, 128, 4, 1)
 # The interpreter: small tiles, so tiny test shapes still cover multi-tile loops and value slices.
 INTERPRETER_CONFIG = (16, 16, 16, 1, 1)
 
-_DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-
 
 def absorbed_context_attention(
     q, kv_cache, block_table, query_start_loc, context_lens, kv_b_proj_weight, softmax_scale, k_scale, out, lse
 ) -> None:
     """Same contract as ``torch.ops.mla_ops.absorbed_context_attention`` (module docstring)."""
-    if q.dtype not in _DOT_DTYPES:
-        raise TypeError(
-            f"the Triton absorbed kernel takes float16, bfloat16 or float32 q, got {q.dtype} "
-            "(float64 runs on the torch reference)"
-        )
     num_tokens = q.shape[0]
     num_requests = context_lens.shape[0]
     num_heads, latent, nope, rope, _ = absorbed_dims(q, kv_cache, kv_b_proj_weight)
-    if num_tokens == 0 or num_heads == 0 or num_requests == 0 or kv_cache.numel() == 0:
-        return  # nothing to attend: every row stays untouched
-    on_cuda = q.device.type == "cuda"
-    rows, block_n, block_dv, num_warps, num_stages = (
-        (CUDA_CONFIG_FP32 if q.dtype == torch.float32 else CUDA_CONFIG_16BIT) if on_cuda else INTERPRETER_CONFIG
-    )
-    dot_dtype = _DOT_DTYPES[q.dtype] if on_cuda or q.dtype != torch.bfloat16 else tl.float32
-    block_l = max(16, triton.next_power_of_2(latent))
-    block_dv = min(block_dv, block_l)
-    block_h = min(triton.next_power_of_2(num_heads), rows)
-    block_m = rows // block_h
+    with device_guard(q) as interpreted:
+        dtype = dot_dtype(q.dtype, interpreted, "absorbed")
+        if num_tokens == 0 or num_heads == 0 or num_requests == 0 or kv_cache.numel() == 0:
+            return  # nothing to attend: every row stays untouched
+        rows, block_n, block_dv, num_warps, num_stages = (
+            INTERPRETER_CONFIG if interpreted else CUDA_CONFIG_FP32 if q.dtype == torch.float32 else CUDA_CONFIG_16BIT
+        )
+        block_l = max(16, triton.next_power_of_2(latent))
+        block_dv = min(block_dv, block_l)
+        block_h = min(triton.next_power_of_2(num_heads), rows)
+        block_m = rows // block_h
 
-    w_uk, w_uv = split_kv_b_proj(kv_b_proj_weight, num_heads, nope)
-    q_lat = fold_queries(q, w_uk, q.dtype)  # [N, T, L]
-    o_lat = torch.empty_like(q_lat)  # rows of requests without context stay garbage, never read
-    q_pe = q[..., nope:]  # [T, N, R]
-    is_fp8 = kv_cache.dtype == torch.float8_e4m3fn
-    cache = kv_cache.view(torch.uint8) if is_fp8 else kv_cache
-    q_lat_t, o_lat_t = q_lat.transpose(0, 1), o_lat.transpose(0, 1)  # [T, N, L] views
+        w_uk, w_uv = split_kv_b_proj(kv_b_proj_weight, num_heads, nope)
+        q_lat = fold_queries(q, w_uk, q.dtype)  # [N, T, L]
+        o_lat = torch.empty_like(q_lat)  # rows of requests without context stay garbage, never read
+        q_pe = q[..., nope:]  # [T, N, R]
+        is_fp8 = kv_cache.dtype == torch.float8_e4m3fn
+        cache = kv_cache.view(torch.uint8) if is_fp8 else kv_cache
+        q_lat_t, o_lat_t = q_lat.transpose(0, 1), o_lat.transpose(0, 1)  # [T, N, L] views
 
-    grid = (num_tokens // block_m + num_requests, triton.cdiv(num_heads, block_h), triton.cdiv(latent, block_dv))
-    with torch.cuda.device(q.device) if on_cuda else contextlib.nullcontext():
+        grid = (num_tokens // block_m + num_requests, triton.cdiv(num_heads, block_h), triton.cdiv(latent, block_dv))
         _absorbed_fwd[grid](
             q_lat_t, q_pe, cache, block_table, query_start_loc, context_lens,
             k_scale if is_fp8 else lse,  # a never-read placeholder pointer otherwise
             o_lat_t, lse,
-            num_requests, num_heads, softmax_scale * 1.4426950408889634,
+            num_requests, num_heads, softmax_scale * LOG2E.value,
             *q_lat_t.stride(), *q_pe.stride(), *cache.stride(), *block_table.stride(),
             query_start_loc.stride(0), context_lens.stride(0), *o_lat_t.stride(), *lse.stride(),
             HEAD_L=latent, HEAD_R=rope,
             BLOCK_L=block_l, BLOCK_R=max(16, triton.next_power_of_2(rope)), BLOCK_DV=block_dv,
             BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_N=block_n,
             PAGE_SIZE=kv_cache.shape[1], IS_FP8=is_fp8,
-            DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+            DOT_DTYPE=dtype, DOT_PRECISION=dot_precision(dtype), INTERPRETED=interpreted,
             num_warps=num_warps, num_stages=num_stages,
         )
 
-    # Unfold every token, then keep the rows of requests with context (device-side mask).
-    request, _, valid = token_requests(query_start_loc, num_tokens)
-    has_context = valid & (context_lens[request] > 0)  # [T]
-    new_out = unfold_outputs(o_lat, w_uv).transpose(0, 1)  # [T, N, V]
-    out.copy_(torch.where(has_context[:, None, None], new_out.to(out.dtype), out))
+        # Unfold every token, then keep the rows of requests with context (device-side mask).
+        request, _, valid = token_requests(query_start_loc, num_tokens)
+        has_context = valid & (context_lens[request] > 0)  # [T]
+        new_out = unfold_outputs(o_lat, w_uv).transpose(0, 1)  # [T, N, V]
+        out.copy_(torch.where(has_context[:, None, None], new_out.to(out.dtype), out))

@@ -39,38 +39,53 @@ upcast to fp32 before any math.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
-LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln(2): natural -> base-2 exponents
-LN2 = tl.constexpr(0.6931471805599453)  # ln(2): base-2 LSE -> natural log
+from ._common import LN2, LOG2E, device_guard, dot_dtype, dot_precision, find_request, online_softmax_step
 
 
 @triton.jit
-def _find_request(query_start_loc_ptr, stride_qsl, num_requests, slot, BLOCK_M: tl.constexpr):
-    """The last request i whose first program slot ``query_start_loc[i] // BLOCK_M + i`` is <= slot."""
-    lo: tl.int32 = 0
-    hi = num_requests
-    while lo < hi:
-        mid = (lo + hi) // 2
-        first_slot = tl.load(query_start_loc_ptr + mid * stride_qsl) // BLOCK_M + mid
-        if first_slot <= slot:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
-
-
-@triton.jit
-def _online_softmax_step(qk, acc, l_i, m_i):
-    """Fold a tile of base-2 logits into the running (max, sum): probabilities, rescaled acc, sums, max."""
-    m_ij = tl.maximum(m_i, tl.max(qk, 1))
-    p = tl.math.exp2(qk - m_ij[:, None])
-    alpha = tl.math.exp2(m_i - m_ij)
-    return p, acc * alpha[:, None], l_i * alpha + tl.sum(p, 1), m_ij
+def _attn_key_tile(
+    acc, l_i, m_i,  # [BLOCK_M, BLOCK_V] fp32, [BLOCK_M] fp32 (base-2 running sum and max)
+    q_nope, q_pe,  # [BLOCK_M, BLOCK_P], [BLOCK_M, BLOCK_R]
+    k_nope_ptrs,  # [BLOCK_P, 1] at key 0 of the request (loaded transposed)
+    k_pe_ptrs,  # [BLOCK_R, 1]
+    v_ptrs,  # [1, BLOCK_V]
+    stride_kt, stride_pt, stride_vt,
+    mask_p, mask_r, mask_v,  # [BLOCK_P, 1], [BLOCK_R, 1], [1, BLOCK_V]: head-dim bounds
+    query_pos,  # [BLOCK_M] positions of the tile's queries in their request
+    start_n, offs_n, num_keys, qk_scale,  # offs_n: tl.arange(0, BLOCK_N), made once outside the loop
+    BLOCK_N: tl.constexpr,
+    DIAGONAL: tl.constexpr,  # causal mask: key <= query position
+    MASK_KEYS: tl.constexpr,  # key tiles may run past num_keys
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Fold the key tile ``start_n .. start_n + BLOCK_N`` into the running softmax."""
+    keys = start_n + offs_n  # [BLOCK_N] key positions in the request
+    rows = keys.to(tl.int64)
+    if MASK_KEYS:
+        key_ok = keys < num_keys
+        k_nope = tl.load(k_nope_ptrs + rows[None, :] * stride_kt, mask=mask_p & key_ok[None, :], other=0.0)
+        k_pe = tl.load(k_pe_ptrs + rows[None, :] * stride_pt, mask=mask_r & key_ok[None, :], other=0.0)
+        v = tl.load(v_ptrs + rows[:, None] * stride_vt, mask=key_ok[:, None] & mask_v, other=0.0)
+    else:
+        k_nope = tl.load(k_nope_ptrs + rows[None, :] * stride_kt, mask=mask_p, other=0.0)
+        k_pe = tl.load(k_pe_ptrs + rows[None, :] * stride_pt, mask=mask_r, other=0.0)
+        v = tl.load(v_ptrs + rows[:, None] * stride_vt, mask=mask_v, other=0.0)
+    qk = tl.dot(q_nope, k_nope.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    qk = tl.dot(q_pe, k_pe.to(DOT_DTYPE), qk, input_precision=DOT_PRECISION)
+    qk = qk * qk_scale  # base-2 logits; scaled before the max so any sign of the scale works
+    if MASK_KEYS:
+        qk = tl.where(key_ok[None, :], qk, float("-inf"))
+    if DIAGONAL:
+        qk = tl.where(keys[None, :] <= query_pos[:, None], qk, float("-inf"))
+    # Every row sees a key in the first tile it processes, so the running max is finite from then on.
+    p, acc, l_i, m_i = online_softmax_step(qk, acc, l_i, m_i)
+    acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -89,30 +104,26 @@ def _attn_fwd_inner(
     MASK_KEYS: tl.constexpr,  # key tiles may run past num_keys
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
+    """Key tiles ``lo, lo + BLOCK_N, ...`` below ``hi``, folded into the running softmax."""
     offs_n = tl.arange(0, BLOCK_N)
-    for start_n in range(lo, hi, BLOCK_N):
-        keys = start_n + offs_n  # [BLOCK_N] key positions in the request
-        rows = keys.to(tl.int64)
-        if MASK_KEYS:
-            key_ok = keys < num_keys
-            k_nope = tl.load(k_nope_ptrs + rows[None, :] * stride_kt, mask=mask_p & key_ok[None, :], other=0.0)
-            k_pe = tl.load(k_pe_ptrs + rows[None, :] * stride_pt, mask=mask_r & key_ok[None, :], other=0.0)
-            v = tl.load(v_ptrs + rows[:, None] * stride_vt, mask=key_ok[:, None] & mask_v, other=0.0)
-        else:
-            k_nope = tl.load(k_nope_ptrs + rows[None, :] * stride_kt, mask=mask_p, other=0.0)
-            k_pe = tl.load(k_pe_ptrs + rows[None, :] * stride_pt, mask=mask_r, other=0.0)
-            v = tl.load(v_ptrs + rows[:, None] * stride_vt, mask=mask_v, other=0.0)
-        qk = tl.dot(q_nope, k_nope.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-        qk = tl.dot(q_pe, k_pe.to(DOT_DTYPE), qk, input_precision=DOT_PRECISION)
-        qk = qk * qk_scale  # base-2 logits; scaled before the max so any sign of the scale works
-        if MASK_KEYS:
-            qk = tl.where(key_ok[None, :], qk, float("-inf"))
-        if DIAGONAL:
-            qk = tl.where(keys[None, :] <= query_pos[:, None], qk, float("-inf"))
-        # Every row sees a key in the first tile it processes, so the running max is finite from then on.
-        p, acc, l_i, m_i = _online_softmax_step(qk, acc, l_i, m_i)
-        acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+    if INTERPRETED:  # bounds read from tensors: no range() under the interpreter (mla_ops/triton/_common.py)
+        start_n = lo
+        while start_n < hi:
+            acc, l_i, m_i = _attn_key_tile(
+                acc, l_i, m_i, q_nope, q_pe, k_nope_ptrs, k_pe_ptrs, v_ptrs, stride_kt, stride_pt, stride_vt,
+                mask_p, mask_r, mask_v, query_pos, start_n, offs_n, num_keys, qk_scale,
+                BLOCK_N, DIAGONAL, MASK_KEYS, DOT_DTYPE, DOT_PRECISION,
+            )
+            start_n += BLOCK_N
+    else:
+        for start_n in range(lo, hi, BLOCK_N):
+            acc, l_i, m_i = _attn_key_tile(
+                acc, l_i, m_i, q_nope, q_pe, k_nope_ptrs, k_pe_ptrs, v_ptrs, stride_kt, stride_pt, stride_vt,
+                mask_p, mask_r, mask_v, query_pos, start_n, offs_n, num_keys, qk_scale,
+                BLOCK_N, DIAGONAL, MASK_KEYS, DOT_DTYPE, DOT_PRECISION,
+            )
     return acc, l_i, m_i
 
 
@@ -143,12 +154,13 @@ def _attn_fwd(
     MERGE: tl.constexpr,  # context: fold into out/lse where starts[i] > 0
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M % BLOCK_N == 0)  # causal: the unmasked tiles end on the diagonal
     slot = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
 
-    request = tl.maximum(_find_request(query_start_loc_ptr, stride_qsl, num_requests, slot, BLOCK_M), 0)
+    request = find_request(query_start_loc_ptr, stride_qsl, num_requests, slot, BLOCK_M, 1)
     q_begin = tl.load(query_start_loc_ptr + request * stride_qsl)
     q_len = tl.load(query_start_loc_ptr + (request + 1) * stride_qsl) - q_begin
     k_begin = tl.load(cu_k_ptr + request * stride_cuk)
@@ -190,24 +202,24 @@ def _attn_fwd(
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q_nope, q_pe, k_nope_ptrs, k_pe_ptrs, v_ptrs, stride_kt, stride_pt, stride_vt,
             mask_p, mask_r, mask_v, query_pos, 0, m_start, num_keys, qk_scale,
-            BLOCK_N, False, False, DOT_DTYPE, DOT_PRECISION,
+            BLOCK_N, False, False, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
         )
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q_nope, q_pe, k_nope_ptrs, k_pe_ptrs, v_ptrs, stride_kt, stride_pt, stride_vt,
             mask_p, mask_r, mask_v, query_pos, m_start, tl.minimum(m_start + BLOCK_M, num_keys), num_keys,
-            qk_scale, BLOCK_N, True, True, DOT_DTYPE, DOT_PRECISION,
+            qk_scale, BLOCK_N, True, True, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
         )
     else:
         full = (num_keys // BLOCK_N) * BLOCK_N
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q_nope, q_pe, k_nope_ptrs, k_pe_ptrs, v_ptrs, stride_kt, stride_pt, stride_vt,
             mask_p, mask_r, mask_v, query_pos, 0, full, num_keys, qk_scale,
-            BLOCK_N, False, False, DOT_DTYPE, DOT_PRECISION,
+            BLOCK_N, False, False, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
         )
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q_nope, q_pe, k_nope_ptrs, k_pe_ptrs, v_ptrs, stride_kt, stride_pt, stride_vt,
             mask_p, mask_r, mask_v, query_pos, full, num_keys, num_keys, qk_scale,
-            BLOCK_N, False, True, DOT_DTYPE, DOT_PRECISION,
+            BLOCK_N, False, True, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
         )
 
     # Epilogue: normalize, optionally fold into the running partial, store a natural-log LSE.
@@ -242,36 +254,27 @@ CUDA_CONFIG_FP32 = (32, 32, 8, 2)
 # The interpreter: small tiles, so small test shapes still cover multi-tile loops and merges.
 INTERPRETER_CONFIG = (16, 16, 1, 1)
 
-_DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-
 
 def _launch(q, k_nope, k_pe, v, query_start_loc, cu_k, starts, softmax_scale, out, lse, causal: bool) -> None:
-    if q.dtype not in _DOT_DTYPES:
-        raise TypeError(
-            f"the Triton attention kernels take float16, bfloat16 or float32 q, got {q.dtype} "
-            "(float64 runs on the torch reference)"
-        )
     num_tokens, num_heads = q.shape[0], q.shape[1]
     num_requests = query_start_loc.shape[0] - 1
-    if num_tokens == 0 or num_heads == 0 or num_requests <= 0 or k_nope.shape[0] == 0:
-        return  # nothing to attend; context rows of requests without keys stay untouched
-    nope_dim, rope_dim, value_dim = k_nope.shape[-1], k_pe.shape[-1], v.shape[-1]
-    on_cuda = q.device.type == "cuda"
-    if on_cuda:
-        block_m, block_n, num_warps, num_stages = CUDA_CONFIG_FP32 if q.dtype == torch.float32 else CUDA_CONFIG_16BIT
-    else:
-        block_m, block_n, num_warps, num_stages = INTERPRETER_CONFIG
-    dot_dtype = _DOT_DTYPES[q.dtype] if on_cuda or q.dtype != torch.bfloat16 else tl.float32
-    merge = starts is not None
-    if starts is None:
-        starts = query_start_loc  # unused (MERGE is off); any valid pointer
+    with device_guard(q) as interpreted:
+        dtype = dot_dtype(q.dtype, interpreted, "attention")
+        if num_tokens == 0 or num_heads == 0 or num_requests <= 0 or k_nope.shape[0] == 0:
+            return  # nothing to attend; context rows of requests without keys stay untouched
+        nope_dim, rope_dim, value_dim = k_nope.shape[-1], k_pe.shape[-1], v.shape[-1]
+        block_m, block_n, num_warps, num_stages = (
+            INTERPRETER_CONFIG if interpreted else CUDA_CONFIG_FP32 if q.dtype == torch.float32 else CUDA_CONFIG_16BIT
+        )
+        merge = starts is not None
+        if starts is None:
+            starts = query_start_loc  # unused (MERGE is off); any valid pointer
 
-    grid = (num_tokens // block_m + num_requests, num_heads)
-    with torch.cuda.device(q.device) if on_cuda else contextlib.nullcontext():
+        grid = (num_tokens // block_m + num_requests, num_heads)
         _attn_fwd[grid](
             q, k_nope, k_pe, v, out, lse,
             query_start_loc, cu_k, starts,
-            num_requests, softmax_scale * 1.4426950408889634,
+            num_requests, softmax_scale * LOG2E.value,
             *q.stride(), *k_nope.stride(), *k_pe.stride(), *v.stride(), *out.stride(), *lse.stride(),
             query_start_loc.stride(0), cu_k.stride(0), starts.stride(0),
             HEAD_P=nope_dim, HEAD_R=rope_dim, HEAD_V=value_dim,
@@ -280,7 +283,7 @@ def _launch(q, k_nope, k_pe, v, query_start_loc, cu_k, starts, softmax_scale, ou
             BLOCK_V=max(16, triton.next_power_of_2(value_dim)),
             BLOCK_M=block_m, BLOCK_N=block_n,
             CAUSAL=causal, MERGE=merge,
-            DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+            DOT_DTYPE=dtype, DOT_PRECISION=dot_precision(dtype), INTERPRETED=interpreted,
             num_warps=num_warps, num_stages=num_stages,
         )
 

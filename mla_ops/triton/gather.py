@@ -14,8 +14,9 @@ the workspace capacity W, and a program whose row tile starts past the count exi
 a fixed-capacity chunk loop pays only launch overhead for empty chunks. Each row finds its
 request by a binary search over ``cu_seq_lens``; no per-row host metadata exists.
 
-fp8 rows are decoded from their bits (the cache is read as uint8): exact on every GPU and in
-Triton's interpreter, whose own float8e4nv cast turns the NaN codes 0x7f / 0xff into +-480.
+fp8 rows are decoded from their bits (the cache is read as uint8; ``e4m3fn_to_float32`` of
+``mla_ops/triton/_common.py``): exact on every GPU and in Triton's interpreter, whose own
+float8e4nv cast turns the NaN codes 0x7f / 0xff into +-480.
 """
 
 from __future__ import annotations
@@ -24,37 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-# Globals read inside @triton.jit must be tl.constexpr.
-FP8_EXPONENT_BIAS_SHIFT = tl.constexpr(120)  # fp32 exponent = e4m3 exponent - 7 + 127
-FP8_SUBNORMAL_UNIT = tl.constexpr(0.001953125)  # 2**-9: e4m3 subnormal = mantissa / 8 * 2**-6
-FP8_NAN_MAGNITUDE = tl.constexpr(0x7F)  # e4m3fn has no infinities; S.1111.111 is NaN
-FP32_QUIET_NAN_BITS = tl.constexpr(0x7FC00000)
-
-
-@triton.jit
-def _request_of_rows(cu_seq_lens_ptr, stride_cu, rows, num_requests):
-    """Index i of the last ``cu_seq_lens[i] <= row`` among i < num_requests (skips empty requests)."""
-    base = tl.zeros_like(rows)
-    length = num_requests
-    while length > 1:  # branchless binary search, ceil(log2(n)) steps
-        half = length // 2
-        probe = tl.load(cu_seq_lens_ptr + (base + half) * stride_cu)
-        base = tl.where(probe <= rows, base + half, base)
-        length -= half
-    return base
-
-
-@triton.jit
-def _e4m3fn_to_float32(bits):
-    """Decode float8_e4m3fn bytes (as int32 0..255) to float32 exactly, NaN and subnormals included."""
-    magnitude = bits & 0x7F
-    exponent = magnitude >> 3
-    mantissa = magnitude & 0x7
-    normal = (((exponent + FP8_EXPONENT_BIAS_SHIFT) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
-    value = tl.where(exponent == 0, mantissa.to(tl.float32) * FP8_SUBNORMAL_UNIT, normal)
-    nan = tl.full(bits.shape, FP32_QUIET_NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
-    value = tl.where(magnitude == FP8_NAN_MAGNITUDE, nan, value)
-    return tl.where(bits >= 0x80, -value, value)
+from ._common import device_guard, e4m3fn_to_float32, find_request
 
 
 @triton.jit(do_not_specialize=["num_requests"])
@@ -87,7 +58,7 @@ def _gather_context_kernel(
         return
     rows = row_start + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < num_rows
-    request = _request_of_rows(cu_seq_lens_ptr, stride_cu, rows, num_requests)
+    request = find_request(cu_seq_lens_ptr, stride_cu, num_requests, rows, 1, 0)
     first_row = tl.load(cu_seq_lens_ptr + request * stride_cu)
     position = tl.load(starts_ptr + request * stride_starts) + rows - first_row
     table_offset = request.to(tl.int64) * stride_table_row + (position // block_size).to(tl.int64) * stride_table_col
@@ -98,7 +69,7 @@ def _gather_context_kernel(
     mask = row_mask[:, None] & (cols < width)[None, :]
     src = cache_ptr + src_row[:, None] + cols.to(tl.int64)[None, :] * stride_cache_col
     if IS_FP8:
-        values = _e4m3fn_to_float32(tl.load(src, mask=mask, other=0).to(tl.int32))
+        values = e4m3fn_to_float32(tl.load(src, mask=mask, other=0).to(tl.int32))
         values = values * tl.load(k_scale_ptr).to(tl.float32)
     else:
         values = tl.load(src, mask=mask, other=0.0)
@@ -116,29 +87,30 @@ def gather_context(kv_cache, block_table, cu_seq_lens, starts, k_scale, workspac
     """Write workspace rows [0, cu_seq_lens[-1]) (a device count, never read here); see module doc."""
     num_requests = block_table.shape[0]
     capacity, width = workspace.shape
-    if capacity == 0 or width == 0 or num_requests == 0:
-        return
-    is_fp8 = kv_cache.dtype == torch.float8_e4m3fn
-    cache = kv_cache.view(torch.uint8) if is_fp8 else kv_cache
-    block_cols = min(MAX_BLOCK_COLS, triton.next_power_of_2(width))
-    grid = (triton.cdiv(capacity, BLOCK_ROWS), triton.cdiv(width, block_cols))
-    _gather_context_kernel[grid](
-        cache,
-        block_table,
-        cu_seq_lens,
-        starts,
-        k_scale if is_fp8 else workspace,  # a never-read placeholder pointer otherwise
-        workspace,
-        num_requests,
-        kv_cache.shape[1],
-        width,
-        *cache.stride(),
-        *block_table.stride(),
-        cu_seq_lens.stride(0),
-        starts.stride(0),
-        *workspace.stride(),
-        IS_FP8=is_fp8,
-        BLOCK_ROWS=BLOCK_ROWS,
-        BLOCK_COLS=block_cols,
-        num_warps=NUM_WARPS,
-    )
+    with device_guard(workspace):
+        if capacity == 0 or width == 0 or num_requests == 0:
+            return
+        is_fp8 = kv_cache.dtype == torch.float8_e4m3fn
+        cache = kv_cache.view(torch.uint8) if is_fp8 else kv_cache
+        block_cols = min(MAX_BLOCK_COLS, triton.next_power_of_2(width))
+        grid = (triton.cdiv(capacity, BLOCK_ROWS), triton.cdiv(width, block_cols))
+        _gather_context_kernel[grid](
+            cache,
+            block_table,
+            cu_seq_lens,
+            starts,
+            k_scale if is_fp8 else workspace,  # a never-read placeholder pointer otherwise
+            workspace,
+            num_requests,
+            kv_cache.shape[1],
+            width,
+            *cache.stride(),
+            *block_table.stride(),
+            cu_seq_lens.stride(0),
+            starts.stride(0),
+            *workspace.stride(),
+            IS_FP8=is_fp8,
+            BLOCK_ROWS=BLOCK_ROWS,
+            BLOCK_COLS=block_cols,
+            num_warps=NUM_WARPS,
+        )

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import device_guard
+
 
 @triton.jit
 def _merge_attn_states_kernel(
@@ -87,26 +89,27 @@ def merge_attn_states(prefix_out, prefix_lse, suffix_out, suffix_lse) -> tuple[t
     lse = torch.empty((heads, tokens), dtype=lse_dtype, device=prefix_out.device)
     if out.numel() == 0 and lse.numel() == 0:
         return out, lse
-    block_v = triton.next_power_of_2(head_dim)
-    block_h = min(triton.next_power_of_2(heads), max(1, ELEMENTS_PER_PROGRAM // block_v))
-    grid = (tokens, triton.cdiv(heads, block_h))
-    _merge_attn_states_kernel[grid](
-        out,
-        lse,
-        prefix_out,
-        prefix_lse,
-        suffix_out,
-        suffix_lse,
-        heads,
-        head_dim,
-        *out.stride(),
-        *lse.stride(),
-        *prefix_out.stride(),
-        *prefix_lse.stride(),
-        *suffix_out.stride(),
-        *suffix_lse.stride(),
-        BLOCK_H=block_h,
-        BLOCK_V=block_v,
-        num_warps=NUM_WARPS,
-    )
+    with device_guard(prefix_out):
+        block_v = triton.next_power_of_2(head_dim)
+        block_h = min(triton.next_power_of_2(heads), max(1, ELEMENTS_PER_PROGRAM // block_v))
+        grid = (tokens, triton.cdiv(heads, block_h))
+        _merge_attn_states_kernel[grid](
+            out,
+            lse,
+            prefix_out,
+            prefix_lse,
+            suffix_out,
+            suffix_lse,
+            heads,
+            head_dim,
+            *out.stride(),
+            *lse.stride(),
+            *prefix_out.stride(),
+            *prefix_lse.stride(),
+            *suffix_out.stride(),
+            *suffix_lse.stride(),
+            BLOCK_H=block_h,
+            BLOCK_V=block_v,
+            num_warps=NUM_WARPS,
+        )
     return out, lse

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import device_guard
+
 
 @triton.jit
 def _up_project_kernel(
@@ -99,33 +101,36 @@ def up_project(latent, kv_b_proj_weight, cu_seq_lens, out) -> None:
     """``out[:M] = latent[:M] @ kv_b_proj_weight.T``, M = cu_seq_lens[-1] read on the device."""
     capacity, latent_rank = latent.shape
     num_out = kv_b_proj_weight.shape[0]
-    if capacity == 0 or num_out == 0:
-        return
-    interpreted = latent.device.type == "cpu"  # CPU tensors reach Triton only under TRITON_INTERPRET=1
-    fp32_dot = latent.dtype not in (torch.float16, torch.bfloat16) or (interpreted and latent.dtype == torch.bfloat16)
-    if interpreted:
-        block_m, block_n, block_k, num_warps, num_stages = _interpreter_config(capacity, num_out, latent_rank)
-    else:
-        block_m, block_n, block_k, num_warps, num_stages = GPU_CONFIG_FP32 if fp32_dot else GPU_CONFIG_16BIT
-    grid = (triton.cdiv(capacity, block_m) * triton.cdiv(num_out, block_n),)
-    _up_project_kernel[grid](
-        latent,
-        kv_b_proj_weight,
-        cu_seq_lens,
-        out,
-        cu_seq_lens.shape[0] - 1,
-        capacity,
-        num_out,
-        cu_seq_lens.stride(0),
-        *latent.stride(),
-        *kv_b_proj_weight.stride(),
-        *out.stride(),
-        LATENT_RANK=latent_rank,
-        FP32_DOT=fp32_dot,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        GROUP_M=GROUP_M,
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
+    with device_guard(latent) as interpreted:
+        if capacity == 0 or num_out == 0:
+            return
+        # bf16 under the interpreter, which has no bf16 arithmetic, runs as fp32.
+        fp32_dot = latent.dtype not in (torch.float16, torch.bfloat16) or (
+            interpreted and latent.dtype == torch.bfloat16
+        )
+        if interpreted:
+            block_m, block_n, block_k, num_warps, num_stages = _interpreter_config(capacity, num_out, latent_rank)
+        else:
+            block_m, block_n, block_k, num_warps, num_stages = GPU_CONFIG_FP32 if fp32_dot else GPU_CONFIG_16BIT
+        grid = (triton.cdiv(capacity, block_m) * triton.cdiv(num_out, block_n),)
+        _up_project_kernel[grid](
+            latent,
+            kv_b_proj_weight,
+            cu_seq_lens,
+            out,
+            cu_seq_lens.shape[0] - 1,
+            capacity,
+            num_out,
+            cu_seq_lens.stride(0),
+            *latent.stride(),
+            *kv_b_proj_weight.stride(),
+            *out.stride(),
+            LATENT_RANK=latent_rank,
+            FP32_DOT=fp32_dot,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            GROUP_M=GROUP_M,
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )

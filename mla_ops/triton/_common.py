@@ -1,0 +1,115 @@
+"""What the Triton kernels share: constants, the online-softmax step, the request search, e4m3
+decoding, and the device guard every launcher runs its launch under.
+
+Scalars in Triton's interpreter are 1-element arrays. Triton 3.6's interpreter turns a
+``range()`` bound into a Python int with ``int(array)``, which numpy >= 2.4 refuses for a
+1-element array (newer Triton squeezes first). So a kernel never loops ``range(lo, hi)`` over
+bounds read from a tensor under the interpreter: the loop-carrying kernels take an
+``INTERPRETED`` constexpr (``device_guard`` yields it) and walk those bounds with a ``while``
+loop there, keeping the ``for`` loop, which Triton software-pipelines, for compiled kernels.
+``while`` conditions and ``if`` tests only need ``bool()``, which works on every version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+from ..backends import interpreting
+
+# Globals read inside @triton.jit must be tl.constexpr; launchers use ``.value``.
+LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln(2): natural -> base-2 exponents
+LN2 = tl.constexpr(0.6931471805599453)  # ln(2): base-2 LSE -> natural log
+
+FP8_EXPONENT_BIAS_SHIFT = tl.constexpr(120)  # fp32 exponent = e4m3 exponent - 7 + 127
+FP8_SUBNORMAL_UNIT = tl.constexpr(0.001953125)  # 2**-9: e4m3 subnormal = mantissa / 8 * 2**-6
+FP8_NAN_MAGNITUDE = tl.constexpr(0x7F)  # e4m3fn has no infinities; S.1111.111 is NaN
+FP32_QUIET_NAN_BITS = tl.constexpr(0x7FC00000)
+
+# Operand dtypes of tl.dot; float64 runs on the torch reference.
+DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+@triton.jit
+def online_softmax_step(qk, acc, l_i, m_i):
+    """Fold a tile of base-2 logits into the running (max, sum): probabilities, rescaled acc, sums, max."""
+    m_ij = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.math.exp2(qk - m_ij[:, None])
+    alpha = tl.math.exp2(m_i - m_ij)
+    return p, acc * alpha[:, None], l_i * alpha + tl.sum(p, 1), m_ij
+
+
+@triton.jit
+def find_request(offsets_ptr, stride, num_requests, target, TILE: tl.constexpr, SPARE_SLOT: tl.constexpr):
+    """The last request i < num_requests with ``key(i) <= target`` (0 if none), elementwise for a block target.
+
+    ``key(i) = offsets[i] // TILE + i * SPARE_SLOT`` must not decrease with i. Rows of a chunk
+    (``offsets = cu_seq_lens``, TILE 1, no spare slot) find their request, skipping empty ones;
+    program slots of a query tile (``offsets = query_start_loc``, TILE = BLOCK_M, one spare slot
+    per request) find the request that owns them. Branchless, ceil(log2(n)) loads.
+    """
+    base = tl.zeros_like(target)
+    length = num_requests
+    while length > 1:
+        half = length // 2
+        probe = base + half
+        key = tl.load(offsets_ptr + probe * stride) // TILE + probe * SPARE_SLOT
+        base = tl.where(key <= target, probe, base)
+        length -= half
+    return base
+
+
+@triton.jit
+def e4m3fn_to_float32(bits):
+    """Decode float8_e4m3fn bytes (as int32 0..255) to float32 exactly, NaN and subnormals included.
+
+    From the bits, not a float8 cast: Triton's interpreter casts the NaN codes 0x7f / 0xff to +-480.
+    """
+    magnitude = bits & 0x7F
+    exponent = magnitude >> 3
+    mantissa = magnitude & 0x7
+    normal = (((exponent + FP8_EXPONENT_BIAS_SHIFT) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+    value = tl.where(exponent == 0, mantissa.to(tl.float32) * FP8_SUBNORMAL_UNIT, normal)
+    nan = tl.full(bits.shape, FP32_QUIET_NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
+    value = tl.where(magnitude == FP8_NAN_MAGNITUDE, nan, value)
+    return tl.where(bits >= 0x80, -value, value)
+
+
+@contextlib.contextmanager
+def device_guard(tensor: torch.Tensor):
+    """Run a launch where ``tensor`` lives; yields True under Triton's CPU interpreter, False on CUDA.
+
+    A CUDA launch runs with ``tensor``'s device current (Triton launches on the current device,
+    which may be another GPU). CPU tensors run only under ``TRITON_INTERPRET=1``.
+    """
+    if tensor.device.type == "cuda":
+        with torch.cuda.device(tensor.device):
+            yield False
+    elif tensor.device.type == "cpu" and interpreting():
+        yield True
+    else:
+        raise RuntimeError(
+            "Triton kernels take CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 set before "
+            f"mla_ops.triton is imported; got {tensor.device} tensors"
+        )
+
+
+def dot_dtype(dtype: torch.dtype, interpreted: bool, kernel: str):
+    """The tl.dot operand dtype for ``dtype``; TypeError for dtypes the kernels don't take.
+
+    The interpreter has no bf16 arithmetic, so bf16 is upcast to fp32 there.
+    """
+    if dtype not in DOT_DTYPES:
+        raise TypeError(
+            f"the Triton {kernel} kernel takes float16, bfloat16 or float32 q, got {dtype} "
+            "(float64 runs on the torch reference)"
+        )
+    return tl.float32 if interpreted and dtype == torch.bfloat16 else DOT_DTYPES[dtype]
+
+
+def dot_precision(dtype) -> str:
+    """fp32 operands use "ieee" (no TF32), as torch does by default; the value is unused for 16-bit."""
+    return "ieee" if dtype == tl.float32 else "tf32"

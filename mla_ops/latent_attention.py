@@ -80,45 +80,11 @@ def _(q, kv_cache, block_table, query_start_loc, context_lens, softmax_scale, k_
 def latent_attention_triton(q, kv_cache, block_table, query_start_loc, context_lens, softmax_scale, k_scale,
                             out, lse) -> None:
     """The op's contract on the absorbed Triton kernel (CUDA, or CPU under ``TRITON_INTERPRET=1``)."""
-    import triton
+    from .triton.absorbed import latent_attention
 
-    from .triton import absorbed as kernel
-    from .triton._common import LOG2E, device_guard, dot_dtype, dot_precision
-
-    num_tokens, num_heads = q.shape[0], q.shape[1]
     latent = out.shape[2]
-    rope = q.shape[2] - latent
-    num_requests = context_lens.shape[0]
-    with device_guard(q) as interpreted:
-        dtype = dot_dtype(q.dtype, interpreted, "latent attention")
-        if num_tokens == 0 or num_heads == 0 or num_requests == 0 or kv_cache.numel() == 0:
-            return
-        rows, block_n, block_dv, num_warps, num_stages = (
-            kernel.INTERPRETER_CONFIG if interpreted
-            else kernel.CUDA_CONFIG_FP32 if q.dtype == torch.float32 else kernel.CUDA_CONFIG_16BIT
-        )
-        block_l = max(16, triton.next_power_of_2(latent))
-        block_dv = min(block_dv, block_l)
-        block_h = min(triton.next_power_of_2(num_heads), rows)
-        block_m = rows // block_h
-        q_lat, q_pe = q[..., :latent], q[..., latent:]  # [T, H, L], [T, H, R] views
-        is_fp8 = kv_cache.dtype == torch.float8_e4m3fn
-        cache = kv_cache.view(torch.uint8) if is_fp8 else kv_cache
-        grid = (num_tokens // block_m + num_requests, triton.cdiv(num_heads, block_h), triton.cdiv(latent, block_dv))
-        kernel._absorbed_fwd[grid](
-            q_lat, q_pe, cache, block_table, query_start_loc, context_lens,
-            k_scale if is_fp8 else lse,  # a never-read placeholder pointer otherwise
-            out, lse,
-            num_requests, num_heads, softmax_scale * LOG2E.value,
-            *q_lat.stride(), *q_pe.stride(), *cache.stride(), *block_table.stride(),
-            query_start_loc.stride(0), context_lens.stride(0), *out.stride(), *lse.stride(),
-            HEAD_L=latent, HEAD_R=rope,
-            BLOCK_L=block_l, BLOCK_R=max(16, triton.next_power_of_2(rope)), BLOCK_DV=block_dv,
-            BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_N=block_n,
-            PAGE_SIZE=kv_cache.shape[1], IS_FP8=is_fp8,
-            DOT_DTYPE=dtype, DOT_PRECISION=dot_precision(dtype), INTERPRETED=interpreted,
-            num_warps=num_warps, num_stages=num_stages,
-        )
+    latent_attention(q[..., :latent], q[..., latent:], kv_cache, block_table, query_start_loc, context_lens,
+                     softmax_scale, k_scale, out, lse)
 
 
 def _latent_attention_cuda(*args) -> None:

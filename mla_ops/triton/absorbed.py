@@ -242,6 +242,43 @@ CUDA_CONFIG_FP32 = (16, 16, 128, 4, 1)
 INTERPRETER_CONFIG = (16, 16, 16, 1, 1)
 
 
+def latent_attention(q_lat, q_pe, kv_cache, block_table, query_start_loc, context_lens, softmax_scale, k_scale,
+                     o_lat, lse) -> None:
+    """The kernel over queries already in the latent space: q_lat [T, H, L], q_pe [T, H, R] (views
+    welcome) -> o_lat [T, H, L], lse [H, T]. Rows of requests without context stay untouched."""
+    num_tokens, num_heads, latent = q_lat.shape
+    rope, num_requests = q_pe.shape[2], context_lens.shape[0]
+    with device_guard(q_lat) as interpreted:
+        dtype = dot_dtype(q_lat.dtype, interpreted, "absorbed")
+        if num_tokens == 0 or num_heads == 0 or num_requests == 0 or kv_cache.numel() == 0:
+            return  # nothing to attend: every row stays untouched
+        rows, block_n, block_dv, num_warps, num_stages = (
+            INTERPRETER_CONFIG if interpreted else CUDA_CONFIG_FP32 if q_lat.dtype == torch.float32 else CUDA_CONFIG_16BIT
+        )
+        block_l = max(16, triton.next_power_of_2(latent))
+        block_dv = min(block_dv, block_l)
+        block_h = min(triton.next_power_of_2(num_heads), rows)
+        block_m = rows // block_h
+        is_fp8 = kv_cache.dtype == torch.float8_e4m3fn
+        cache = kv_cache.view(torch.uint8) if is_fp8 else kv_cache
+
+        grid = (num_tokens // block_m + num_requests, triton.cdiv(num_heads, block_h), triton.cdiv(latent, block_dv))
+        _absorbed_fwd[grid](
+            q_lat, q_pe, cache, block_table, query_start_loc, context_lens,
+            k_scale if is_fp8 else lse,  # a never-read placeholder pointer otherwise
+            o_lat, lse,
+            num_requests, num_heads, softmax_scale * LOG2E.value,
+            *q_lat.stride(), *q_pe.stride(), *cache.stride(), *block_table.stride(),
+            query_start_loc.stride(0), context_lens.stride(0), *o_lat.stride(), *lse.stride(),
+            HEAD_L=latent, HEAD_R=rope,
+            BLOCK_L=block_l, BLOCK_R=max(16, triton.next_power_of_2(rope)), BLOCK_DV=block_dv,
+            BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_N=block_n,
+            PAGE_SIZE=kv_cache.shape[1], IS_FP8=is_fp8,
+            DOT_DTYPE=dtype, DOT_PRECISION=dot_precision(dtype), INTERPRETED=interpreted,
+            num_warps=num_warps, num_stages=num_stages,
+        )
+
+
 def absorbed_context_attention(
     q, kv_cache, block_table, query_start_loc, context_lens, kv_b_proj_weight, softmax_scale, k_scale, out, lse
 ) -> None:
@@ -250,40 +287,14 @@ def absorbed_context_attention(
     num_requests = context_lens.shape[0]
     num_heads, latent, nope, rope, _ = absorbed_dims(q, kv_cache, kv_b_proj_weight)
     with device_guard(q) as interpreted:
-        dtype = dot_dtype(q.dtype, interpreted, "absorbed")
+        dot_dtype(q.dtype, interpreted, "absorbed")  # a TypeError before any work
         if num_tokens == 0 or num_heads == 0 or num_requests == 0 or kv_cache.numel() == 0:
             return  # nothing to attend: every row stays untouched
-        rows, block_n, block_dv, num_warps, num_stages = (
-            INTERPRETER_CONFIG if interpreted else CUDA_CONFIG_FP32 if q.dtype == torch.float32 else CUDA_CONFIG_16BIT
-        )
-        block_l = max(16, triton.next_power_of_2(latent))
-        block_dv = min(block_dv, block_l)
-        block_h = min(triton.next_power_of_2(num_heads), rows)
-        block_m = rows // block_h
-
         w_uk, w_uv = split_kv_b_proj(kv_b_proj_weight, num_heads, nope)
         q_lat = fold_queries(q, w_uk, q.dtype)  # [N, T, L]
         o_lat = torch.empty_like(q_lat)  # rows of requests without context stay garbage, never read
-        q_pe = q[..., nope:]  # [T, N, R]
-        is_fp8 = kv_cache.dtype == torch.float8_e4m3fn
-        cache = kv_cache.view(torch.uint8) if is_fp8 else kv_cache
-        q_lat_t, o_lat_t = q_lat.transpose(0, 1), o_lat.transpose(0, 1)  # [T, N, L] views
-
-        grid = (num_tokens // block_m + num_requests, triton.cdiv(num_heads, block_h), triton.cdiv(latent, block_dv))
-        _absorbed_fwd[grid](
-            q_lat_t, q_pe, cache, block_table, query_start_loc, context_lens,
-            k_scale if is_fp8 else lse,  # a never-read placeholder pointer otherwise
-            o_lat_t, lse,
-            num_requests, num_heads, softmax_scale * LOG2E.value,
-            *q_lat_t.stride(), *q_pe.stride(), *cache.stride(), *block_table.stride(),
-            query_start_loc.stride(0), context_lens.stride(0), *o_lat_t.stride(), *lse.stride(),
-            HEAD_L=latent, HEAD_R=rope,
-            BLOCK_L=block_l, BLOCK_R=max(16, triton.next_power_of_2(rope)), BLOCK_DV=block_dv,
-            BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_N=block_n,
-            PAGE_SIZE=kv_cache.shape[1], IS_FP8=is_fp8,
-            DOT_DTYPE=dtype, DOT_PRECISION=dot_precision(dtype), INTERPRETED=interpreted,
-            num_warps=num_warps, num_stages=num_stages,
-        )
+        latent_attention(q_lat.transpose(0, 1), q[..., nope:], kv_cache, block_table, query_start_loc, context_lens,
+                         softmax_scale, k_scale, o_lat.transpose(0, 1), lse)  # [T, N, L] views
 
         # Unfold every token, then keep the rows of requests with context (device-side mask).
         request, _, valid = token_requests(query_start_loc, num_tokens)

@@ -365,3 +365,43 @@ def test_cuda_graph_runner_warmup_captures_every_bucket_in_one_pool():
     expect = eager_model_step(model, caches.clone(), ids, positions, slots, table, qsl, lens)
     torch.testing.assert_close(runner(ids, positions, caches, slots, table, qsl, lens), expect, rtol=2e-3, atol=2e-3)
     assert runner.stats["graphs"] == 8 and runner.stats["replays"] == 1
+
+
+@pytest.mark.parametrize("num_programs", [3, None])  # forced tiny grids (long stride loops), then the SM count
+def test_persistent_kernels_over_every_chunk_of_a_device_schedule(num_programs, monkeypatch):
+    """Gather, up-projection and context attention on each chunk, the empty ones past the count included."""
+    from mla_ops.device_schedule import plan_device_reference
+    from mla_ops.triton import _common
+
+    monkeypatch.setattr(_common, "PROGRAMS_OVERRIDE", num_programs)
+    g = torch.Generator(device=DEVICE).manual_seed(4)
+    context_lens = torch.tensor([0, 700, 3000, 0, 90, 0], dtype=torch.int32)
+    capacity, max_chunks, heads = 1024, 6, 8
+    starts_k, _, cu_k, num_chunks = (t.to(DEVICE) for t in plan_device_reference(context_lens, capacity, max_chunks))
+    assert int(num_chunks) < max_chunks
+    cache = torch.randn(400, 16, 576, generator=g, device=DEVICE).to(torch.bfloat16)
+    table = torch.randperm(400, generator=g, device=DEVICE)[:6 * 60].view(6, 60).to(torch.int32)
+    weight = torch.randn(heads * 256, 512, generator=g, device=DEVICE).to(torch.bfloat16) / 20
+    q_lens = torch.tensor([3, 100, 1, 70, 5, 2])
+    cu_q = torch.tensor([0, *q_lens.cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(int(q_lens.sum()), heads, 192, generator=g, device=DEVICE).to(torch.bfloat16)
+    base_out = torch.randn(q.shape[0], heads, 128, generator=g, device=DEVICE).to(torch.bfloat16)
+    base_lse = torch.randn(heads, q.shape[0], generator=g, device=DEVICE)
+    for k in range(max_chunks):
+        cu, starts, rows = cu_k[k], starts_k[k], int(cu_k[k, -1])
+        results = []
+        for ops in (torch.ops.mla_ops, REFERENCE):
+            workspace = torch.full((capacity, 576), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+            kv = torch.full((capacity, heads, 256), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+            out, lse = base_out.clone(), base_lse.clone()
+            ops.gather_context(cache, table, cu, starts, None, workspace)
+            ops.up_project(workspace[:, :512], weight, cu, kv.view(capacity, -1))
+            # Stale rows past the count are NaN: attention must read only the live ones.
+            ops.context_attention(q, kv[..., :128], workspace[:, 512:], kv[..., 128:], cu_q, cu, starts, 0.07, out, lse)
+            results.append((workspace, kv, out.float(), lse))
+        (ws, kv, out, lse), (want_ws, want_kv, want_out, want_lse) = results
+        assert torch.equal(ws[:rows], want_ws[:rows]) and ws[rows:].isnan().all(), f"chunk {k}"
+        assert kv[rows:].isnan().all(), f"chunk {k}"
+        torch.testing.assert_close(kv[:rows].float(), want_kv[:rows].float(), atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(out, want_out, atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)

@@ -13,6 +13,7 @@ loop there, keeping the ``for`` loop, which Triton software-pipelines, for compi
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import triton
@@ -113,3 +114,28 @@ def dot_dtype(dtype: torch.dtype, interpreted: bool, kernel: str):
 def dot_precision(dtype) -> str:
     """fp32 operands use "ieee" (no TF32), as torch does by default; the value is unused for 16-bit."""
     return "ieee" if dtype == tl.float32 else "tf32"
+
+
+# Persistent launches: a kernel runs at most ``persistent_programs`` programs, each striding over
+# the live tiles it reads from device counts, so a chunk without rows costs about one launch.
+INTERPRETER_PROGRAMS = 3  # few programs under the interpreter, so the stride loops run
+PROGRAMS_OVERRIDE: int | None = None  # tests force tiny grids here
+
+
+def persistent_programs(tensor: torch.Tensor, interpreted: bool, per_sm: int) -> int:
+    """Programs of a persistent launch on ``tensor``'s device: ``per_sm`` (the kernel's occupancy) per SM."""
+    if PROGRAMS_OVERRIDE is not None:
+        return PROGRAMS_OVERRIDE
+    if interpreted:
+        return INTERPRETER_PROGRAMS
+    return per_sm * _sm_count(tensor.device.index if tensor.device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def persistent_grid(tile_capacity: int, programs: int) -> tuple[int]:
+    """One program per tile up to ``programs``: the grid never exceeds the hardware, nor the tiles."""
+    return (max(1, min(tile_capacity, programs)),)

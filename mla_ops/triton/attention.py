@@ -17,14 +17,18 @@ Inside, the online softmax runs in fp32 on base-2 statistics (scores scaled by
 ``softmax_scale * LOG2E``); the LSE that leaves the kernel is natural log (``* LN2``).
 
 Work distribution (no host read of a device value, so one launch serves any batch of a capacity
-bucket and can be captured in a CUDA graph): the grid is ``(Tq // BLOCK_M + n, N)``. Request i owns
-the program slots ``query_start_loc[i] // BLOCK_M + i .. query_start_loc[i+1] // BLOCK_M + i``, i.e.
+bucket and can be captured in a CUDA graph): there are ``(Tq // BLOCK_M + n) * N`` (slot, head)
+items. Request i owns the program slots
+``query_start_loc[i] // BLOCK_M + i .. query_start_loc[i+1] // BLOCK_M + i``, i.e.
 ``floor((a+q)/B) - floor(a/B) + 1 >= ceil(q/B)`` slots for its q queries: a closed-form upper bound
 of the prefix sum of per-request tile counts (vLLM's unified attention uses the same trick), so
-no cumsum is needed. Each program finds its request by a binary search over ``query_start_loc``
-(log2(n) scalar loads from a cached [n+1] array) and exits at once when its slot is the spare one
+no cumsum is needed. Each item finds its request by a binary search over ``query_start_loc``
+(log2(n) scalar loads from a cached [n+1] array) and is skipped when its slot is the spare one
 of its request, the request has no queries, or (context) no rows in this chunk: in a device
 schedule, most requests of the batch have no rows in a given chunk and stay untouched.
+The launch is persistent (``grid``: at most a few programs per SM): the requests with keys are a
+contiguous run ``first .. last`` found by two binary searches over the key offsets, and the
+programs stride over that run's slots times the heads only, so an empty chunk costs a launch.
 
 Key loop per (query tile, head), as in Triton's fused-attention tutorial: full key tiles without
 masks, then the masked remainder. Causal (suffix, keys = queries of the same request): tiles left
@@ -43,7 +47,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LN2, LOG2E, device_guard, dot_dtype, dot_precision, find_request, online_softmax_step
+from ._common import (
+    LN2,
+    LOG2E,
+    device_guard,
+    dot_dtype,
+    dot_precision,
+    find_request,
+    online_softmax_step,
+    persistent_grid,
+    persistent_programs,
+)
 
 
 @triton.jit
@@ -127,8 +141,10 @@ def _attn_fwd_inner(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["num_requests"])  # the batch size changes every step
-def _attn_fwd(
+@triton.jit
+def _attn_tile(
+    slot,  # program slot of the query tile (see the module doc)
+    head,  # int64
     q_ptr,  # [Tq, N, P+R]
     k_nope_ptr,  # [S, N, P]
     k_pe_ptr,  # [S, R]
@@ -156,91 +172,142 @@ def _attn_fwd(
     DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    tl.static_assert(BLOCK_M % BLOCK_N == 0)  # causal: the unmasked tiles end on the diagonal
-    slot = tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)
-
+    """One (query tile, head): attention over its request's keys, stored or merged into out/lse."""
     request = find_request(query_start_loc_ptr, stride_qsl, num_requests, slot, BLOCK_M, 1)
     q_begin = tl.load(query_start_loc_ptr + request * stride_qsl)
     q_len = tl.load(query_start_loc_ptr + (request + 1) * stride_qsl) - q_begin
     k_begin = tl.load(cu_k_ptr + request * stride_cuk)
     num_keys = tl.load(cu_k_ptr + (request + 1) * stride_cuk) - k_begin
     m_start = (slot - (q_begin // BLOCK_M + request)) * BLOCK_M
-    if (m_start < 0) | (m_start >= q_len) | (num_keys <= 0):
-        return  # a spare slot, a request without queries, or (context) without rows: untouched
+    # Not a spare slot, a request without queries, or (context) one without rows: those stay untouched.
+    if (m_start >= 0) & (m_start < q_len) & (num_keys > 0):
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_p = tl.arange(0, BLOCK_P)
+        offs_r = tl.arange(0, BLOCK_R)
+        offs_v = tl.arange(0, BLOCK_V)
+        query_pos = m_start + offs_m  # [BLOCK_M] in the request
+        row_ok = query_pos < q_len
+        q_rows = q_begin.to(tl.int64) + query_pos  # [BLOCK_M] token rows of q / out / lse
 
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_p = tl.arange(0, BLOCK_P)
-    offs_r = tl.arange(0, BLOCK_R)
-    offs_v = tl.arange(0, BLOCK_V)
-    query_pos = m_start + offs_m  # [BLOCK_M] in the request
-    row_ok = query_pos < q_len
-    q_rows = q_begin.to(tl.int64) + query_pos  # [BLOCK_M] token rows of q / out / lse
+        q_row_ptrs = q_ptr + q_rows[:, None] * stride_qt + head * stride_qh
+        q_nope = tl.load(
+            q_row_ptrs + offs_p[None, :] * stride_qd, mask=row_ok[:, None] & (offs_p[None, :] < HEAD_P), other=0.0
+        ).to(DOT_DTYPE)
+        q_pe = tl.load(
+            q_row_ptrs + (HEAD_P + offs_r)[None, :] * stride_qd, mask=row_ok[:, None] & (offs_r[None, :] < HEAD_R),
+            other=0.0,
+        ).to(DOT_DTYPE)
 
-    q_row_ptrs = q_ptr + q_rows[:, None] * stride_qt + head * stride_qh
-    q_nope = tl.load(
-        q_row_ptrs + offs_p[None, :] * stride_qd, mask=row_ok[:, None] & (offs_p[None, :] < HEAD_P), other=0.0
-    ).to(DOT_DTYPE)
-    q_pe = tl.load(
-        q_row_ptrs + (HEAD_P + offs_r)[None, :] * stride_qd, mask=row_ok[:, None] & (offs_r[None, :] < HEAD_R),
-        other=0.0,
-    ).to(DOT_DTYPE)
+        k_first = k_begin.to(tl.int64)
+        k_nope_ptrs = k_nope_ptr + k_first * stride_kt + head * stride_kh + offs_p[:, None] * stride_kd
+        k_pe_ptrs = k_pe_ptr + k_first * stride_pt + offs_r[:, None] * stride_pd
+        v_ptrs = v_ptr + k_first * stride_vt + head * stride_vh + offs_v[None, :] * stride_vd
+        mask_p = offs_p[:, None] < HEAD_P
+        mask_r = offs_r[:, None] < HEAD_R
+        mask_v = offs_v[None, :] < HEAD_V
 
-    k_first = k_begin.to(tl.int64)
-    k_nope_ptrs = k_nope_ptr + k_first * stride_kt + head * stride_kh + offs_p[:, None] * stride_kd
-    k_pe_ptrs = k_pe_ptr + k_first * stride_pt + offs_r[:, None] * stride_pd
-    v_ptrs = v_ptr + k_first * stride_vt + head * stride_vh + offs_v[None, :] * stride_vd
-    mask_p = offs_p[:, None] < HEAD_P
-    mask_r = offs_r[:, None] < HEAD_R
-    mask_v = offs_v[None, :] < HEAD_V
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
+        if CAUSAL:
+            # Keys left of the tile's diagonal block are visible to all its queries (and < num_keys).
+            acc, l_i, m_i = _attn_fwd_inner(
+                acc, l_i, m_i, q_nope, q_pe, k_nope_ptrs, k_pe_ptrs, v_ptrs, stride_kt, stride_pt, stride_vt,
+                mask_p, mask_r, mask_v, query_pos, 0, m_start, num_keys, qk_scale,
+                BLOCK_N, False, False, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
+            )
+            acc, l_i, m_i = _attn_fwd_inner(
+                acc, l_i, m_i, q_nope, q_pe, k_nope_ptrs, k_pe_ptrs, v_ptrs, stride_kt, stride_pt, stride_vt,
+                mask_p, mask_r, mask_v, query_pos, m_start, tl.minimum(m_start + BLOCK_M, num_keys), num_keys,
+                qk_scale, BLOCK_N, True, True, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
+            )
+        else:
+            full = (num_keys // BLOCK_N) * BLOCK_N
+            acc, l_i, m_i = _attn_fwd_inner(
+                acc, l_i, m_i, q_nope, q_pe, k_nope_ptrs, k_pe_ptrs, v_ptrs, stride_kt, stride_pt, stride_vt,
+                mask_p, mask_r, mask_v, query_pos, 0, full, num_keys, qk_scale,
+                BLOCK_N, False, False, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
+            )
+            acc, l_i, m_i = _attn_fwd_inner(
+                acc, l_i, m_i, q_nope, q_pe, k_nope_ptrs, k_pe_ptrs, v_ptrs, stride_kt, stride_pt, stride_vt,
+                mask_p, mask_r, mask_v, query_pos, full, num_keys, num_keys, qk_scale,
+                BLOCK_N, False, True, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
+            )
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
-    if CAUSAL:
-        # Keys left of the tile's diagonal block are visible to all its queries (and < num_keys).
-        acc, l_i, m_i = _attn_fwd_inner(
-            acc, l_i, m_i, q_nope, q_pe, k_nope_ptrs, k_pe_ptrs, v_ptrs, stride_kt, stride_pt, stride_vt,
-            mask_p, mask_r, mask_v, query_pos, 0, m_start, num_keys, qk_scale,
-            BLOCK_N, False, False, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
+        # Epilogue: normalize, optionally fold into the running partial, store a natural-log LSE.
+        acc = acc / l_i[:, None]
+        lse2 = m_i + tl.math.log2(l_i)  # base 2
+        out_ptrs = out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_v[None, :] * stride_od
+        lse_ptrs = lse_ptr + head * stride_lh + q_rows * stride_lt
+        out_mask = row_ok[:, None] & mask_v
+        if MERGE:
+            if tl.load(starts_ptr + request * stride_starts) > 0:  # continuation: merge, as merge_states_reference
+                prev2 = tl.load(lse_ptrs, mask=row_ok, other=float("-inf")).to(tl.float32) * LOG2E
+                prev2 = tl.where((prev2 == float("inf")) | (prev2 == float("-inf")), float("-inf"), prev2)  # empty
+                prev_out = tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+                m = tl.maximum(prev2, lse2)  # finite: this partial has keys
+                w_prev = tl.math.exp2(prev2 - m)
+                w_new = tl.math.exp2(lse2 - m)
+                total = w_prev + w_new
+                acc = (prev_out * (w_prev / total)[:, None]) + acc * (w_new / total)[:, None]
+                lse2 = m + tl.math.log2(total)
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(lse_ptrs, (lse2 * LN2).to(lse_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["num_requests"])  # the batch size changes every step
+def _attn_fwd(
+    q_ptr,  # [Tq, N, P+R]
+    k_nope_ptr,  # [S, N, P]
+    k_pe_ptr,  # [S, R]
+    v_ptr,  # [S, N, V]
+    out_ptr,  # [Tq, N, V]
+    lse_ptr,  # [N, Tq] float32, natural log
+    query_start_loc_ptr,  # [n+1]
+    cu_k_ptr,  # [n+1] key row offsets
+    starts_ptr,  # [n] (MERGE only)
+    num_requests,  # n
+    num_heads,  # N
+    qk_scale,  # softmax_scale * LOG2E
+    stride_qt, stride_qh, stride_qd,
+    stride_kt, stride_kh, stride_kd,
+    stride_pt, stride_pd,
+    stride_vt, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    stride_lh, stride_lt,
+    stride_qsl, stride_cuk, stride_starts,
+    HEAD_P: tl.constexpr, HEAD_R: tl.constexpr, HEAD_V: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,  # suffix: query j sees keys 0..j of its request
+    MERGE: tl.constexpr,  # context: fold into out/lse where starts[i] > 0
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    tl.static_assert(BLOCK_M % BLOCK_N == 0)  # causal: the unmasked tiles end on the diagonal
+    # Persistent: the requests with keys are a run [first, last] of the batch (the rest of a device
+    # schedule's chunk is empty); stride over their query-tile slots times the heads only.
+    num_keys_total = tl.load(cu_k_ptr + num_requests * stride_cuk)
+    first = find_request(cu_k_ptr, stride_cuk, num_requests, num_keys_total * 0, 1, 0)  # last with offset 0
+    last = find_request(cu_k_ptr, stride_cuk, num_requests, num_keys_total - 1, 1, 0)
+    slot_lo = tl.load(query_start_loc_ptr + first * stride_qsl) // BLOCK_M + first
+    slot_hi = tl.load(query_start_loc_ptr + (last + 1) * stride_qsl) // BLOCK_M + last + 1
+    num_slots = slot_hi - slot_lo
+    num_items = tl.where(num_keys_total > 0, num_slots * num_heads, 0)
+    item = tl.program_id(0)
+    while item < num_items:
+        _attn_tile(
+            slot_lo + item % num_slots, (item // num_slots).to(tl.int64),
+            q_ptr, k_nope_ptr, k_pe_ptr, v_ptr, out_ptr, lse_ptr, query_start_loc_ptr, cu_k_ptr, starts_ptr,
+            num_requests, qk_scale,
+            stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_pt, stride_pd,
+            stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od, stride_lh, stride_lt,
+            stride_qsl, stride_cuk, stride_starts,
+            HEAD_P, HEAD_R, HEAD_V, BLOCK_P, BLOCK_R, BLOCK_V, BLOCK_M, BLOCK_N,
+            CAUSAL, MERGE, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
         )
-        acc, l_i, m_i = _attn_fwd_inner(
-            acc, l_i, m_i, q_nope, q_pe, k_nope_ptrs, k_pe_ptrs, v_ptrs, stride_kt, stride_pt, stride_vt,
-            mask_p, mask_r, mask_v, query_pos, m_start, tl.minimum(m_start + BLOCK_M, num_keys), num_keys,
-            qk_scale, BLOCK_N, True, True, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
-        )
-    else:
-        full = (num_keys // BLOCK_N) * BLOCK_N
-        acc, l_i, m_i = _attn_fwd_inner(
-            acc, l_i, m_i, q_nope, q_pe, k_nope_ptrs, k_pe_ptrs, v_ptrs, stride_kt, stride_pt, stride_vt,
-            mask_p, mask_r, mask_v, query_pos, 0, full, num_keys, qk_scale,
-            BLOCK_N, False, False, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
-        )
-        acc, l_i, m_i = _attn_fwd_inner(
-            acc, l_i, m_i, q_nope, q_pe, k_nope_ptrs, k_pe_ptrs, v_ptrs, stride_kt, stride_pt, stride_vt,
-            mask_p, mask_r, mask_v, query_pos, full, num_keys, num_keys, qk_scale,
-            BLOCK_N, False, True, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
-        )
-
-    # Epilogue: normalize, optionally fold into the running partial, store a natural-log LSE.
-    acc = acc / l_i[:, None]
-    lse2 = m_i + tl.math.log2(l_i)  # base 2
-    out_ptrs = out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_v[None, :] * stride_od
-    lse_ptrs = lse_ptr + head * stride_lh + q_rows * stride_lt
-    out_mask = row_ok[:, None] & mask_v
-    if MERGE:
-        if tl.load(starts_ptr + request * stride_starts) > 0:  # continuation: merge, as merge_states_reference
-            prev2 = tl.load(lse_ptrs, mask=row_ok, other=float("-inf")).to(tl.float32) * LOG2E
-            prev2 = tl.where((prev2 == float("inf")) | (prev2 == float("-inf")), float("-inf"), prev2)  # empty
-            prev_out = tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
-            m = tl.maximum(prev2, lse2)  # finite: this partial has keys
-            w_prev = tl.math.exp2(prev2 - m)
-            w_new = tl.math.exp2(lse2 - m)
-            total = w_prev + w_new
-            acc = (prev_out * (w_prev / total)[:, None]) + acc * (w_new / total)[:, None]
-            lse2 = m + tl.math.log2(total)
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    tl.store(lse_ptrs, (lse2 * LN2).to(lse_ptr.dtype.element_ty), mask=row_ok)
+        item += tl.num_programs(0)
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). At DeepSeek dims (P=128, R=64, V=128), compiled ahead of
@@ -250,9 +317,20 @@ def _attn_fwd(
 # 8 warps spill 0-32 bytes (3.6) or 60-572 (3.9, causal worst). Token and request counts are not compile-time
 # keys: a new batch never recompiles.
 CUDA_CONFIG_16BIT = (64, 64, 4, 2)
+PROGRAMS_PER_SM = 2  # two 16-bit programs fit an SM (above)
 CUDA_CONFIG_FP32 = (32, 32, 8, 2)
 # The interpreter: small tiles, so small test shapes still cover multi-tile loops and merges.
 INTERPRETER_CONFIG = (16, 16, 1, 1)
+
+
+def slots(num_tokens: int, num_requests: int, block_m: int) -> int:
+    """Query-tile slots of a batch (or of its live run of requests): one spare slot per request."""
+    return num_tokens // block_m + num_requests
+
+
+def grid(num_tokens: int, num_requests: int, num_heads: int, block_m: int, programs: int) -> tuple[int]:
+    """The launch grid: at most ``programs``, at most the batch's (slot, head) items."""
+    return persistent_grid(slots(num_tokens, num_requests, block_m) * num_heads, programs)
 
 
 def _launch(q, k_nope, k_pe, v, query_start_loc, cu_k, starts, softmax_scale, out, lse, causal: bool) -> None:
@@ -270,11 +348,11 @@ def _launch(q, k_nope, k_pe, v, query_start_loc, cu_k, starts, softmax_scale, ou
         if starts is None:
             starts = query_start_loc  # unused (MERGE is off); any valid pointer
 
-        grid = (num_tokens // block_m + num_requests, num_heads)
-        _attn_fwd[grid](
+        programs = persistent_programs(q, interpreted, PROGRAMS_PER_SM)
+        _attn_fwd[grid(num_tokens, num_requests, num_heads, block_m, programs)](
             q, k_nope, k_pe, v, out, lse,
             query_start_loc, cu_k, starts,
-            num_requests, softmax_scale * LOG2E.value,
+            num_requests, num_heads, softmax_scale * LOG2E.value,
             *q.stride(), *k_nope.stride(), *k_pe.stride(), *v.stride(), *out.stride(), *lse.stride(),
             query_start_loc.stride(0), cu_k.stride(0), starts.stride(0),
             HEAD_P=nope_dim, HEAD_R=rope_dim, HEAD_V=value_dim,

@@ -9,9 +9,10 @@ workspace    [W, L+R]                        rows [0, cu_seq_lens[-1]) written (
 
 Workspace row ``cu_seq_lens[i] + j`` receives context token ``p = starts[i] + j`` of request i:
 ``kv_cache[block_table[i, p // block_size], p % block_size]`` (oracle: ``gather_reference`` in
-``mla_ops/gather.py``). The row count ``cu_seq_lens[-1]`` stays on the device: the grid covers
-the workspace capacity W, and a program whose row tile starts past the count exits at once, so
-a fixed-capacity chunk loop pays only launch overhead for empty chunks. Each row finds its
+``mla_ops/gather.py``). The row count ``cu_seq_lens[-1]`` stays on the device: the launch is
+persistent (``grid``: at most a few programs per SM, at most the capacity's tiles), and each
+program strides over the live (row tile, column tile) pairs counted from the device row count,
+so a fixed-capacity chunk loop pays only a launch for empty chunks. Each row finds its
 request by a binary search over ``cu_seq_lens``; no per-row host metadata exists.
 
 fp8 rows are decoded from their bits (the cache is read as uint8; ``e4m3fn_to_float32`` of
@@ -25,7 +26,38 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import device_guard, e4m3fn_to_float32, find_request
+from ._common import device_guard, e4m3fn_to_float32, find_request, persistent_grid, persistent_programs
+
+
+@triton.jit
+def _gather_tile(
+    cache_ptr, block_table_ptr, cu_seq_lens_ptr, starts_ptr, k_scale_ptr, workspace_ptr,
+    row_tile, col_tile, num_rows, num_requests, block_size, width,
+    stride_cache_block, stride_cache_token, stride_cache_col, stride_table_row, stride_table_col,
+    stride_cu, stride_starts, stride_ws_row, stride_ws_col,
+    IS_FP8: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+):
+    """Copy the (row tile, column tile) block of the chunk into the workspace."""
+    rows = row_tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < num_rows
+    request = find_request(cu_seq_lens_ptr, stride_cu, num_requests, rows, 1, 0)
+    first_row = tl.load(cu_seq_lens_ptr + request * stride_cu)
+    position = tl.load(starts_ptr + request * stride_starts) + rows - first_row
+    table_offset = request.to(tl.int64) * stride_table_row + (position // block_size).to(tl.int64) * stride_table_col
+    block = tl.load(block_table_ptr + table_offset, mask=row_mask, other=0)
+    src_row = block.to(tl.int64) * stride_cache_block + (position % block_size).to(tl.int64) * stride_cache_token
+
+    cols = col_tile * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    mask = row_mask[:, None] & (cols < width)[None, :]
+    src = cache_ptr + src_row[:, None] + cols.to(tl.int64)[None, :] * stride_cache_col
+    if IS_FP8:
+        values = e4m3fn_to_float32(tl.load(src, mask=mask, other=0).to(tl.int32))
+        values = values * tl.load(k_scale_ptr).to(tl.float32)
+    else:
+        values = tl.load(src, mask=mask, other=0.0)
+    dst_row = rows.to(tl.int64) * stride_ws_row
+    dst = workspace_ptr + dst_row[:, None] + cols.to(tl.int64)[None, :] * stride_ws_col
+    tl.store(dst, values.to(workspace_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_requests"])
@@ -52,49 +84,54 @@ def _gather_context_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
 ):
-    row_start = tl.program_id(0) * BLOCK_ROWS
+    # Persistent: stride over the live tiles only, counted from the device row count.
     num_rows = tl.load(cu_seq_lens_ptr + num_requests * stride_cu)
-    if row_start >= num_rows:
-        return
-    rows = row_start + tl.arange(0, BLOCK_ROWS)
-    row_mask = rows < num_rows
-    request = find_request(cu_seq_lens_ptr, stride_cu, num_requests, rows, 1, 0)
-    first_row = tl.load(cu_seq_lens_ptr + request * stride_cu)
-    position = tl.load(starts_ptr + request * stride_starts) + rows - first_row
-    table_offset = request.to(tl.int64) * stride_table_row + (position // block_size).to(tl.int64) * stride_table_col
-    block = tl.load(block_table_ptr + table_offset, mask=row_mask, other=0)
-    src_row = block.to(tl.int64) * stride_cache_block + (position % block_size).to(tl.int64) * stride_cache_token
-
-    cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    mask = row_mask[:, None] & (cols < width)[None, :]
-    src = cache_ptr + src_row[:, None] + cols.to(tl.int64)[None, :] * stride_cache_col
-    if IS_FP8:
-        values = e4m3fn_to_float32(tl.load(src, mask=mask, other=0).to(tl.int32))
-        values = values * tl.load(k_scale_ptr).to(tl.float32)
-    else:
-        values = tl.load(src, mask=mask, other=0.0)
-    dst_row = rows.to(tl.int64) * stride_ws_row
-    dst = workspace_ptr + dst_row[:, None] + cols.to(tl.int64)[None, :] * stride_ws_col
-    tl.store(dst, values.to(workspace_ptr.dtype.element_ty), mask=mask)
+    col_tiles = tl.cdiv(width, BLOCK_COLS)
+    num_tiles = tl.cdiv(num_rows, BLOCK_ROWS) * col_tiles
+    tile = tl.program_id(0)
+    while tile < num_tiles:
+        _gather_tile(
+            cache_ptr, block_table_ptr, cu_seq_lens_ptr, starts_ptr, k_scale_ptr, workspace_ptr,
+            tile // col_tiles, tile % col_tiles, num_rows, num_requests, block_size, width,
+            stride_cache_block, stride_cache_token, stride_cache_col, stride_table_row, stride_table_col,
+            stride_cu, stride_starts, stride_ws_row, stride_ws_col,
+            IS_FP8, BLOCK_ROWS, BLOCK_COLS,
+        )
+        tile += tl.num_programs(0)
 
 
 BLOCK_ROWS = 32
 MAX_BLOCK_COLS = 64  # L+R = 576 = 9 * 64: no masked lanes at DeepSeek sizes
 NUM_WARPS = 4
+PROGRAMS_PER_SM = 8  # a light copy kernel: many resident programs keep loads in flight
+
+
+def block_columns(width: int) -> int:
+    return min(MAX_BLOCK_COLS, triton.next_power_of_2(width))
+
+
+def tiles(num_rows: int, width: int) -> int:
+    """Tiles the kernel copies for ``num_rows`` rows (the in-kernel ``num_tiles``)."""
+    return triton.cdiv(num_rows, BLOCK_ROWS) * triton.cdiv(width, block_columns(width))
+
+
+def grid(capacity: int, width: int, programs: int) -> tuple[int]:
+    """The launch grid for a [capacity, width] workspace: at most ``programs``, at most its tiles."""
+    return persistent_grid(tiles(capacity, width), programs)
 
 
 def gather_context(kv_cache, block_table, cu_seq_lens, starts, k_scale, workspace) -> None:
     """Write workspace rows [0, cu_seq_lens[-1]) (a device count, never read here); see module doc."""
     num_requests = block_table.shape[0]
     capacity, width = workspace.shape
-    with device_guard(workspace):
+    with device_guard(workspace) as interpreted:
         if capacity == 0 or width == 0 or num_requests == 0:
             return
         is_fp8 = kv_cache.dtype == torch.float8_e4m3fn
         cache = kv_cache.view(torch.uint8) if is_fp8 else kv_cache
-        block_cols = min(MAX_BLOCK_COLS, triton.next_power_of_2(width))
-        grid = (triton.cdiv(capacity, BLOCK_ROWS), triton.cdiv(width, block_cols))
-        _gather_context_kernel[grid](
+        block_cols = block_columns(width)
+        grid_ = grid(capacity, width, persistent_programs(workspace, interpreted, PROGRAMS_PER_SM))
+        _gather_context_kernel[grid_](
             cache,
             block_table,
             cu_seq_lens,

@@ -1,0 +1,174 @@
+"""Programs launched and tiles processed by the device path's K chunk iterations, per op.
+
+The device path (``plan_prefill(..., max_chunks=K)``) runs K static chunk iterations, each
+launching gather, up-projection and context attention. Their launches are persistent: each grid
+is the op's own ``grid`` function (``mla_ops.triton.gather.grid``, ``up_projection.grid``,
+``attention.grid``, the ones the launchers call) at an H200's 132 SMs times the op's
+``PROGRAMS_PER_SM``, and the programs stride over the tiles that are live in the chunk. This
+script counts, for the PR's headline batch (32 requests x 513 new tokens, contexts 60,000 +
+31 x 16, W = 65,536) and for every step of the Mooncake conversation trace (``load_trace`` +
+``simulate`` of ``benchmarks/trace_replay.py``), at K = 1, 4, 16:
+
+* ``programs``: the sum over the K iterations of each launch's grid;
+* ``one_program_per_tile``: the same with one program per tile of the capacity (the grids the
+  kernels had before they were persistent: ``grid(..., programs=inf)``);
+* ``idle_programs``: programs whose stride loop finds no tile (about a launch's worth per dead chunk);
+* ``tiles``: the tiles the stride loops walk (gather: row tiles x column tiles of the chunk's rows;
+  up-projection: output tiles of its rows; attention: the query-tile slots of the chunk's live run
+  of requests x heads, as the kernel counts them).
+
+DeepSeek-V3 dims: N = 128 heads, L = 512, R = 64, P = V = 128, 16-bit tile configs. No GPU is
+involved: these are launch sizes, not times.
+
+    python benchmarks/device_path_work.py --json benchmarks/results/device_path_work.json \
+        --plot benchmarks/results/device_path_work.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` and `mla_ops` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.trace_replay import DEFAULT_TRACE, load_trace, repo_path, simulate  # noqa: E402
+from mla_ops.device_schedule import plan_device_reference  # noqa: E402
+from mla_ops.triton import attention, gather, up_projection  # noqa: E402
+
+H200_SMS = 132
+HEADS, LATENT, ROPE, NOPE, VALUE = 128, 512, 64, 128, 128
+WORKSPACE = 65536
+MAX_CHUNKS = (1, 4, 16)
+MODULES = {"gather": gather, "up_projection": up_projection, "attention": attention}
+OPS = tuple(MODULES)
+UNLIMITED = math.inf  # one program per tile
+
+
+def chunk_launches(query_lens: list[int], cu_seq_lens: list[int], sms: float) -> dict[str, tuple[int, int]]:
+    """(grid size, tiles walked) of each op for one chunk iteration with these device rows on ``sms`` SMs."""
+    width, num_out = LATENT + ROPE, HEADS * (NOPE + VALUE)
+    up_m, up_n = up_projection.GPU_CONFIG_16BIT[:2]
+    attn_m = attention.CUDA_CONFIG_16BIT[0]
+    num_requests, num_tokens, rows = len(query_lens), sum(query_lens), cu_seq_lens[-1]
+    query_start_loc = [0]
+    for n in query_lens:
+        query_start_loc.append(query_start_loc[-1] + n)
+    live = [i for i in range(num_requests) if cu_seq_lens[i + 1] > cu_seq_lens[i]]
+    attn_tiles = 0
+    if live:  # the kernel's run first .. last of requests with rows
+        first, last = live[0], live[-1]
+        slot_lo = query_start_loc[first] // attn_m + first
+        slot_hi = query_start_loc[last + 1] // attn_m + last + 1
+        attn_tiles = (slot_hi - slot_lo) * HEADS
+    return {
+        "gather": (gather.grid(WORKSPACE, width, gather.PROGRAMS_PER_SM * sms)[0], gather.tiles(rows, width)),
+        "up_projection": (
+            up_projection.grid(WORKSPACE, num_out, up_m, up_n, up_projection.PROGRAMS_PER_SM * sms)[0],
+            up_projection.tiles(rows, num_out, up_m, up_n),
+        ),
+        "attention": (
+            attention.grid(num_tokens, num_requests, HEADS, attn_m, attention.PROGRAMS_PER_SM * sms)[0], attn_tiles
+        ),
+    }
+
+
+def step_work(context_lens: list[int], query_lens: list[int], max_chunks: int) -> dict:
+    """Programs (persistent and one per tile) and tiles per op over the K iterations of one step."""
+    _, _, cu_seq_lens, num_chunks = plan_device_reference(
+        torch.tensor(context_lens, dtype=torch.int32), WORKSPACE, max_chunks
+    )
+    work = {op: {"programs": 0, "idle_programs": 0, "one_program_per_tile": 0, "tiles": 0} for op in OPS}
+    for cu in cu_seq_lens.tolist():
+        now = chunk_launches(query_lens, cu, H200_SMS)
+        before = chunk_launches(query_lens, cu, UNLIMITED)
+        for op in OPS:
+            work[op]["programs"] += now[op][0]
+            work[op]["idle_programs"] += max(0, now[op][0] - now[op][1])  # their stride loop never runs
+            work[op]["one_program_per_tile"] += before[op][0]
+            work[op]["tiles"] += now[op][1]
+    work["live_chunks"] = min(int(num_chunks), max_chunks)
+    return work
+
+
+def totals(steps: list[dict]) -> dict:
+    out = {op: {key: sum(s[op][key] for s in steps) for key in steps[0][op]} for op in OPS}
+    out["steps"] = len(steps)
+    return out
+
+
+def all_programs(work: dict, key: str = "programs") -> int:
+    return sum(work[op][key] for op in OPS)
+
+
+def run(trace: str | Path, limit: int | None) -> dict:
+    headline = {k: step_work([60000] + [16] * 31, [513] * 32, k) for k in MAX_CHUNKS}
+    steps = list(simulate(load_trace(trace, limit)))
+    trace_work = {}
+    for k in MAX_CHUNKS:
+        per_step = [step_work(s.context_lens, s.query_lens, k) for s in steps if any(s.context_lens)]
+        trace_work[k] = totals(per_step)
+
+    def ratio(table, key="programs"):
+        # Each iteration's grid is fixed at launch (no host read), so persistent programs grow as K;
+        # what they replace is one program per tile of the capacity, K times.
+        return round(all_programs(table[16]) / all_programs(table[1], key), 4)
+
+    return {
+        "config": dict(sms=H200_SMS, programs_per_sm={op: m.PROGRAMS_PER_SM for op, m in MODULES.items()},
+                       heads=HEADS, latent=LATENT, rope=ROPE, nope=NOPE, value=VALUE, workspace=WORKSPACE,
+                       trace=repo_path(trace), limit=limit),
+        "headline": {str(k): v for k, v in headline.items()},
+        "headline_programs_k16_over_k1": ratio(headline),
+        "headline_programs_k16_over_one_per_tile_k1": ratio(headline, "one_program_per_tile"),
+        "trace_steps_with_context": trace_work[1]["steps"],
+        "trace_totals": {str(k): v for k, v in trace_work.items()},
+        "trace_programs_k16_over_k1": ratio(trace_work),
+        "trace_programs_k16_over_one_per_tile_k1": ratio(trace_work, "one_program_per_tile"),
+    }
+
+
+def plot(result: dict, path: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, title in ((axes[0], "headline", "headline batch"), (axes[1], "trace_totals", "Mooncake trace")):
+        ks = list(result[key])
+        for label, field in (("persistent", "programs"), ("one program per tile", "one_program_per_tile"),
+                             ("tiles walked", "tiles")):
+            ax.plot(ks, [all_programs(result[key][k], field) for k in ks], marker="o", label=label)
+        ax.set_yscale("log")
+        ax.set_xlabel("max_chunks K")
+        ax.set_title(f"{title}: programs (3 ops, K iterations)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trace", default=DEFAULT_TRACE)
+    parser.add_argument("--limit", type=int, default=None, help="first N trace requests only")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--plot", default=None)
+    args = parser.parse_args(argv)
+    result = run(args.trace, args.limit)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    if args.plot:
+        plot(result, args.plot)
+    print(json.dumps({k: v for k, v in result.items() if "_over_" in k}))
+    return result
+
+
+if __name__ == "__main__":
+    main()

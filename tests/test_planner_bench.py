@@ -25,7 +25,8 @@ def test_planner_bench_runs_and_its_planners_agree(tmp_path, monkeypatch):
         # whole_requests is vLLM's schedule; packed never needs more chunks.
         assert case["chunks"]["whole_requests"] == case["chunks"]["vllm"]
         assert case["chunks"]["packed"] <= case["chunks"]["vllm"]
-        assert case["ratio"]["packed"] == round(case["us"]["packed"] / case["us"]["vllm"], 3)
+        # The report rounds times and ratios separately: equal to the rounding.
+        assert abs(case["ratio"]["packed"] - case["us"]["packed"] / case["us"]["vllm"]) <= 0.002
     assert result["headline"]["chunks"]["packed"] == 1
     trace = result["trace"]
     assert trace["steps"] == len(result["trace_step_ratios"]["packed"]) > 10

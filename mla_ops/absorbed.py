@@ -85,6 +85,24 @@ def _context_rows(kv_cache, block_table, request: int, begin: int, end: int, k_s
     return rows.to(acc)
 
 
+def latent_partial(qr, kv_cache, block_table, request: int, context: int, latent: int, k_scale, acc):
+    """One request's non-causal attention over its context in the latent space, key block by block.
+
+    qr [m, H, L+R]: scaled queries ``[q_lat | q_pe]`` in ``acc`` -> ``(o_lat [m, H, L], lse [H, m])``.
+    """
+    o_lat, lse = None, None
+    for k0 in range(0, context, KEY_BLOCK):
+        rows = _context_rows(kv_cache, block_table, request, k0, min(k0 + KEY_BLOCK, context), k_scale, acc)
+        scores = torch.einsum("mhd,sd->hms", qr, rows)  # [H, m, s]: q_lat . kv_c + q_pe . k_pe
+        block_lse = torch.logsumexp(scores, dim=-1)  # [H, m]
+        block_out = torch.einsum("hms,sl->mhl", torch.exp(scores - block_lse.unsqueeze(-1)), rows[:, :latent])
+        if o_lat is None:
+            o_lat, lse = block_out, block_lse
+        else:
+            o_lat, lse = merge_states_reference(o_lat, lse, block_out, block_lse)
+    return o_lat, lse
+
+
 def absorbed_reference(
     q, kv_cache, block_table, query_start_loc, context_lens, kv_b_proj_weight, softmax_scale, k_scale, out, lse
 ) -> None:
@@ -97,20 +115,9 @@ def absorbed_reference(
         if context <= 0 or t0 == t1:
             continue
         qr = q[t0:t1].to(acc)  # [m, N, P+R]
-        q_lat = torch.einsum("mnp,npl->mnl", qr[..., :nope], w_uk) * softmax_scale  # [m, N, L]
-        q_pe = qr[..., nope:] * softmax_scale  # [m, N, R]
-        o_lat, lse_r = None, None
-        for k0 in range(0, context, KEY_BLOCK):
-            rows = _context_rows(kv_cache, block_table, r, k0, min(k0 + KEY_BLOCK, context), k_scale, acc)
-            kv_c, k_pe = rows[:, :latent], rows[:, latent:]  # [s, L], [s, R]
-            scores = torch.einsum("mnl,sl->nms", q_lat, kv_c) + torch.einsum("mnr,sr->nms", q_pe, k_pe)
-            block_lse = torch.logsumexp(scores, dim=-1)  # [N, m]
-            probs = torch.exp(scores - block_lse.unsqueeze(-1))
-            block_out = torch.einsum("nms,sl->mnl", probs, kv_c)  # [m, N, L]
-            if o_lat is None:
-                o_lat, lse_r = block_out, block_lse
-            else:
-                o_lat, lse_r = merge_states_reference(o_lat, lse_r, block_out, block_lse)
+        q_lat = torch.einsum("mnp,npl->mnl", qr[..., :nope], w_uk)  # [m, N, L]
+        folded = torch.cat([q_lat, qr[..., nope:]], dim=-1) * softmax_scale  # [m, N, L+R]
+        o_lat, lse_r = latent_partial(folded, kv_cache, block_table, r, context, latent, k_scale, acc)
         out[t0:t1] = torch.einsum("mnl,nvl->mnv", o_lat, w_uv).to(out.dtype)
         lse[:, t0:t1] = lse_r.to(lse.dtype)
 

@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 
 from . import backends
-from .absorbed import KEY_BLOCK, _context_rows
-from .merge import lse_dtype, merge_states_reference
+from .absorbed import latent_partial
+from .merge import lse_dtype
 
 
 def latent_attention_reference(q, kv_cache, block_table, query_start_loc, context_lens, softmax_scale, k_scale,
@@ -42,16 +42,7 @@ def latent_attention_reference(q, kv_cache, block_table, query_start_loc, contex
         if context <= 0 or t0 >= t1:
             continue
         qr = q[t0:t1].to(acc) * softmax_scale  # [m, H, L+R]
-        o_r, lse_r = None, None
-        for k0 in range(0, context, KEY_BLOCK):
-            rows = _context_rows(kv_cache, block_table, r, k0, min(k0 + KEY_BLOCK, context), k_scale, acc)  # [s, L+R]
-            scores = torch.einsum("mhd,sd->hms", qr, rows)
-            block_lse = torch.logsumexp(scores, dim=-1)  # [H, m]
-            block_out = torch.einsum("hms,sl->mhl", torch.exp(scores - block_lse.unsqueeze(-1)), rows[:, :latent])
-            if o_r is None:
-                o_r, lse_r = block_out, block_lse
-            else:
-                o_r, lse_r = merge_states_reference(o_r, lse_r, block_out, block_lse)
+        o_r, lse_r = latent_partial(qr, kv_cache, block_table, r, context, latent, k_scale, acc)
         out[t0:t1] = o_r.to(out.dtype)
         lse[:, t0:t1] = lse_r.to(lse.dtype)
 

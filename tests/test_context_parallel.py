@@ -266,7 +266,7 @@ def test_latent_attention_merges_key_blocks(monkeypatch):
     q_abs = torch.randn(10, heads, cache.shape[2], dtype=torch.float64)
     whole = [torch.zeros(10, heads, latent, dtype=torch.float64), torch.zeros(heads, 10, dtype=torch.float64)]
     latent_attention_reference(q_abs, cache, table, qsl, ctx, scale, None, *whole)
-    monkeypatch.setattr(mla_ops.latent_attention, "KEY_BLOCK", 7)  # 40 rows -> 6 merged blocks
+    monkeypatch.setattr(mla_ops.absorbed, "KEY_BLOCK", 7)  # 40 rows -> 6 merged blocks
     blocks = [torch.zeros_like(whole[0]), torch.zeros_like(whole[1])]
     latent_attention_reference(q_abs, cache, table, qsl, ctx, scale, None, *blocks)
     torch.testing.assert_close(blocks, whole, rtol=0, atol=1e-12)

@@ -2,7 +2,7 @@
 
 The device path (``plan_prefill(..., max_chunks=K)``) runs K static chunk iterations, each
 launching gather, up-projection and context attention. Their launches are persistent: each grid
-is the op's own ``grid`` function (``mla_ops.triton.gather.grid``, ``up_projection.grid``,
+is the op's own ``grid`` function (``mla_ops.triton.gather.grid``, ``rows_gemm.grid``,
 ``attention.grid``, the ones the launchers call) at an H200's 132 SMs times the op's
 ``PROGRAMS_PER_SM``, and the programs stride over the tiles that are live in the chunk. This
 script counts, for the PR's headline batch (32 requests x 513 new tokens, contexts 60,000 +
@@ -40,13 +40,13 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `mla_ops
 
 from benchmarks.trace_replay import DEFAULT_TRACE, load_trace, repo_path, simulate  # noqa: E402
 from mla_ops.device_schedule import plan_device_reference  # noqa: E402
-from mla_ops.triton import attention, gather, up_projection  # noqa: E402
+from mla_ops.triton import attention, gather, rows_gemm  # noqa: E402
 
 H200_SMS = 132
 HEADS, LATENT, ROPE, NOPE, VALUE = 128, 512, 64, 128, 128
 WORKSPACE = 65536
 MAX_CHUNKS = (1, 4, 16)
-MODULES = {"gather": gather, "up_projection": up_projection, "attention": attention}
+MODULES = {"gather": gather, "up_projection": rows_gemm, "attention": attention}
 OPS = tuple(MODULES)
 UNLIMITED = math.inf  # one program per tile
 
@@ -54,7 +54,7 @@ UNLIMITED = math.inf  # one program per tile
 def chunk_launches(query_lens: list[int], cu_seq_lens: list[int], sms: float) -> dict[str, tuple[int, int]]:
     """(grid size, tiles walked) of each op for one chunk iteration with these device rows on ``sms`` SMs."""
     width, num_out = LATENT + ROPE, HEADS * (NOPE + VALUE)
-    up_m, up_n = up_projection.GPU_CONFIG_16BIT[:2]
+    up_m, up_n = rows_gemm.GPU_CONFIG_16BIT[:2]
     attn_m = attention.CUDA_CONFIG_16BIT[0]
     num_requests, num_tokens, rows = len(query_lens), sum(query_lens), cu_seq_lens[-1]
     query_start_loc = [0]
@@ -70,8 +70,8 @@ def chunk_launches(query_lens: list[int], cu_seq_lens: list[int], sms: float) ->
     return {
         "gather": (gather.grid(WORKSPACE, width, gather.PROGRAMS_PER_SM * sms)[0], gather.tiles(rows, width)),
         "up_projection": (
-            up_projection.grid(WORKSPACE, num_out, up_m, up_n, up_projection.PROGRAMS_PER_SM * sms)[0],
-            up_projection.tiles(rows, num_out, up_m, up_n),
+            rows_gemm.grid(WORKSPACE, num_out, up_m, up_n, rows_gemm.PROGRAMS_PER_SM * sms)[0],
+            rows_gemm.tiles(rows, num_out, up_m, up_n),
         ),
         "attention": (
             attention.grid(num_tokens, num_requests, HEADS, attn_m, attention.PROGRAMS_PER_SM * sms)[0], attn_tiles

@@ -118,7 +118,7 @@ def dot_precision(dtype) -> str:
 
 # Persistent launches: a kernel runs at most ``persistent_programs`` programs, each striding over
 # the live tiles it reads from device counts, so a chunk without rows costs about one launch.
-INTERPRETER_PROGRAMS = 3  # few programs under the interpreter, so the stride loops run
+INTERPRETER_PROGRAMS = 1
 PROGRAMS_OVERRIDE: int | None = None  # tests force tiny grids here
 
 

@@ -289,25 +289,26 @@ def _attn_fwd(
     # Persistent: the requests with keys are a run [first, last] of the batch (the rest of a device
     # schedule's chunk is empty); stride over their query-tile slots times the heads only.
     num_keys_total = tl.load(cu_k_ptr + num_requests * stride_cuk)
-    first = find_request(cu_k_ptr, stride_cuk, num_requests, num_keys_total * 0, 1, 0)  # last with offset 0
-    last = find_request(cu_k_ptr, stride_cuk, num_requests, num_keys_total - 1, 1, 0)
-    slot_lo = tl.load(query_start_loc_ptr + first * stride_qsl) // BLOCK_M + first
-    slot_hi = tl.load(query_start_loc_ptr + (last + 1) * stride_qsl) // BLOCK_M + last + 1
-    num_slots = slot_hi - slot_lo
-    num_items = tl.where(num_keys_total > 0, num_slots * num_heads, 0)
-    item = tl.program_id(0)
-    while item < num_items:
-        _attn_tile(
-            slot_lo + item % num_slots, (item // num_slots).to(tl.int64),
-            q_ptr, k_nope_ptr, k_pe_ptr, v_ptr, out_ptr, lse_ptr, query_start_loc_ptr, cu_k_ptr, starts_ptr,
-            num_requests, qk_scale,
-            stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_pt, stride_pd,
-            stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od, stride_lh, stride_lt,
-            stride_qsl, stride_cuk, stride_starts,
-            HEAD_P, HEAD_R, HEAD_V, BLOCK_P, BLOCK_R, BLOCK_V, BLOCK_M, BLOCK_N,
-            CAUSAL, MERGE, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
-        )
-        item += tl.num_programs(0)
+    if num_keys_total > 0:  # an empty chunk (most of a device schedule's slots) reads one offset
+        first = find_request(cu_k_ptr, stride_cuk, num_requests, num_keys_total * 0, 1, 0)  # last with offset 0
+        last = find_request(cu_k_ptr, stride_cuk, num_requests, num_keys_total - 1, 1, 0)
+        slot_lo = tl.load(query_start_loc_ptr + first * stride_qsl) // BLOCK_M + first
+        slot_hi = tl.load(query_start_loc_ptr + (last + 1) * stride_qsl) // BLOCK_M + last + 1
+        num_slots = slot_hi - slot_lo
+        num_items = num_slots * num_heads
+        item = tl.program_id(0)
+        while item < num_items:
+            _attn_tile(
+                slot_lo + item % num_slots, (item // num_slots).to(tl.int64),
+                q_ptr, k_nope_ptr, k_pe_ptr, v_ptr, out_ptr, lse_ptr, query_start_loc_ptr, cu_k_ptr, starts_ptr,
+                num_requests, qk_scale,
+                stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_pt, stride_pd,
+                stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od, stride_lh, stride_lt,
+                stride_qsl, stride_cuk, stride_starts,
+                HEAD_P, HEAD_R, HEAD_V, BLOCK_P, BLOCK_R, BLOCK_V, BLOCK_M, BLOCK_N,
+                CAUSAL, MERGE, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
+            )
+            item += tl.num_programs(0)
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). At DeepSeek dims (P=128, R=64, V=128), compiled ahead of

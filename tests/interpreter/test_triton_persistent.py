@@ -18,7 +18,7 @@ from mla_ops.context_attention import context_attention_reference  # noqa: E402
 from mla_ops.device_schedule import plan_device_reference  # noqa: E402
 from mla_ops.gather import gather_reference  # noqa: E402
 from mla_ops.suffix_attention import suffix_attention_reference  # noqa: E402
-from mla_ops.triton import _common, attention, gather, up_projection  # noqa: E402
+from mla_ops.triton import _common, attention, gather, rows_gemm, up_projection  # noqa: E402
 from mla_ops.up_projection import up_project_reference  # noqa: E402
 
 NAN = float("nan")
@@ -47,8 +47,9 @@ def device_schedule(context_lens, capacity, max_chunks):
 def test_grids_are_capped_by_programs_and_tiles():
     assert gather.grid(65536, 576, 264) == (264,)
     assert gather.grid(32, 576, 264) == (9,)  # one row tile of 9 column tiles
-    assert up_projection.grid(65536, 32768, 128, 128, 264) == (264,)
-    assert up_projection.grid(100, 200, 64, 64, 264) == (2 * 4,)
+    assert rows_gemm.grid(65536, 32768, 128, 128, 264) == (264,)
+    assert rows_gemm.grid(100, 200, 64, 64, 264) == (2 * 4,)
+    assert rows_gemm.grid(100, 200, 64, 64, 264, num_batch=3) == (2 * 4 * 3,)
     assert attention.grid(16, 3, 2, 16, 5) == (5,)
     assert attention.grid(16, 3, 2, 16, 100) == ((16 // 16 + 3) * 2,)
 

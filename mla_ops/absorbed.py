@@ -5,6 +5,9 @@ kv_b_proj_weight [N*(P+V), L]  viewed [N, P+V, L]: W_UK = [:, :P] [N, P, L], W_U
 block_table      [B, max_blocks] int32   query_start_loc [B+1] int32   context_lens [B] int32
 k_scale          [1] float32 or None     dequantized = stored * k_scale (float8_e4m3fn caches only)
 -> out           [T, N, V]   lse [N, T] float32 (float64 for float64 q), natural log   (out=)
+workspace        [2, C, N, L] or None    scratch of the GPU kernels (q_lat, o_lat of the routed tokens,
+                                         packed in request order: ``routed_token_loc``); C must hold
+                                         every token of the requests with context. None: C = T.
 
 Dimensions come from shapes: ``L = weight.shape[1]``, ``R = kv_cache.shape[2] - L``,
 ``P = q.shape[2] - R``, ``V = weight.shape[0] // N - P``.
@@ -75,6 +78,13 @@ def token_requests(query_start_loc: torch.Tensor, num_tokens: int):
     return request, position, tokens < query_start_loc[-1]
 
 
+def routed_token_loc(query_start_loc: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+    """[B+1] int32: request r's tokens at rows ``loc[r] .. loc[r+1]`` of a buffer that packs the
+    tokens of the requests with context only (device code, no host read)."""
+    lens = torch.where(context_lens > 0, query_start_loc[1:] - query_start_loc[:-1], 0)
+    return torch.cat([lens.new_zeros(1), torch.cumsum(lens, 0, dtype=torch.int32)]).to(torch.int32)
+
+
 def _context_rows(kv_cache, block_table, request: int, begin: int, end: int, k_scale, acc):
     """Context rows ``begin:end`` of ``request`` from the paged cache, dequantized, in ``acc``."""
     position = torch.arange(begin, end, device=kv_cache.device)
@@ -104,8 +114,10 @@ def latent_partial(qr, kv_cache, block_table, request: int, context: int, latent
 
 
 def absorbed_reference(
-    q, kv_cache, block_table, query_start_loc, context_lens, kv_b_proj_weight, softmax_scale, k_scale, out, lse
+    q, kv_cache, block_table, query_start_loc, context_lens, kv_b_proj_weight, softmax_scale, k_scale, out, lse,
+    workspace=None,
 ) -> None:
+    del workspace  # the reference packs nothing
     acc = lse_dtype(q.dtype)
     num_heads, latent, nope, _, _ = absorbed_dims(q, kv_cache, kv_b_proj_weight)
     w_uk, w_uv = (w.to(acc) for w in split_kv_b_proj(kv_b_proj_weight, num_heads, nope))
@@ -122,7 +134,7 @@ def absorbed_reference(
         lse[:, t0:t1] = lse_r.to(lse.dtype)
 
 
-@torch.library.custom_op("mla_ops::absorbed_context_attention", mutates_args=("out", "lse"))
+@torch.library.custom_op("mla_ops::absorbed_context_attention", mutates_args=("out", "lse", "workspace"))
 def _absorbed_context_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -134,12 +146,15 @@ def _absorbed_context_attention(
     k_scale: torch.Tensor | None,
     out: torch.Tensor,
     lse: torch.Tensor,
+    workspace: torch.Tensor | None = None,
 ) -> None:
     absorbed_reference(
-        q, kv_cache, block_table, query_start_loc, context_lens, kv_b_proj_weight, softmax_scale, k_scale, out, lse
+        q, kv_cache, block_table, query_start_loc, context_lens, kv_b_proj_weight, softmax_scale, k_scale, out, lse,
+        workspace,
     )
 
 
 @_absorbed_context_attention.register_fake
-def _(q, kv_cache, block_table, query_start_loc, context_lens, kv_b_proj_weight, softmax_scale, k_scale, out, lse):
+def _(q, kv_cache, block_table, query_start_loc, context_lens, kv_b_proj_weight, softmax_scale, k_scale, out, lse,
+      workspace=None):
     return None

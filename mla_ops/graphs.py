@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from . import validation as V
-from .plan import plan_prefill
+from .plan import device_absorbed_capacity, plan_prefill
 from .prefill import BACKENDS
 from .routing import DEFAULT_ABSORB_MAX_QUERY_LEN, route_context
 
@@ -101,7 +101,7 @@ class PrefillGraphs:
     (``MLAModel``: hidden states [T, H]). Sizes: ``max_tokens`` / ``max_requests`` (the largest
     token / request bucket unless the bucket lists say otherwise), ``max_blocks_per_request``
     (block-table columns), ``block_size`` and ``workspace_size`` of the plan. ``request_buckets``,
-    ``absorb_max_query_len`` (the plan's routing threshold), ``k_scale`` and ``backend`` (passed to
+    ``absorb_max_query_len`` and ``max_absorbed_tokens`` (the plan's routing), ``k_scale`` and ``backend`` (passed to
     the model) and ``compile_backend`` (``torch.compile``'s, mode ``"compile"``) are extensions.
 
     ``stats``: ``graphs`` (buckets captured / compiled / set up), ``replays`` (steps run through
@@ -124,6 +124,7 @@ class PrefillGraphs:
         mode: str = "cuda_graph",
         request_buckets=None,
         absorb_max_query_len: int | None = None,
+        max_absorbed_tokens: int | None = None,
         k_scale: float | torch.Tensor | None = None,
         backend: str = "auto",
         compile_backend="inductor",
@@ -145,6 +146,9 @@ class PrefillGraphs:
             absorb_max_query_len = DEFAULT_ABSORB_MAX_QUERY_LEN
         self.absorb_max_query_len = V.check_nonnegative_int(absorb_max_query_len, "absorb_max_query_len",
                                                             " (0 disables)")
+        if max_absorbed_tokens is not None:
+            V.check_nonnegative_int(max_absorbed_tokens, "max_absorbed_tokens")
+        self.max_absorbed_tokens = device_absorbed_capacity(self.workspace_size, max_absorbed_tokens)
         tensor = next(itertools.chain(model.parameters(), model.buffers()), None)
         if tensor is None:
             raise ValueError("model has no parameters or buffers to tell its device")
@@ -240,7 +244,7 @@ class PrefillGraphs:
         """The smallest bucket that holds the step; None beyond the largest."""
         if ctx.size and int(-(-ctx.max() // self.block_size)) > self.max_blocks_per_request:
             return None
-        chunked, _ = route_context(ctx, np.diff(qsl), self.absorb_max_query_len)
+        chunked, _ = route_context(ctx, np.diff(qsl), self.absorb_max_query_len, self.max_absorbed_tokens)
         chunks_needed = max(1, -(-int(chunked.sum()) // self.workspace_size))
         sizes = (_smallest_at_least(self.token_buckets, int(qsl[-1])),
                  _smallest_at_least(self.request_buckets, ctx.size),
@@ -291,7 +295,8 @@ class PrefillGraphs:
         def prefill_step(input_ids, positions, kv_caches, slot_mapping, block_table, query_start_loc, context_lens):
             # Planned here, on the device: a replay re-plans from the refilled length buffers.
             plan = plan_prefill(query_start_loc, context_lens, block_table, runner.block_size, runner.workspace_size,
-                                max_chunks=chunks, absorb_max_query_len=runner.absorb_max_query_len)
+                                max_chunks=chunks, absorb_max_query_len=runner.absorb_max_query_len,
+                                max_absorbed_tokens=runner.max_absorbed_tokens)
             return runner.model(input_ids, positions, kv_caches, slot_mapping, block_table, plan,
                                 k_scale=runner.k_scale, backend=runner.backend)
 

@@ -49,6 +49,8 @@ class PrefillPlan:
     absorb_max_query_len: int  # 0: no absorbed path
     num_tokens: int | None  # T, where the lengths were readable
     max_block_id: int  # largest block id a context uses; -1 if none or not readable
+    # Rows of the absorbed path's packed scratch: the routed tokens (host form) or its capacity (device form).
+    max_absorbed_tokens: int = 0
     # Context parallel (mla_ops/context_parallel.py): this rank's chunk pieces and reorder index; a pytree
     # node whose tensors are leaves and whose ContextParallel config and sizes are static context.
     # Its plans keep ``schedule`` / ``device_schedule`` in stripes of interleave * world_size rows.
@@ -80,7 +82,8 @@ def _register_pytree(cls, static: tuple[str, ...]) -> None:
     pytree.register_pytree_node(cls, flatten, unflatten, serialized_type_name=f"mla_ops.{cls.__name__}")
 
 
-_register_pytree(PrefillPlan, ("block_size", "workspace_size", "absorb_max_query_len", "num_tokens", "max_block_id"))
+_register_pytree(PrefillPlan, ("block_size", "workspace_size", "absorb_max_query_len", "num_tokens", "max_block_id",
+                               "max_absorbed_tokens"))
 _register_pytree(DeviceSchedule, ("workspace_size",))
 
 
@@ -95,6 +98,7 @@ def plan_prefill(
     max_chunks: int | None = None,
     absorb_max_query_len: int | None = None,
     *,
+    max_absorbed_tokens: int | None = None,
     context_parallel: ContextParallel | None = None,
 ) -> PrefillPlan:
     """Plan a prefill step once for all layers (module doc).
@@ -103,6 +107,11 @@ def plan_prefill(
     device is the plan's). ``max_chunks=K`` gives the device form (packed, ``split_alignment=1``).
     ``absorb_max_query_len``: requests with at most this many new tokens (and some context) take the
     absorbed path; None is ``routing.DEFAULT_ABSORB_MAX_QUERY_LEN``, 0 disables the path.
+    ``max_absorbed_tokens``: the most new tokens the absorbed path takes in one step; the first routed
+    requests that fit take it, the rest stay on the chunked path (exact either way). Its packed
+    scratch has this many rows in the device form, where it is static; None: no cap on the host,
+    ``workspace_size // 4`` on the device (at DeepSeek's dims its scratch, 2 x N x L per token, then
+    fits in the chunk loop's up-projected workspace, N x (P+V) per row, which it shares).
     ``context_parallel=mla_ops.ContextParallel(group, interleave)``: the latent cache is sharded over
     the group's ranks; ``block_table`` is this rank's, the lengths are global, and
     ``absorb_max_query_len`` routes between the all-gather and absorbed-queries paths (None: their
@@ -140,6 +149,8 @@ def plan_prefill(
     if absorb_max_query_len is None:
         absorb_max_query_len = DEFAULT_ABSORB_MAX_QUERY_LEN
     absorb_max_query_len = V.check_nonnegative_int(absorb_max_query_len, "absorb_max_query_len", " (0 disables)")
+    if max_absorbed_tokens is not None:
+        max_absorbed_tokens = V.check_nonnegative_int(max_absorbed_tokens, "max_absorbed_tokens")
     if max_chunks is not None:
         max_chunks = V.check_positive_int(max_chunks, "max_chunks")
         if policy != "packed" or split_alignment != 1:
@@ -148,14 +159,20 @@ def plan_prefill(
                 f"combined with policy={policy!r} or split_alignment={split_alignment}"
             )
         return _device_plan(query_start_loc, context_lens, block_table, block_size, workspace_size, max_chunks,
-                            absorb_max_query_len)
+                            absorb_max_query_len, device_absorbed_capacity(workspace_size, max_absorbed_tokens))
     if torch.compiler.is_compiling():
         raise ValueError(
             "plan_prefill under torch.compile needs max_chunks=K (a static capacity): the host planner "
             "reads the lengths' values. Pick K per batch bucket, e.g. ceil(max total context / workspace_size)."
         )
     return _host_plan(query_start_loc, context_lens, block_table, block_size, workspace_size, policy,
-                      split_alignment, absorb_max_query_len, device)
+                      split_alignment, absorb_max_query_len, max_absorbed_tokens, device)
+
+
+def device_absorbed_capacity(workspace_size: int, max_absorbed_tokens: int | None) -> int:
+    """The device form's absorbed token capacity: ``max_absorbed_tokens``, by default a quarter of the
+    workspace rows (``plan_prefill``'s docstring)."""
+    return workspace_size // 4 if max_absorbed_tokens is None else max_absorbed_tokens
 
 
 def _host_values(query_start_loc, context_lens, block_table, block_size):
@@ -172,10 +189,10 @@ def _host_values(query_start_loc, context_lens, block_table, block_size):
 
 
 def _host_plan(query_start_loc, context_lens, block_table, block_size, workspace_size, policy, split_alignment,
-               absorb_max_query_len, device) -> PrefillPlan:
+               absorb_max_query_len, max_absorbed_tokens, device) -> PrefillPlan:
     qsl, ctx, max_block_id = _host_values(query_start_loc, context_lens, block_table, block_size)
     query_lens = [b - a for a, b in zip(qsl, qsl[1:])] if isinstance(qsl, list) else np.diff(qsl)
-    mha_lens, absorbed_lens = route_context(ctx, query_lens, absorb_max_query_len)
+    mha_lens, absorbed_lens = route_context(ctx, query_lens, absorb_max_query_len, max_absorbed_tokens)
     schedule = plan_context_chunks(mha_lens, query_lens, workspace_size, policy=policy, split_alignment=split_alignment)
     if device.type != "cpu":
         schedule = schedule.to(device, non_blocking=True)
@@ -195,11 +212,12 @@ def _host_plan(query_start_loc, context_lens, block_table, block_size, workspace
         block_table=block_table, absorbed_context_lens=absorbed, schedule=schedule, device_schedule=None,
         truncated=None, block_size=block_size, workspace_size=workspace_size,
         absorb_max_query_len=absorb_max_query_len, num_tokens=int(qsl[-1]), max_block_id=max_block_id,
+        max_absorbed_tokens=sum(routed),
     )
 
 
 def _device_plan(query_start_loc, context_lens, block_table, block_size, workspace_size, max_chunks,
-                 absorb_max_query_len) -> PrefillPlan:
+                 absorb_max_query_len, max_absorbed_tokens) -> PrefillPlan:
     for name, x in (("query_start_loc", query_start_loc), ("context_lens", context_lens)):
         if x.device != block_table.device:
             raise ValueError(
@@ -214,9 +232,11 @@ def _device_plan(query_start_loc, context_lens, block_table, block_size, workspa
         V.assert_lengths_async(query_start_loc, context_lens, block_table, block_size)
     absorbed = None
     mha_lens = context_lens
-    if absorb_max_query_len:
+    if absorb_max_query_len and max_absorbed_tokens:
         mha_lens, absorbed = route_context(context_lens, query_start_loc[1:] - query_start_loc[:-1],
-                                           absorb_max_query_len)
+                                           absorb_max_query_len, max_absorbed_tokens)
+    else:
+        absorb_max_query_len = max_absorbed_tokens = 0
     schedule = plan_context_chunks_device(mha_lens, workspace_size, max_chunks)
     if not torch.compiler.is_compiling():
         # Passed into a compiled function, K stays a constant: under dynamic=True, duck sizing
@@ -230,5 +250,5 @@ def _device_plan(query_start_loc, context_lens, block_table, block_size, workspa
         query_start_loc=query_start_loc, context_lens=context_lens, block_table=block_table,
         absorbed_context_lens=absorbed, schedule=None, device_schedule=schedule, truncated=truncated,
         block_size=block_size, workspace_size=workspace_size, absorb_max_query_len=absorb_max_query_len,
-        num_tokens=num_tokens, max_block_id=max_block_id,
+        num_tokens=num_tokens, max_block_id=max_block_id, max_absorbed_tokens=max_absorbed_tokens,
     )

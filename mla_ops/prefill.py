@@ -139,6 +139,7 @@ def mla_prefill(
     split_alignment: int = 1,
     max_chunks: int | None = None,
     absorb_max_query_len: int | None = None,
+    max_absorbed_tokens: int | None = None,
     plan: PrefillPlan | None = None,
 ) -> torch.Tensor:
     """``plan_prefill`` + ``run_prefill`` in one call (see both).
@@ -154,14 +155,14 @@ def mla_prefill(
         plan = plan_prefill(
             query_start_loc, context_lens, block_table, block_size=_block_size(kv_cache),
             workspace_size=workspace_size, policy=policy, split_alignment=split_alignment,
-            max_chunks=max_chunks, absorb_max_query_len=absorb_max_query_len,
+            max_chunks=max_chunks, absorb_max_query_len=absorb_max_query_len, max_absorbed_tokens=max_absorbed_tokens,
         )
     else:
         if not isinstance(plan, PrefillPlan):
             raise TypeError(f"plan must be a PrefillPlan (mla_ops.plan_prefill), got {type(plan).__name__}")
         given = dict(workspace_size=(workspace_size, 65536), policy=(policy, "packed"),
                      split_alignment=(split_alignment, 1), max_chunks=(max_chunks, None),
-                     absorb_max_query_len=(absorb_max_query_len, None))
+                     absorb_max_query_len=(absorb_max_query_len, None), max_absorbed_tokens=(max_absorbed_tokens, None))
         for name, (value, default) in given.items():
             if value != default:
                 raise ValueError(f"{name} is part of the plan: pass it to plan_prefill, not with plan= ({name}={value!r})")
@@ -229,12 +230,17 @@ class _Step(NamedTuple):
     k_scale: torch.Tensor | None
     plan: PrefillPlan
 
-    def absorbed(self, context_out, context_lse) -> None:
-        """The absorbed requests' context partials, written into their rows only."""
-        p = self.plan
+    def absorbed(self, context_out, context_lse, scratch: torch.Tensor | None = None) -> None:
+        """The absorbed requests' context partials, written into their rows only. The kernels pack
+        the routed tokens into ``plan.max_absorbed_tokens`` rows of scratch (carved from ``scratch``
+        when given, a flat buffer the caller reuses afterwards)."""
+        p, (heads, latent) = self.plan, (self.dims.heads_n, self.dims.latent)
+        size = 2 * p.max_absorbed_tokens * heads * latent
+        flat = self.q.new_empty(size) if scratch is None else scratch.narrow(0, 0, size)
         self.kernels.absorbed_context_attention(
             self.q, self.kv_cache, p.block_table, p.query_start_loc, p.absorbed_context_lens, self.weight,
             self.softmax_scale, self.k_scale, context_out, context_lse,
+            workspace=flat.view(2, p.max_absorbed_tokens, heads, latent),
         )
 
 
@@ -243,11 +249,14 @@ def _device_plan_context(step: _Step, suffix_out, suffix_lse) -> torch.Tensor:
     kernels, dims, q, plan = step.kernels, step.dims, step.q, step.plan
     context_out = torch.zeros_like(suffix_out)
     context_lse = torch.full_like(suffix_lse, float("-inf"))
+    # One buffer for the absorbed path's packed scratch, then the chunks' up-projected rows.
+    kv_size = plan.workspace_size * step.weight.shape[0]
+    shared = q.new_empty(max(kv_size, 2 * plan.max_absorbed_tokens * dims.heads_n * dims.latent))
     if plan.absorbed_context_lens is not None:
-        step.absorbed(context_out, context_lse)
+        step.absorbed(context_out, context_lse, shared)
     schedule = plan.device_schedule
     workspace = q.new_empty(plan.workspace_size, dims.latent + dims.rope)
-    kv = q.new_empty(plan.workspace_size, step.weight.shape[0])
+    kv = shared.narrow(0, 0, kv_size).view(plan.workspace_size, step.weight.shape[0])
     latent, rope = workspace.split([dims.latent, dims.rope], dim=1)
     chunk_k_nope, chunk_v = dims.heads(kv)
     for k in range(schedule.max_chunks):  # chunks past the device count touch nothing

@@ -36,22 +36,33 @@ DEFAULT_ABSORB_MAX_QUERY_LEN: int = (
 )
 
 
-def route_context(context_lens, query_lens, absorb_max_query_len: int):
+def route_context(context_lens, query_lens, absorb_max_query_len: int, max_absorbed_tokens: int | None = None):
     """Split each request's context between the paths: ``(mha_context_lens, absorbed_context_lens)``.
 
     Works on tensors (device code, no host sync), on lists and on numpy arrays (plan the
     chunked MHA path with ``plan_context_chunks(mha_context_lens, ...)``). Exactly one of the two
-    is non-zero for a request with context.
+    is non-zero for a request with context. ``max_absorbed_tokens``: the absorbed path's static
+    token capacity; the first routed requests whose queries fit it take it, later ones stay MHA
+    (either path is exact, so the cap only moves work).
     """
     if isinstance(context_lens, torch.Tensor):
         absorbed = (query_lens <= absorb_max_query_len) & (context_lens > 0)
+        if max_absorbed_tokens is not None:
+            absorbed &= torch.cumsum(torch.where(absorbed, query_lens, 0), 0) <= max_absorbed_tokens
         absorbed_lens = torch.where(absorbed, context_lens, torch.zeros_like(context_lens))
         return context_lens - absorbed_lens, absorbed_lens
     if isinstance(context_lens, list):  # a small batch's host lengths
-        absorbed_lens = [c if q <= absorb_max_query_len else 0 for c, q in zip(context_lens, query_lens)]
+        absorbed_lens, taken = [], 0
+        for c, q in zip(context_lens, query_lens):
+            routed = q <= absorb_max_query_len and c > 0
+            taken += q if routed else 0
+            absorbed_lens.append(c if routed and (max_absorbed_tokens is None or taken <= max_absorbed_tokens) else 0)
         return [c - a for c, a in zip(context_lens, absorbed_lens)], absorbed_lens
     context_lens, query_lens = np.asarray(context_lens), np.asarray(query_lens)
-    absorbed_lens = np.where(query_lens <= absorb_max_query_len, context_lens, 0)
+    absorbed = (query_lens <= absorb_max_query_len) & (context_lens > 0)
+    if max_absorbed_tokens is not None:
+        absorbed &= np.cumsum(np.where(absorbed, query_lens, 0)) <= max_absorbed_tokens
+    absorbed_lens = np.where(absorbed, context_lens, 0)
     return context_lens - absorbed_lens, absorbed_lens
 
 

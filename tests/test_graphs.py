@@ -19,6 +19,7 @@ from mla_ops.graphs import Variant
 from test_layer import spread_weights
 
 BLOCK_SIZE, WORKSPACE, ABSORB, MAX_BLOCKS = 4, 8, 2, 12
+ABSORBED_CAPACITY = 4  # routed tokens per step: the first routed requests that fit, the rest chunked
 BUCKETS = dict(token_buckets=(4, 16, 32), request_buckets=(1, 2, 4, 6), chunk_buckets=(1, 2, 4))
 NUM_BLOCKS = 128
 
@@ -30,7 +31,8 @@ def make_model(dtype=torch.float64, layers=2):
 
 def make_runner(model, mode, **kwargs):
     options = dict(max_tokens=32, max_requests=6, max_blocks_per_request=MAX_BLOCKS, block_size=BLOCK_SIZE,
-                   workspace_size=WORKSPACE, mode=mode, absorb_max_query_len=ABSORB, **BUCKETS)
+                   workspace_size=WORKSPACE, mode=mode, absorb_max_query_len=ABSORB,
+                   max_absorbed_tokens=ABSORBED_CAPACITY, **BUCKETS)
     return mla_ops.PrefillGraphs(model, **{**options, **kwargs})
 
 
@@ -39,7 +41,11 @@ def expected_variant(context_lens, query_lens):
     def smallest(buckets, n):
         return next((b for b in buckets if b >= n), None)
 
-    chunked = sum(c for c, q in zip(context_lens, query_lens) if q > ABSORB)
+    chunked, taken = 0, 0
+    for c, q in zip(context_lens, query_lens):
+        candidate = q <= ABSORB and c > 0
+        taken += q if candidate else 0
+        chunked += 0 if candidate and taken <= ABSORBED_CAPACITY else c
     if max(math.ceil(c / BLOCK_SIZE) for c in context_lens) > MAX_BLOCKS:
         return None
     sizes = (smallest(BUCKETS["token_buckets"], sum(query_lens)),

@@ -41,6 +41,7 @@ def test_every_split_matches_the_dense_reference(absorb, dtype, block_size):
     for out in (
         batch.run(workspace_size=7, absorb_max_query_len=absorb),
         batch.run(workspace_size=7, absorb_max_query_len=absorb, max_chunks=40),
+        batch.run(workspace_size=7, absorb_max_query_len=absorb, max_chunks=40, max_absorbed_tokens=64),
         batch.run(workspace_size=7, absorb_max_query_len=absorb, policy="whole_requests"),
     ):
         assert_close_to_reference(out, ref, dtype, f"absorb<={absorb}")
@@ -55,6 +56,56 @@ def test_a_plan_holds_the_routing_split():
     assert plan.absorbed_context_lens.tolist() == list(absorbed_lens)
     assert plan.schedule.num_context_tokens == sum(mha_lens)  # the chunks cover the MHA share only
     assert_close_to_reference(batch.run(plan=plan), batch.reference(), torch.float64)
+
+
+# Threshold 8 routes requests 1 (1 query), 4 (8) and 6 (5): 1, 9 and 14 tokens cumulated.
+CAPACITY_SPLITS = {
+    0: [0, 0, 0, 0, 0, 0, 0, 0],
+    1: [0, 37, 0, 0, 0, 0, 0, 0],
+    9: [0, 37, 0, 0, 90, 0, 0, 0],
+    13: [0, 37, 0, 0, 90, 0, 0, 0],  # request 6 does not fit: it and every later routed request stay MHA
+    14: [0, 37, 0, 0, 90, 0, 64, 0],
+}
+
+
+@pytest.mark.parametrize("capacity", CAPACITY_SPLITS)
+def test_capacity_takes_the_first_routed_requests_that_fit(capacity):
+    expect = CAPACITY_SPLITS[capacity]
+    as_tensors = [torch.tensor(x, dtype=torch.int32) for x in (CONTEXT_LENS, QUERY_LENS)]
+    for ctx, q in ((CONTEXT_LENS, QUERY_LENS), (np.array(CONTEXT_LENS), np.array(QUERY_LENS)), as_tensors):
+        mha, absorbed = route_context(ctx, q, 8, capacity)
+        assert list(absorbed) == expect and [m + a for m, a in zip(mha, absorbed)] == CONTEXT_LENS
+    batch = make_batch(CONTEXT_LENS, QUERY_LENS, seed=7)
+    args = (batch.query_start_loc, batch.context_lens, batch.block_table, batch.kv_cache.shape[1], 16)
+    host = mla_ops.plan_prefill(*args, absorb_max_query_len=8, max_absorbed_tokens=capacity)
+    device = mla_ops.plan_prefill(*args, max_chunks=16, absorb_max_query_len=8, max_absorbed_tokens=capacity)
+    routed_tokens = sum(q for q, a in zip(QUERY_LENS, expect) if a)
+    assert host.max_absorbed_tokens == routed_tokens  # the host form's scratch: exactly the routed tokens
+    def absorbed_lens(plan):  # None: no request takes the path
+        return [0] * 8 if plan.absorbed_context_lens is None else plan.absorbed_context_lens.tolist()
+
+    assert absorbed_lens(host) == expect and (host.absorbed_context_lens is None) == (routed_tokens == 0)
+    assert device.max_absorbed_tokens == capacity and absorbed_lens(device) == expect
+    assert host.schedule.num_context_tokens == sum(CONTEXT_LENS) - sum(expect)
+    ref = batch.reference()
+    for plan in (host, device):
+        assert_close_to_reference(batch.run(plan=plan), ref, torch.float64, f"capacity {capacity}")
+
+
+def test_device_capacity_defaults_to_a_quarter_of_the_workspace():
+    batch = make_batch(CONTEXT_LENS, QUERY_LENS, seed=8)
+    args = (batch.query_start_loc, batch.context_lens, batch.block_table, batch.kv_cache.shape[1])
+    assert mla_ops.plan_prefill(*args, 40, max_chunks=4, absorb_max_query_len=8).max_absorbed_tokens == 10
+    host = mla_ops.plan_prefill(*args, 40, absorb_max_query_len=8)
+    assert host.max_absorbed_tokens == 14 and host.absorbed_context_lens.tolist() == CAPACITY_SPLITS[14]
+    assert mla_ops.plan_prefill(*args, 40, max_chunks=4, absorb_max_query_len=0).max_absorbed_tokens == 0
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, "4"])
+def test_bad_capacity(bad):
+    batch = make_batch([3], [2], seed=0)
+    with pytest.raises((ValueError, TypeError), match="max_absorbed_tokens"):
+        batch.run(max_absorbed_tokens=bad)
 
 
 def test_fp8_cache_on_both_paths():
@@ -83,8 +134,9 @@ def test_routing_under_compile_matches_eager():
     mla_ops.enable()
     batch = make_batch(CONTEXT_LENS, QUERY_LENS, seed=6, dtype=torch.float32)
 
-    def step(*args):
-        return mla_ops.mla_prefill(*args, workspace_size=16, max_chunks=8, absorb_max_query_len=8)
+    def step(*args):  # 14 routed tokens; the 4 of the default capacity (16 // 4) would truncate the MHA chunks
+        return mla_ops.mla_prefill(*args, workspace_size=16, max_chunks=8, absorb_max_query_len=8,
+                                   max_absorbed_tokens=14)
 
     compiled = torch.compile(step, fullgraph=True)
     torch.testing.assert_close(compiled(*batch.args()), step(*batch.args()), rtol=1e-5, atol=1e-5)

@@ -7,28 +7,32 @@ k_scale          [1] float32 or None (float8_e4m3fn caches: dequantized = stored
 -> out           [T, N, V]   lse [N, T] float32, natural log; rows of requests without context
                              are left untouched (out=)
 
-Oracle: ``absorbed_reference`` in ``mla_ops/absorbed.py``. Three steps, no host read of a device
-value (one launch serves any batch of a capacity bucket and can be captured in a CUDA graph):
+workspace        [2, C, N, L] or None: q_lat and o_lat of the routed tokens (None: C = T)
 
-1. fold (torch): ``q_lat [N, T, L] = q_nope @ W_UK``, one batched matmul in q's dtype;
+Oracle: ``absorbed_reference`` in ``mla_ops/absorbed.py``. Only the tokens of requests with
+context ("routed" here) are touched. They are packed in request order at the device-computed
+offsets ``loc = routed_token_loc(query_start_loc, context_lens)`` ([B+1]), and every launch is
+persistent and reads its live count ``loc[-1]`` on the device, so no host read is needed (one
+launch sequence serves any batch and can be captured in a CUDA graph), and a batch that routes
+nothing costs three launches that each read one integer:
+
+1. fold (``rows_gemm``, per head): ``q_lat[i] = q_nope[token(i)] @ W_UK`` for packed rows i;
 2. the kernel below: per request, non-causal attention of ``[q_lat | q_pe]`` over the request's
    latent rows ``[kv_c | k_pe]`` read in place from the paged cache (one KV head shared by all
-   query heads; no gather, no workspace), giving ``o_lat [N, T, L]`` and the LSE, written only for
-   requests with ``context_lens > 0``;
-3. unfold (torch): ``out = o_lat @ W_UV^T``, one batched matmul, written with ``torch.where`` over
-   a per-token "has context" mask computed on the device.
+   query heads; no gather), giving ``o_lat`` (packed rows) and the LSE (token rows);
+3. unfold (``rows_gemm``, per head): ``out[token(i)] = o_lat[i] @ W_UV^T``.
 
 Kernel tiles. The rows of a tile are BLOCK_M query tokens x BLOCK_H heads (heads fastest), so each
 latent key tile ``[BLOCK_N, L+R]`` is loaded once for BLOCK_M * BLOCK_H query rows. The value
-width L is cut into BLOCK_DV slices along grid axis 2; each slice recomputes the scores (2(L+R)
-FLOPs per row and key) to keep the fp32 accumulator at ``[BLOCK_M * BLOCK_H, BLOCK_DV]``. Slice 0
-writes the LSE. The online softmax runs in fp32 on base-2 statistics; the LSE leaves natural-log.
+width L is cut into BLOCK_DV slices; each slice recomputes the scores (2(L+R) FLOPs per row and
+key) to keep the fp32 accumulator at ``[BLOCK_M * BLOCK_H, BLOCK_DV]``. Slice 0 writes the LSE.
+The online softmax runs in fp32 on base-2 statistics; the LSE leaves natural-log.
 
-Work distribution: as in ``mla_ops/triton/attention.py`` (same ``find_request``). Grid axis 0 has
-``T // BLOCK_M + B`` slots; request r owns slots ``query_start_loc[r] // BLOCK_M + r ..
-query_start_loc[r+1] // BLOCK_M + r``, a closed-form bound of its ``ceil(q_r / BLOCK_M)`` tiles.
-Axis 1 is the head group, axis 2 the value slice. A program exits at once when its slot is spare,
-its request has no queries or no context.
+Work distribution: as in ``mla_ops/triton/attention.py`` (same ``find_request``), over the packed
+rows: request r owns query-tile slots ``loc[r] // BLOCK_M + r .. loc[r+1] // BLOCK_M + r``, a
+closed-form bound of its ``ceil(q_r / BLOCK_M)`` tiles, so there are ``loc[-1] // BLOCK_M + B``
+slots. The programs (at most a few per SM) stride over (slot, head group, value slice) items;
+an item does nothing when its slot is spare or its request is not routed.
 
 fp8 caches are decoded from their bits (``e4m3fn_to_float32`` of ``mla_ops/triton/_common.py``,
 shared with the gather: exact on GPUs and in Triton's interpreter, whose float8 cast mangles NaN
@@ -43,10 +47,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..absorbed import absorbed_dims, fold_queries, split_kv_b_proj, token_requests, unfold_outputs
+from ..absorbed import absorbed_dims, routed_token_loc, split_kv_b_proj
 from ._common import (
     LN2, LOG2E, device_guard, dot_dtype, dot_precision, e4m3fn_to_float32, find_request, online_softmax_step,
+    persistent_grid, persistent_programs,
 )
+from .rows_gemm import rows_gemm
 
 
 @triton.jit
@@ -141,24 +147,17 @@ def _absorbed_inner(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["num_requests"])  # the batch size changes every step
-def _absorbed_fwd(
-    q_lat_ptr,  # [T, N, L] (strided view of the launcher's [N, T, L] buffer)
-    q_pe_ptr,  # [T, N, R] (column view of q)
-    cache_ptr,  # [num_blocks, PAGE_SIZE, L+R] (uint8 bits for fp8 caches)
-    block_table_ptr,  # [B, max_blocks] int32
-    query_start_loc_ptr,  # [B+1] int32
-    context_lens_ptr,  # [B] int32
-    k_scale_ptr,  # [1] float32 (read only when IS_FP8)
-    o_lat_ptr,  # [T, N, L]
-    lse_ptr,  # [N, T] float32, natural log
-    num_requests, num_heads,
-    qk_scale,  # softmax_scale * LOG2E
+@triton.jit
+def _absorbed_tile(
+    slot, head_group, dv_slice,
+    q_lat_ptr, q_pe_ptr, cache_ptr, block_table_ptr, query_start_loc_ptr, latent_loc_ptr, context_lens_ptr,
+    k_scale_ptr, o_lat_ptr, lse_ptr,
+    num_requests, num_heads, num_latent_rows, qk_scale,
     stride_qlt, stride_qlh, stride_qld,
     stride_qpt, stride_qph, stride_qpd,
     stride_cache_block, stride_cache_token, stride_cache_col,
     stride_table_row, stride_table_col,
-    stride_qsl, stride_ctx,
+    stride_qsl, stride_lat, stride_ctx,
     stride_olt, stride_olh, stride_old,
     stride_lh, stride_lt,
     HEAD_L: tl.constexpr, HEAD_R: tl.constexpr,
@@ -170,66 +169,116 @@ def _absorbed_fwd(
     DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    slot = tl.program_id(0)
-    head_group = tl.program_id(1)
-    dv_slice = tl.program_id(2)
-
-    request = find_request(query_start_loc_ptr, stride_qsl, num_requests, slot, BLOCK_M, 1)
-    q_begin = tl.load(query_start_loc_ptr + request * stride_qsl)
-    q_len = tl.load(query_start_loc_ptr + (request + 1) * stride_qsl) - q_begin
+    """One (query-tile slot, head group, value slice) item; spare slots and requests without
+    routed queries or context do nothing."""
+    request = find_request(latent_loc_ptr, stride_lat, num_requests, slot, BLOCK_M, 1)
+    lat_begin = tl.load(latent_loc_ptr + request * stride_lat)
+    q_len = tl.load(latent_loc_ptr + (request + 1) * stride_lat) - lat_begin
     num_keys = tl.load(context_lens_ptr + request * stride_ctx)
-    m_start = (slot - (q_begin // BLOCK_M + request)) * BLOCK_M
-    if (m_start < 0) | (m_start >= q_len) | (num_keys <= 0):
-        return  # a spare slot, a request without queries, or without context: untouched
+    m_start = (slot - (lat_begin // BLOCK_M + request)) * BLOCK_M
+    if (m_start >= 0) & (m_start < q_len) & (num_keys > 0):
+        q_begin = tl.load(query_start_loc_ptr + request * stride_qsl)
+        offs_row = tl.arange(0, BLOCK_M * BLOCK_H)  # tile row = (token, head), heads fastest
+        query_pos = m_start + offs_row // BLOCK_H  # [ROWS] positions in the request
+        head = head_group * BLOCK_H + offs_row % BLOCK_H
+        lat_rows = lat_begin.to(tl.int64) + query_pos  # [ROWS] rows of q_lat / o_lat
+        row_ok = (query_pos < q_len) & (head < num_heads) & (lat_rows < num_latent_rows)
+        q_rows = q_begin.to(tl.int64) + query_pos  # [ROWS] token rows of q_pe / lse
+        head = head.to(tl.int64)
+        offs_l = tl.arange(0, BLOCK_L)
+        offs_r = tl.arange(0, BLOCK_R)
+        offs_dv = dv_slice * BLOCK_DV + tl.arange(0, BLOCK_DV)
 
-    offs_row = tl.arange(0, BLOCK_M * BLOCK_H)  # tile row = (token, head), heads fastest
-    query_pos = m_start + offs_row // BLOCK_H  # [ROWS] positions in the request
-    head = head_group * BLOCK_H + offs_row % BLOCK_H
-    row_ok = (query_pos < q_len) & (head < num_heads)
-    q_rows = q_begin.to(tl.int64) + query_pos  # [ROWS] token rows of q / o_lat / lse
-    head = head.to(tl.int64)
-    offs_l = tl.arange(0, BLOCK_L)
-    offs_r = tl.arange(0, BLOCK_R)
-    offs_dv = dv_slice * BLOCK_DV + tl.arange(0, BLOCK_DV)
+        q_lat = tl.load(
+            q_lat_ptr + lat_rows[:, None] * stride_qlt + head[:, None] * stride_qlh + offs_l[None, :] * stride_qld,
+            mask=row_ok[:, None] & (offs_l[None, :] < HEAD_L), other=0.0,
+        ).to(DOT_DTYPE)
+        q_pe = tl.load(
+            q_pe_ptr + q_rows[:, None] * stride_qpt + head[:, None] * stride_qph + offs_r[None, :] * stride_qpd,
+            mask=row_ok[:, None] & (offs_r[None, :] < HEAD_R), other=0.0,
+        ).to(DOT_DTYPE)
 
-    q_lat = tl.load(
-        q_lat_ptr + q_rows[:, None] * stride_qlt + head[:, None] * stride_qlh + offs_l[None, :] * stride_qld,
-        mask=row_ok[:, None] & (offs_l[None, :] < HEAD_L), other=0.0,
-    ).to(DOT_DTYPE)
-    q_pe = tl.load(
-        q_pe_ptr + q_rows[:, None] * stride_qpt + head[:, None] * stride_qph + offs_r[None, :] * stride_qpd,
-        mask=row_ok[:, None] & (offs_r[None, :] < HEAD_R), other=0.0,
-    ).to(DOT_DTYPE)
+        k_scale = 1.0
+        if IS_FP8:
+            k_scale = tl.load(k_scale_ptr).to(tl.float32)
+        table_row_ptr = block_table_ptr + request.to(tl.int64) * stride_table_row
+        m_i = tl.full([BLOCK_M * BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M * BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M * BLOCK_H, BLOCK_DV], dtype=tl.float32)
+        full = (num_keys // BLOCK_N) * BLOCK_N
+        acc, l_i, m_i = _absorbed_inner(
+            acc, l_i, m_i, q_lat, q_pe, cache_ptr, table_row_ptr,
+            stride_table_col, stride_cache_block, stride_cache_token, stride_cache_col,
+            offs_l, offs_r, offs_dv, 0, full, num_keys, qk_scale * k_scale,
+            HEAD_L, HEAD_R, BLOCK_N, PAGE_SIZE, False, IS_FP8, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
+        )
+        acc, l_i, m_i = _absorbed_inner(
+            acc, l_i, m_i, q_lat, q_pe, cache_ptr, table_row_ptr,
+            stride_table_col, stride_cache_block, stride_cache_token, stride_cache_col,
+            offs_l, offs_r, offs_dv, full, num_keys, num_keys, qk_scale * k_scale,
+            HEAD_L, HEAD_R, BLOCK_N, PAGE_SIZE, True, IS_FP8, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
+        )
 
-    if IS_FP8:
-        k_scale = tl.load(k_scale_ptr).to(tl.float32)
-        qk_scale = qk_scale * k_scale
-    table_row_ptr = block_table_ptr + request.to(tl.int64) * stride_table_row
-    m_i = tl.full([BLOCK_M * BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M * BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M * BLOCK_H, BLOCK_DV], dtype=tl.float32)
-    full = (num_keys // BLOCK_N) * BLOCK_N
-    acc, l_i, m_i = _absorbed_inner(
-        acc, l_i, m_i, q_lat, q_pe, cache_ptr, table_row_ptr,
-        stride_table_col, stride_cache_block, stride_cache_token, stride_cache_col,
-        offs_l, offs_r, offs_dv, 0, full, num_keys, qk_scale,
-        HEAD_L, HEAD_R, BLOCK_N, PAGE_SIZE, False, IS_FP8, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
-    )
-    acc, l_i, m_i = _absorbed_inner(
-        acc, l_i, m_i, q_lat, q_pe, cache_ptr, table_row_ptr,
-        stride_table_col, stride_cache_block, stride_cache_token, stride_cache_col,
-        offs_l, offs_r, offs_dv, full, num_keys, num_keys, qk_scale,
-        HEAD_L, HEAD_R, BLOCK_N, PAGE_SIZE, True, IS_FP8, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
-    )
+        acc = acc / l_i[:, None]
+        if IS_FP8:
+            acc = acc * k_scale
+        o_ptrs = o_lat_ptr + lat_rows[:, None] * stride_olt + head[:, None] * stride_olh + offs_dv[None, :] * stride_old
+        tl.store(o_ptrs, acc.to(o_lat_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_L))
+        if dv_slice == 0:
+            lse = (m_i + tl.math.log2(l_i)) * LN2
+            tl.store(lse_ptr + head * stride_lh + q_rows * stride_lt, lse.to(lse_ptr.dtype.element_ty), mask=row_ok)
 
-    acc = acc / l_i[:, None]
-    if IS_FP8:
-        acc = acc * k_scale
-    o_ptrs = o_lat_ptr + q_rows[:, None] * stride_olt + head[:, None] * stride_olh + offs_dv[None, :] * stride_old
-    tl.store(o_ptrs, acc.to(o_lat_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_L))
-    if dv_slice == 0:
-        lse = (m_i + tl.math.log2(l_i)) * LN2
-        tl.store(lse_ptr + head * stride_lh + q_rows * stride_lt, lse.to(lse_ptr.dtype.element_ty), mask=row_ok)
+
+@triton.jit(do_not_specialize=["num_requests", "num_latent_rows"])  # sizes change every step
+def _absorbed_fwd(
+    q_lat_ptr,  # [M, N, L] rows in latent_loc order (a view of the launcher's buffer)
+    q_pe_ptr,  # [T, N, R] (column view of q)
+    cache_ptr,  # [num_blocks, PAGE_SIZE, L+R] (uint8 bits for fp8 caches)
+    block_table_ptr,  # [B, max_blocks] int32
+    query_start_loc_ptr,  # [B+1] int32: token rows (q_pe, lse)
+    latent_loc_ptr,  # [B+1] int32: rows of q_lat / o_lat; query length = latent_loc[r+1] - latent_loc[r]
+    context_lens_ptr,  # [B] int32
+    k_scale_ptr,  # [1] float32 (read only when IS_FP8)
+    o_lat_ptr,  # [M, N, L]
+    lse_ptr,  # [N, T] float32, natural log
+    num_requests, num_heads, num_latent_rows, num_head_groups, num_dv_slices,
+    qk_scale,  # softmax_scale * LOG2E
+    stride_qlt, stride_qlh, stride_qld,
+    stride_qpt, stride_qph, stride_qpd,
+    stride_cache_block, stride_cache_token, stride_cache_col,
+    stride_table_row, stride_table_col,
+    stride_qsl, stride_lat, stride_ctx,
+    stride_olt, stride_olh, stride_old,
+    stride_lh, stride_lt,
+    HEAD_L: tl.constexpr, HEAD_R: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    # Persistent: stride over (slot, head group, value slice) items of the rows latent_loc counts;
+    # with no such rows (no request routed here) the launch reads one offset.
+    num_rows = tl.minimum(tl.load(latent_loc_ptr + num_requests * stride_lat), num_latent_rows)
+    if num_rows > 0:
+        items_per_slot = num_head_groups * num_dv_slices
+        num_items = (num_rows // BLOCK_M + num_requests) * items_per_slot
+        item = tl.program_id(0)
+        while item < num_items:
+            _absorbed_tile(
+                item // items_per_slot, (item % items_per_slot) // num_dv_slices, item % num_dv_slices,
+                q_lat_ptr, q_pe_ptr, cache_ptr, block_table_ptr, query_start_loc_ptr, latent_loc_ptr,
+                context_lens_ptr, k_scale_ptr, o_lat_ptr, lse_ptr,
+                num_requests, num_heads, num_latent_rows, qk_scale,
+                stride_qlt, stride_qlh, stride_qld, stride_qpt, stride_qph, stride_qpd,
+                stride_cache_block, stride_cache_token, stride_cache_col, stride_table_row, stride_table_col,
+                stride_qsl, stride_lat, stride_ctx, stride_olt, stride_olh, stride_old, stride_lh, stride_lt,
+                HEAD_L, HEAD_R, BLOCK_L, BLOCK_R, BLOCK_DV, BLOCK_M, BLOCK_H, BLOCK_N,
+                PAGE_SIZE, IS_FP8, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
+            )
+            item += tl.num_programs(0)
 
 
 # (rows per tile = BLOCK_M * BLOCK_H, BLOCK_N, BLOCK_DV, num_warps, num_stages); not measured yet.
@@ -242,37 +291,55 @@ CUDA_CONFIG_FP32 = (16, 16, 128, 4, 1)
 INTERPRETER_CONFIG = (16, 16, 16, 1, 1)
 
 
+PROGRAMS_PER_SM = 1  # 16-bit: q [64, 576] plus two stages of key tiles take most of an SM's shared memory
+
+
+def items(num_rows: int, num_requests: int, num_heads: int, latent: int, block_m: int, block_h: int,
+          block_dv: int) -> int:
+    """(slot, head group, value slice) items of ``num_rows`` query rows: one spare slot per request."""
+    return (num_rows // block_m + num_requests) * triton.cdiv(num_heads, block_h) * triton.cdiv(latent, block_dv)
+
+
+def tile_shape(dtype: torch.dtype, interpreted: bool, num_heads: int, latent: int):
+    """``(BLOCK_M, BLOCK_H, BLOCK_N, BLOCK_DV, num_warps, num_stages)`` for queries of ``dtype``."""
+    rows, block_n, block_dv, num_warps, num_stages = (
+        INTERPRETER_CONFIG if interpreted else CUDA_CONFIG_FP32 if dtype == torch.float32 else CUDA_CONFIG_16BIT
+    )
+    block_h = min(triton.next_power_of_2(num_heads), rows)
+    return rows // block_h, block_h, block_n, min(block_dv, max(16, triton.next_power_of_2(latent))), num_warps, num_stages
+
+
 def latent_attention(q_lat, q_pe, kv_cache, block_table, query_start_loc, context_lens, softmax_scale, k_scale,
-                     o_lat, lse) -> None:
-    """The kernel over queries already in the latent space: q_lat [T, H, L], q_pe [T, H, R] (views
-    welcome) -> o_lat [T, H, L], lse [H, T]. Rows of requests without context stay untouched."""
-    num_tokens, num_heads, latent = q_lat.shape
+                     o_lat, lse, latent_loc=None) -> None:
+    """The kernel over queries already in the latent space: q_lat [M, H, L], q_pe [T, H, R] (views
+    welcome) -> o_lat [M, H, L], lse [H, T]. ``latent_loc`` [B+1] places request r's queries at
+    rows ``latent_loc[r] ..`` of q_lat / o_lat (None: ``query_start_loc``, M = T); a request with
+    ``latent_loc[r+1] == latent_loc[r]`` or no context is skipped and its rows stay untouched."""
+    num_rows, num_heads, latent = q_lat.shape
     rope, num_requests = q_pe.shape[2], context_lens.shape[0]
+    if latent_loc is None:
+        latent_loc = query_start_loc
     with device_guard(q_lat) as interpreted:
         dtype = dot_dtype(q_lat.dtype, interpreted, "absorbed")
-        if num_tokens == 0 or num_heads == 0 or num_requests == 0 or kv_cache.numel() == 0:
+        if num_rows == 0 or num_heads == 0 or num_requests == 0 or kv_cache.numel() == 0:
             return  # nothing to attend: every row stays untouched
-        rows, block_n, block_dv, num_warps, num_stages = (
-            INTERPRETER_CONFIG if interpreted else CUDA_CONFIG_FP32 if q_lat.dtype == torch.float32 else CUDA_CONFIG_16BIT
-        )
-        block_l = max(16, triton.next_power_of_2(latent))
-        block_dv = min(block_dv, block_l)
-        block_h = min(triton.next_power_of_2(num_heads), rows)
-        block_m = rows // block_h
+        block_m, block_h, block_n, block_dv, num_warps, num_stages = tile_shape(
+            q_lat.dtype, interpreted, num_heads, latent)
         is_fp8 = kv_cache.dtype == torch.float8_e4m3fn
         cache = kv_cache.view(torch.uint8) if is_fp8 else kv_cache
-
-        grid = (num_tokens // block_m + num_requests, triton.cdiv(num_heads, block_h), triton.cdiv(latent, block_dv))
+        capacity = items(num_rows, num_requests, num_heads, latent, block_m, block_h, block_dv)
+        grid = persistent_grid(capacity, persistent_programs(q_lat, interpreted, PROGRAMS_PER_SM))
         _absorbed_fwd[grid](
-            q_lat, q_pe, cache, block_table, query_start_loc, context_lens,
+            q_lat, q_pe, cache, block_table, query_start_loc, latent_loc, context_lens,
             k_scale if is_fp8 else lse,  # a never-read placeholder pointer otherwise
             o_lat, lse,
-            num_requests, num_heads, softmax_scale * LOG2E.value,
+            num_requests, num_heads, num_rows, triton.cdiv(num_heads, block_h), triton.cdiv(latent, block_dv),
+            softmax_scale * LOG2E.value,
             *q_lat.stride(), *q_pe.stride(), *cache.stride(), *block_table.stride(),
-            query_start_loc.stride(0), context_lens.stride(0), *o_lat.stride(), *lse.stride(),
+            query_start_loc.stride(0), latent_loc.stride(0), context_lens.stride(0), *o_lat.stride(), *lse.stride(),
             HEAD_L=latent, HEAD_R=rope,
-            BLOCK_L=block_l, BLOCK_R=max(16, triton.next_power_of_2(rope)), BLOCK_DV=block_dv,
-            BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_N=block_n,
+            BLOCK_L=max(16, triton.next_power_of_2(latent)), BLOCK_R=max(16, triton.next_power_of_2(rope)),
+            BLOCK_DV=block_dv, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_N=block_n,
             PAGE_SIZE=kv_cache.shape[1], IS_FP8=is_fp8,
             DOT_DTYPE=dtype, DOT_PRECISION=dot_precision(dtype), INTERPRETED=interpreted,
             num_warps=num_warps, num_stages=num_stages,
@@ -280,7 +347,8 @@ def latent_attention(q_lat, q_pe, kv_cache, block_table, query_start_loc, contex
 
 
 def absorbed_context_attention(
-    q, kv_cache, block_table, query_start_loc, context_lens, kv_b_proj_weight, softmax_scale, k_scale, out, lse
+    q, kv_cache, block_table, query_start_loc, context_lens, kv_b_proj_weight, softmax_scale, k_scale, out, lse,
+    workspace=None,
 ) -> None:
     """Same contract as ``torch.ops.mla_ops.absorbed_context_attention`` (module docstring)."""
     num_tokens = q.shape[0]
@@ -290,14 +358,12 @@ def absorbed_context_attention(
         dot_dtype(q.dtype, interpreted, "absorbed")  # a TypeError before any work
         if num_tokens == 0 or num_heads == 0 or num_requests == 0 or kv_cache.numel() == 0:
             return  # nothing to attend: every row stays untouched
-        w_uk, w_uv = split_kv_b_proj(kv_b_proj_weight, num_heads, nope)
-        q_lat = fold_queries(q, w_uk, q.dtype)  # [N, T, L]
-        o_lat = torch.empty_like(q_lat)  # rows of requests without context stay garbage, never read
-        latent_attention(q_lat.transpose(0, 1), q[..., nope:], kv_cache, block_table, query_start_loc, context_lens,
-                         softmax_scale, k_scale, o_lat.transpose(0, 1), lse)  # [T, N, L] views
-
-        # Unfold every token, then keep the rows of requests with context (device-side mask).
-        request, _, valid = token_requests(query_start_loc, num_tokens)
-        has_context = valid & (context_lens[request] > 0)  # [T]
-        new_out = unfold_outputs(o_lat, w_uv).transpose(0, 1)  # [T, N, V]
-        out.copy_(torch.where(has_context[:, None, None], new_out.to(out.dtype), out))
+        if workspace is None:
+            workspace = q.new_empty(2, num_tokens, num_heads, latent)
+        q_lat, o_lat = workspace.unbind(0)  # [C, N, L] each: the routed tokens' rows, packed
+        w_uk, w_uv = split_kv_b_proj(kv_b_proj_weight, num_heads, nope)  # [N, P, L], [N, V, L]
+        loc = routed_token_loc(query_start_loc, context_lens)  # [B+1] packed offsets, on the device
+        rows_gemm(q, w_uk.transpose(1, 2), q_lat, loc, query_start_loc, map_a=True)  # fold: q_nope @ W_UK
+        latent_attention(q_lat, q[..., nope:], kv_cache, block_table, query_start_loc, context_lens,
+                         softmax_scale, k_scale, o_lat, lse, latent_loc=loc)
+        rows_gemm(o_lat, w_uv, out, loc, query_start_loc, map_c=True)  # unfold: o_lat @ W_UV^T

@@ -53,7 +53,7 @@ def _rows_gemm_tile(
         if FP32_DOT:
             acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
-            acc += tl.dot(a, w)
+            acc += tl.dot(a, w.to(a.dtype))
         a_ptrs += BLOCK_K * stride_a_k
         w_ptrs += BLOCK_K * stride_w_k
 
@@ -61,7 +61,7 @@ def _rows_gemm_tile(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_requests"])  # the batch size changes every step
+@triton.jit(do_not_specialize=["num_requests", "capacity"])  # batch and buffer sizes change every step
 def _rows_gemm_kernel(
     a_ptr,  # [rows, B, K]
     w_ptr,  # [B, num_out, K]
@@ -69,6 +69,7 @@ def _rows_gemm_kernel(
     loc_ptr,  # [n+1] int32: M = loc[n]; with a row map, request i owns packed rows loc[i] .. loc[i+1]
     tokens_ptr,  # [n+1] int32: request i's token rows start at tokens[i] (read only with a row map)
     num_requests, num_batch, num_out,
+    capacity,  # rows of the packed buffer: live rows past it (a caller's error) are never touched
     stride_loc, stride_tokens,
     stride_a_row, stride_a_batch, stride_a_k,
     stride_w_batch, stride_w_out, stride_w_k,
@@ -79,7 +80,7 @@ def _rows_gemm_kernel(
     FP32_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    num_rows = tl.load(loc_ptr + num_requests * stride_loc)
+    num_rows = tl.minimum(tl.load(loc_ptr + num_requests * stride_loc), capacity)
     tiles_m = tl.cdiv(num_rows, BLOCK_M)
     tiles_n = tl.cdiv(num_out, BLOCK_N)
     tiles_per_batch = tiles_m * tiles_n
@@ -159,7 +160,7 @@ def rows_gemm(a, w, c, loc, tokens=None, *, map_a: bool = False, map_c: bool = F
         programs = persistent_programs(a, interpreted, PROGRAMS_PER_SM)
         _rows_gemm_kernel[grid(capacity, num_out, block_m, block_n, programs, num_batch)](
             a, w, c, loc, tokens,
-            loc.shape[0] - 1, num_batch, num_out,
+            loc.shape[0] - 1, num_batch, num_out, capacity,
             loc.stride(0), tokens.stride(0),
             *a.stride(), *w.stride(), *c.stride(),
             K=k, MAP_A=map_a, MAP_C=map_c, FP32_DOT=fp32_dot,

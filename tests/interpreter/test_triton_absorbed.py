@@ -20,21 +20,23 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 
 from mla_ops.absorbed import absorbed_reference  # noqa: E402
+from mla_ops.triton import _common  # noqa: E402
 from mla_ops.triton.absorbed import absorbed_context_attention  # noqa: E402
 from test_absorbed import SMALL, make_batch, written_rows  # noqa: E402
 
+NAN = float("nan")
 TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}  # bf16: upcast to fp32 here
 # T = 17 and 1 queries, zero context with queries, context without queries, > 2 key tiles.
 CONTEXTS, QUERIES = [5, 0, 19, 3, 40, 1], [1, 3, 17, 0, 2, 1]
 
 
-def check(batch, dtype, value_dim=SMALL["value"], strided_outputs=False):
+def check(batch, dtype, value_dim=SMALL["value"], strided_outputs=False, workspace=None):
     got, got_lse = batch.sentinels(value_dim, dtype=dtype)
     if strided_outputs:  # out a head slice of a wider buffer, lse a token slice of one
         got = torch.cat([got, got], dim=1)[:, 1::2]
         got_lse = torch.cat([got_lse, got_lse], dim=1)[:, got_lse.shape[1] :]
     want, want_lse = batch.sentinels(value_dim, dtype=torch.float32)
-    absorbed_context_attention(*batch.args(), got, got_lse)
+    absorbed_context_attention(*batch.args(), got, got_lse, workspace)
     absorbed_reference(*batch.args(), want, want_lse)
     written = written_rows(batch)
     assert torch.isnan(got[~written]).all() and torch.isnan(got_lse[:, ~written]).all(), "zero-context rows touched"
@@ -43,6 +45,44 @@ def check(batch, dtype, value_dim=SMALL["value"], strided_outputs=False):
     lse_err = (got_lse[:, written] - want_lse[:, written]).abs().max().item()
     scale = max(1.0, want[written].abs().max().item())
     assert err <= TOL[dtype] * scale and lse_err <= TOL[dtype] * 4, f"max abs diff out {err:.3e}, lse {lse_err:.3e}"
+    return got, got_lse
+
+
+def packed_workspace(batch, extra_rows=0):
+    """[2, C, N, L] NaN scratch with C = the tokens of the requests with context (+ extra_rows)."""
+    rows = int(written_rows(batch).sum()) + extra_rows
+    return torch.full((2, rows, batch.q.shape[1], batch.weight.shape[1]), NAN, dtype=batch.q.dtype)
+
+
+@pytest.mark.parametrize("num_programs", [1, 2])
+def test_packed_routed_tokens_with_strided_programs(num_programs, monkeypatch):
+    # Only the routed tokens' rows exist in the scratch; 1 or 2 programs stride over every fold,
+    # attention and unfold tile, and give the bits of one program per tile.
+    batch = make_batch(CONTEXTS, QUERIES, block_size=4, dtype=torch.float32, seed=4, **SMALL)
+    monkeypatch.setattr(_common, "PROGRAMS_OVERRIDE", num_programs)
+    workspace = packed_workspace(batch)
+    got = check(batch, torch.float32, workspace=workspace)
+    assert not torch.isnan(workspace).any(), "every packed row is folded and attended"
+    monkeypatch.setattr(_common, "PROGRAMS_OVERRIDE", 10_000)
+    one_per_tile = check(batch, torch.float32, workspace=packed_workspace(batch))
+    for a, b in zip(got, one_per_tile):
+        torch.testing.assert_close(a, b, atol=0.0, rtol=0.0, equal_nan=True)
+
+
+def test_spare_scratch_rows_and_unrouted_tokens_stay_untouched():
+    batch = make_batch(CONTEXTS, QUERIES, block_size=4, dtype=torch.float32, seed=5, **SMALL)
+    workspace = packed_workspace(batch, extra_rows=3)
+    check(batch, torch.float32, workspace=workspace)
+    assert torch.isnan(workspace[:, -3:]).all() and not torch.isnan(workspace[:, :-3]).any()
+
+
+def test_nothing_routed_writes_nothing():
+    batch = make_batch(CONTEXTS, QUERIES, block_size=4, dtype=torch.float32, seed=6, **SMALL)
+    batch.context_lens = torch.zeros_like(batch.context_lens)  # no request takes the absorbed path
+    out, lse = batch.sentinels(SMALL["value"])
+    workspace = torch.full((2, 4, batch.q.shape[1], batch.weight.shape[1]), NAN)
+    absorbed_context_attention(*batch.args(), out, lse, workspace)
+    assert torch.isnan(out).all() and torch.isnan(lse).all() and torch.isnan(workspace).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

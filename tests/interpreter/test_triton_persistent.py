@@ -139,3 +139,37 @@ def test_suffix_attention_strides_over_every_tile(num_programs, programs):
     suffix_attention_reference(q, k_nope, k_pe, v, query_start_loc, 0.3, want_out, want_lse)
     torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_programs", [1, 2])
+@pytest.mark.parametrize("mapped", ["a", "c"])
+def test_rows_gemm_maps_packed_rows_to_token_rows(mapped, num_programs, programs):
+    # Per head: c[row(i)] = a[row(i)] @ w.T over the packed rows of requests 0, 2, 3 (request 1
+    # and the padding token have none); token rows outside them stay untouched.
+    tokens = int32([0, 3, 5, 10, 11, 12])  # 5 requests over 12 tokens
+    loc = int32([0, 3, 3, 8, 9, 9])  # packed: request 1 and 4 absent
+    token_of = torch.cat([torch.arange(0, 3), torch.arange(5, 10), torch.arange(10, 11)])
+    heads, k, num_out, capacity = 3, 20, 18, 11  # 2 spare packed rows
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(heads, num_out, k + 2, generator=gen)[..., :k]  # strided
+    programs(num_programs)
+    if mapped == "a":
+        a = torch.randn(12, heads, k + 4, generator=gen)  # the first k columns are read
+        c = torch.full((capacity, heads, num_out), NAN)
+        rows_gemm.rows_gemm(a, w, c, loc, tokens, map_a=True)
+        want = torch.einsum("thk,hok->tho", a[token_of, :, :k], w)
+        torch.testing.assert_close(c[:9], want, atol=1e-5, rtol=1e-5)
+        assert torch.isnan(c[9:]).all()
+    else:
+        a = torch.randn(capacity, heads, k, generator=gen)
+        c = torch.full((12, heads, num_out), NAN)
+        rows_gemm.rows_gemm(a, w, c, loc, tokens, map_c=True)
+        want = torch.einsum("thk,hok->tho", a[:9], w)
+        torch.testing.assert_close(c[token_of], want, atol=1e-5, rtol=1e-5)
+        untouched = torch.ones(12, dtype=torch.bool)
+        untouched[token_of] = False
+        assert torch.isnan(c[untouched]).all()
+    programs(MANY)
+    again = torch.full_like(c, NAN)
+    rows_gemm.rows_gemm(a, w, again, loc, tokens, map_a=mapped == "a", map_c=mapped == "c")
+    torch.testing.assert_close(again, c, **EXACT)

@@ -54,5 +54,14 @@ def test_routed_between_absorbed_and_chunked_kernels(absorb):
     batch = make_batch([0, 9, 4, 0, 13], [2, 1, 5, 3, 2], seed=5, block_size=4, dtype=torch.float32)
     out = batch.run(backend="triton", workspace_size=6, absorb_max_query_len=absorb)
     check(out, batch, torch.float32)
-    check(batch.run(backend="triton", workspace_size=6, absorb_max_query_len=absorb, max_chunks=5), batch,
-          torch.float32)
+    check(batch.run(backend="triton", workspace_size=6, absorb_max_query_len=absorb, max_chunks=5,
+                    max_absorbed_tokens=16), batch, torch.float32)
+
+
+@pytest.mark.parametrize("capacity", [0, 1, 4, None])  # none, the first, the first two routed requests; default
+def test_device_path_absorbed_capacity(capacity):
+    # Routed requests past the capacity run on the chunked kernels instead; the absorbed scratch
+    # shares the chunk loop's buffer.
+    batch = make_batch([0, 9, 4, 0, 13], [2, 1, 5, 3, 2], seed=6, block_size=4, dtype=torch.float32)
+    check(batch.run(backend="triton", workspace_size=6, absorb_max_query_len=64, max_chunks=5,
+                    max_absorbed_tokens=capacity), batch, torch.float32)

@@ -17,6 +17,13 @@ script counts, for the PR's headline batch (32 requests x 513 new tokens, contex
   up-projection: output tiles of its rows; attention: the query-tile slots of the chunk's live run
   of requests x heads, as the kernel counts them).
 
+The absorbed path runs once per step, before the chunks: fold, latent attention and unfold over
+the routed requests' tokens packed into ``max_absorbed_tokens`` rows (the default, W / 4). The
+requests are routed as the device plan routes them (threshold 170, then the capacity), so the
+chunks carry the MHA share only. ``absorbed_rows`` counts the packed rows the step folds;
+``absorbed_rows_before`` the rows the earlier path folded and unfolded with dense matmuls
+(every token of the step, routed or not).
+
 DeepSeek-V3 dims: N = 128 heads, L = 512, R = 64, P = V = 128, 16-bit tile configs. No GPU is
 involved: these are launch sizes, not times.
 
@@ -40,14 +47,20 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `mla_ops
 
 from benchmarks.trace_replay import DEFAULT_TRACE, load_trace, repo_path, simulate  # noqa: E402
 from mla_ops.device_schedule import plan_device_reference  # noqa: E402
-from mla_ops.triton import attention, gather, rows_gemm  # noqa: E402
+from mla_ops.plan import device_absorbed_capacity  # noqa: E402
+from mla_ops.routing import DEFAULT_ABSORB_MAX_QUERY_LEN, route_context  # noqa: E402
+from mla_ops.triton import absorbed, attention, gather, rows_gemm  # noqa: E402
 
 H200_SMS = 132
 HEADS, LATENT, ROPE, NOPE, VALUE = 128, 512, 64, 128, 128
 WORKSPACE = 65536
 MAX_CHUNKS = (1, 4, 16)
 MODULES = {"gather": gather, "up_projection": rows_gemm, "attention": attention}
-OPS = tuple(MODULES)
+CHUNK_OPS = tuple(MODULES)
+ABSORBED_MODULES = {"absorbed_fold": rows_gemm, "absorbed_attention": absorbed, "absorbed_unfold": rows_gemm}
+ABSORBED_OPS = tuple(ABSORBED_MODULES)
+OPS = CHUNK_OPS + ABSORBED_OPS
+CAPACITY = device_absorbed_capacity(WORKSPACE, None)
 UNLIMITED = math.inf  # one program per tile
 
 
@@ -79,32 +92,61 @@ def chunk_launches(query_lens: list[int], cu_seq_lens: list[int], sms: float) ->
     }
 
 
+def absorbed_launches(query_lens: list[int], absorbed_lens: list[int], sms: float) -> dict[str, tuple[int, int]]:
+    """(grid size, tiles walked) of the absorbed path's three launches for one step on ``sms`` SMs."""
+    rows = sum(q for q, a in zip(query_lens, absorbed_lens) if a)  # the packed routed tokens
+    gemm_m, gemm_n = rows_gemm.GPU_CONFIG_16BIT[:2]
+    block_m, block_h, _, block_dv, _, _ = absorbed.tile_shape(torch.bfloat16, False, HEADS, LATENT)
+    num_requests = len(query_lens)
+    gemm_programs = rows_gemm.PROGRAMS_PER_SM * sms
+    attn_items = absorbed.items(CAPACITY, num_requests, HEADS, LATENT, block_m, block_h, block_dv)
+    return {
+        "absorbed_fold": (rows_gemm.grid(CAPACITY, LATENT, gemm_m, gemm_n, gemm_programs, HEADS)[0],
+                          rows_gemm.tiles(rows, LATENT, gemm_m, gemm_n, HEADS)),
+        "absorbed_attention": (  # the kernel walks nothing without packed rows
+            min(attn_items, absorbed.PROGRAMS_PER_SM * sms),
+            absorbed.items(rows, num_requests, HEADS, LATENT, block_m, block_h, block_dv) if rows else 0,
+        ),
+        "absorbed_unfold": (rows_gemm.grid(CAPACITY, VALUE, gemm_m, gemm_n, gemm_programs, HEADS)[0],
+                            rows_gemm.tiles(rows, VALUE, gemm_m, gemm_n, HEADS)),
+    }
+
+
+def add(work: dict, now: dict, before: dict, ops) -> None:
+    for op in ops:
+        work[op]["programs"] += now[op][0]
+        work[op]["idle_programs"] += max(0, now[op][0] - now[op][1])  # their stride loop never runs
+        work[op]["one_program_per_tile"] += before[op][0]
+        work[op]["tiles"] += now[op][1]
+
+
 def step_work(context_lens: list[int], query_lens: list[int], max_chunks: int) -> dict:
     """Programs (persistent and one per tile) and tiles per op over the K iterations of one step."""
+    mha_lens, absorbed_lens = route_context(context_lens, query_lens, DEFAULT_ABSORB_MAX_QUERY_LEN, CAPACITY)
     _, _, cu_seq_lens, num_chunks = plan_device_reference(
-        torch.tensor(context_lens, dtype=torch.int32), WORKSPACE, max_chunks
+        torch.tensor(mha_lens, dtype=torch.int32), WORKSPACE, max_chunks
     )
     work = {op: {"programs": 0, "idle_programs": 0, "one_program_per_tile": 0, "tiles": 0} for op in OPS}
     for cu in cu_seq_lens.tolist():
-        now = chunk_launches(query_lens, cu, H200_SMS)
-        before = chunk_launches(query_lens, cu, UNLIMITED)
-        for op in OPS:
-            work[op]["programs"] += now[op][0]
-            work[op]["idle_programs"] += max(0, now[op][0] - now[op][1])  # their stride loop never runs
-            work[op]["one_program_per_tile"] += before[op][0]
-            work[op]["tiles"] += now[op][1]
+        add(work, chunk_launches(query_lens, cu, H200_SMS), chunk_launches(query_lens, cu, UNLIMITED), CHUNK_OPS)
+    add(work, absorbed_launches(query_lens, absorbed_lens, H200_SMS),
+        absorbed_launches(query_lens, absorbed_lens, UNLIMITED), ABSORBED_OPS)
     work["live_chunks"] = min(int(num_chunks), max_chunks)
+    work["absorbed_rows"] = sum(q for q, a in zip(query_lens, absorbed_lens) if a)
+    work["absorbed_rows_before"] = sum(query_lens)
     return work
 
 
 def totals(steps: list[dict]) -> dict:
     out = {op: {key: sum(s[op][key] for s in steps) for key in steps[0][op]} for op in OPS}
+    for key in ("absorbed_rows", "absorbed_rows_before"):
+        out[key] = sum(s[key] for s in steps)
     out["steps"] = len(steps)
     return out
 
 
-def all_programs(work: dict, key: str = "programs") -> int:
-    return sum(work[op][key] for op in OPS)
+def all_programs(work: dict, key: str = "programs", ops=OPS) -> int:
+    return sum(work[op][key] for op in ops)
 
 
 def run(trace: str | Path, limit: int | None) -> dict:
@@ -116,17 +158,27 @@ def run(trace: str | Path, limit: int | None) -> dict:
         trace_work[k] = totals(per_step)
 
     def ratio(table, key="programs"):
-        # Each iteration's grid is fixed at launch (no host read), so persistent programs grow as K;
-        # what they replace is one program per tile of the capacity, K times.
-        return round(all_programs(table[16]) / all_programs(table[1], key), 4)
+        # Each iteration's grid is fixed at launch (no host read), so the chunk ops' persistent
+        # programs grow as K; what they replace is one program per tile of the capacity, K times.
+        return round(all_programs(table[16], ops=CHUNK_OPS) / all_programs(table[1], key, CHUNK_OPS), 4)
 
+    routed_headline = headline[1]
     return {
-        "config": dict(sms=H200_SMS, programs_per_sm={op: m.PROGRAMS_PER_SM for op, m in MODULES.items()},
+        "config": dict(sms=H200_SMS,
+                       programs_per_sm={op: m.PROGRAMS_PER_SM for op, m in {**MODULES, **ABSORBED_MODULES}.items()},
                        heads=HEADS, latent=LATENT, rope=ROPE, nope=NOPE, value=VALUE, workspace=WORKSPACE,
+                       absorb_max_query_len=DEFAULT_ABSORB_MAX_QUERY_LEN, max_absorbed_tokens=CAPACITY,
                        trace=repo_path(trace), limit=limit),
         "headline": {str(k): v for k, v in headline.items()},
         "headline_programs_k16_over_k1": ratio(headline),
         "headline_programs_k16_over_one_per_tile_k1": ratio(headline, "one_program_per_tile"),
+        # The absorbed path's packed rows against the earlier fold/unfold of every token; its bf16
+        # scratch (2 x rows x N x L) now lives in the chunk loop's buffer, which is as large at W / 4.
+        "headline_absorbed_rows": routed_headline["absorbed_rows"],
+        "headline_absorbed_rows_before": routed_headline["absorbed_rows_before"],
+        "headline_absorbed_scratch_bytes_before": 2 * routed_headline["absorbed_rows_before"] * HEADS * LATENT * 2,
+        "absorbed_scratch_bytes": 2 * CAPACITY * HEADS * LATENT * 2,
+        "chunk_buffer_bytes": WORKSPACE * HEADS * (NOPE + VALUE) * 2,
         "trace_steps_with_context": trace_work[1]["steps"],
         "trace_totals": {str(k): v for k, v in trace_work.items()},
         "trace_programs_k16_over_k1": ratio(trace_work),
@@ -148,7 +200,7 @@ def plot(result: dict, path: str | Path) -> None:
             ax.plot(ks, [all_programs(result[key][k], field) for k in ks], marker="o", label=label)
         ax.set_yscale("log")
         ax.set_xlabel("max_chunks K")
-        ax.set_title(f"{title}: programs (3 ops, K iterations)")
+        ax.set_title(f"{title}: programs (3 ops x K chunks + 3 absorbed)")
         ax.legend()
     fig.tight_layout()
     fig.savefig(path)

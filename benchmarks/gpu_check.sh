@@ -11,10 +11,11 @@
 #
 # Steps and limits in seconds (default / --long): wheels 10, env 20, cuda_kernels 70 (the tests of
 # tests/test_cuda.py whose names hold neither "graph" nor "reduce_overhead": kernels, FlashMLA,
-# mla_prefill), kernel_bench 50 / 180, absorbed_bench 45 / 175, cuda_graphs 65 (the others: CUDA
+# mla_prefill), kernel_bench 50 / 180, absorbed_bench 45 / 175, device_path_bench 40 (the device
+# path at K = 1, 4, 16 against the host path), cuda_graphs 65 (the others: CUDA
 # graphs, torch.compile, PrefillGraphs), graphs_bench 45 / 120 (PrefillGraphs replay vs eager),
 # cuda_models 0 / 120 (--long only: the cuda tests of MoE, generation and context parallel),
-# summary 15; 320 s in all (775 with --long: two device calls, or a 10-minute one without the model
+# summary 15; 360 s in all (815 with --long: two device calls, or a 10-minute one without the model
 # tests), and `timeout -k 5` kills a step at most 5 s past its limit. A dry run allows 10x each
 # limit: it checks the code paths, not the speed.
 #
@@ -87,6 +88,7 @@ step cuda_kernels 70 "$PY" -m pytest "${pytest_args[@]}" -k "not graph and not r
 if [ "$long" = 1 ]; then bench_limit=180; graphs_limit=120; else bench_limit=50; graphs_limit=45; fi
 step kernel_bench "$bench_limit" "$PY" benchmarks/kernel_bench.py --json "$out/gpu_kernels.json" "${flags[@]}"
 step absorbed_bench $((bench_limit - 5)) "$PY" benchmarks/absorbed_bench.py --json "$out/gpu_absorbed.json" "${flags[@]}"
+step device_path_bench 40 "$PY" benchmarks/device_path_bench.py --json "$out/gpu_device_path.json" "${flags[@]}"
 step cuda_graphs 65 "$PY" -m pytest "${pytest_args[@]}" -k "graph or reduce_overhead"
 step graphs_bench "$graphs_limit" "$PY" benchmarks/graphs_bench.py --json "$out/gpu_graphs.json" "${flags[@]}"
 if [ "$long" = 1 ]; then

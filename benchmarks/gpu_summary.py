@@ -7,7 +7,8 @@ The summary reads whatever the steps left in OUT, complete or not: the step tabl
 (``gpu_steps.tsv``: status, seconds, time limit), the pytest logs (one line per test, written as
 it finishes), and the benchmark JSONs (rewritten after every configuration). It reports what ran,
 what passed, and the key ratios: packed against the old batch-column schedule and graph replay
-against eager per mix; absorbed against chunked MHA and Triton against FlashMLA per sweep point.
+against eager per mix; absorbed against chunked MHA and Triton against FlashMLA per sweep point;
+the device path's K = 16 against K = 1 and against the host path.
 ``--dry-run`` marks everything as a CPU dry run and refuses ``benchmarks/results/``.
 """
 
@@ -183,6 +184,15 @@ def markdown(summary: dict) -> str:
             lines.append(f"| {p['context_len']} | {fmt(p['query_len'] if p['query_len'] is not None else 'mixed')} | "
                          f"{fmt(p['mha_ms'])} | {times} | {fmt(p.get('mha_over_absorbed'))} | "
                          f"{fmt(p.get('triton_over_flashmla'))} |")
+    device_path = summary.get("device_path")
+    lines += ["", "## Device path: K static chunk iterations vs the host plan (device_path_bench)", ""]
+    if device_path is None:
+        lines.append("No report.")
+    else:
+        lines += [f"{'Complete' if device_path['complete'] else 'INCOMPLETE (cut short)'}.", "",
+                  "| mix | ratio | value |", "| --- | --- | ---: |"]
+        lines += [f"| {mix} | {key} | {fmt(value)} |" for mix, entry in device_path["ratios"].items()
+                  for key, value in entry.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -212,7 +222,10 @@ def summarize(directory: str, dry_run: bool) -> dict:
         summary["absorbed"] = dict(complete=absorbed["complete"], cost_model=absorbed["cost_model_threshold"],
                                    suggested=absorbed.get("suggested_absorb_max_query_len"),
                                    points=absorbed_ratios(absorbed))
-    summary["dry_run"] = dry_run or any((r or {}).get("dry_run") for r in (kernels, absorbed))
+    device_path = read_json(directory, "gpu_device_path.json")
+    if device_path is not None:
+        summary["device_path"] = dict(complete=device_path["complete"], ratios=device_path.get("ratios", {}))
+    summary["dry_run"] = dry_run or any((r or {}).get("dry_run") for r in (kernels, absorbed, device_path))
     return summary
 
 

@@ -35,9 +35,9 @@ def test_gpu_check_dry_run_runs_every_step_and_summarizes(tmp_path):
 
     steps = gpu_summary.read_steps(str(tmp_path))
     assert [s["step"] for s in steps] == ["wheels", "env", "cuda_kernels", "kernel_bench", "absorbed_bench",
-                                          "cuda_graphs", "graphs_bench", "summary"]
+                                          "device_path_bench", "cuda_graphs", "graphs_bench", "summary"]
     assert all(s["status"] == "passed" for s in steps), steps
-    for name in ("gpu_env.json", "gpu_kernels.json", "gpu_absorbed.json", "gpu_summary.json"):
+    for name in ("gpu_env.json", "gpu_kernels.json", "gpu_absorbed.json", "gpu_device_path.json", "gpu_summary.json"):
         assert json.loads((tmp_path / name).read_text())["dry_run"] is True, name
 
     kernels = json.loads((tmp_path / "gpu_kernels.json").read_text())
@@ -51,6 +51,11 @@ def test_gpu_check_dry_run_runs_every_step_and_summarizes(tmp_path):
     assert absorbed["suggested_absorb_max_query_len"] in {0, 1, 8, 32}
     assert {"mha_ms", "absorbed_torch_ms"} <= set(absorbed["results"][0])
     assert absorbed["results"][-1]["query_len"] is None  # the mixed batch
+
+    device_path = json.loads((tmp_path / "gpu_device_path.json").read_text())
+    assert device_path["complete"] and {(r["path"], r["max_chunks"]) for r in device_path["results"]} == {
+        ("host", 1), ("device", 1), ("device", 4), ("device", 16)}
+    assert set(device_path["ratios"]["smoke"]) == {"k4_over_k1_eager", "k16_over_k1_eager", "device_over_host_eager"}
 
     text = (tmp_path / "gpu_summary.md").read_text()
     assert "DRY RUN on CPU: no GPU result" in text

@@ -118,7 +118,7 @@ def dot_precision(dtype) -> str:
 
 # Persistent launches: a kernel runs at most ``persistent_programs`` programs, each striding over
 # the live tiles it reads from device counts, so a chunk without rows costs about one launch.
-INTERPRETER_PROGRAMS = 1
+INTERPRETER_PROGRAMS = 1  # the interpreter runs programs one by one (one SM): more only add launch cost
 PROGRAMS_OVERRIDE: int | None = None  # tests force tiny grids here
 
 

@@ -173,7 +173,7 @@ def run(trace: str | Path, limit: int | None) -> dict:
         "headline_programs_k16_over_k1": ratio(headline),
         "headline_programs_k16_over_one_per_tile_k1": ratio(headline, "one_program_per_tile"),
         # The absorbed path's packed rows against the earlier fold/unfold of every token; its bf16
-        # scratch (2 x rows x N x L) now lives in the chunk loop's buffer, which is as large at W / 4.
+        # scratch (2 x rows x N x L), freed before the chunk loop's buffer is made, is as large at W / 4.
         "headline_absorbed_rows": routed_headline["absorbed_rows"],
         "headline_absorbed_rows_before": routed_headline["absorbed_rows_before"],
         "headline_absorbed_scratch_bytes_before": 2 * routed_headline["absorbed_rows_before"] * HEADS * LATENT * 2,

@@ -5,9 +5,9 @@ kv_b_proj_weight [N*(P+V), L]  viewed [N, P+V, L]: W_UK = [:, :P] [N, P, L], W_U
 block_table      [B, max_blocks] int32   query_start_loc [B+1] int32   context_lens [B] int32
 k_scale          [1] float32 or None     dequantized = stored * k_scale (float8_e4m3fn caches only)
 -> out           [T, N, V]   lse [N, T] float32 (float64 for float64 q), natural log   (out=)
-workspace        [2, C, N, L] or None    scratch of the GPU kernels (q_lat, o_lat of the routed tokens,
-                                         packed in request order: ``routed_token_loc``); C must hold
-                                         every token of the requests with context. None: C = T.
+max_absorbed_tokens  int, -1: T         a static bound of the tokens of the requests with context:
+                                         the GPU kernels pack those tokens (``routed_token_loc``) into
+                                         a scratch of this many rows (tokens past it get no partial)
 
 Dimensions come from shapes: ``L = weight.shape[1]``, ``R = kv_cache.shape[2] - L``,
 ``P = q.shape[2] - R``, ``V = weight.shape[0] // N - P``.
@@ -115,9 +115,9 @@ def latent_partial(qr, kv_cache, block_table, request: int, context: int, latent
 
 def absorbed_reference(
     q, kv_cache, block_table, query_start_loc, context_lens, kv_b_proj_weight, softmax_scale, k_scale, out, lse,
-    workspace=None,
+    max_absorbed_tokens=-1,
 ) -> None:
-    del workspace  # the reference packs nothing
+    del max_absorbed_tokens  # the reference packs nothing
     acc = lse_dtype(q.dtype)
     num_heads, latent, nope, _, _ = absorbed_dims(q, kv_cache, kv_b_proj_weight)
     w_uk, w_uv = (w.to(acc) for w in split_kv_b_proj(kv_b_proj_weight, num_heads, nope))
@@ -134,7 +134,7 @@ def absorbed_reference(
         lse[:, t0:t1] = lse_r.to(lse.dtype)
 
 
-@torch.library.custom_op("mla_ops::absorbed_context_attention", mutates_args=("out", "lse", "workspace"))
+@torch.library.custom_op("mla_ops::absorbed_context_attention", mutates_args=("out", "lse"))
 def _absorbed_context_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -146,15 +146,15 @@ def _absorbed_context_attention(
     k_scale: torch.Tensor | None,
     out: torch.Tensor,
     lse: torch.Tensor,
-    workspace: torch.Tensor | None = None,
+    max_absorbed_tokens: int = -1,
 ) -> None:
     absorbed_reference(
         q, kv_cache, block_table, query_start_loc, context_lens, kv_b_proj_weight, softmax_scale, k_scale, out, lse,
-        workspace,
+        max_absorbed_tokens,
     )
 
 
 @_absorbed_context_attention.register_fake
 def _(q, kv_cache, block_table, query_start_loc, context_lens, kv_b_proj_weight, softmax_scale, k_scale, out, lse,
-      workspace=None):
+      max_absorbed_tokens=-1):
     return None

@@ -49,8 +49,9 @@ class PrefillPlan:
     absorb_max_query_len: int  # 0: no absorbed path
     num_tokens: int | None  # T, where the lengths were readable
     max_block_id: int  # largest block id a context uses; -1 if none or not readable
-    # Rows of the absorbed path's packed scratch: the routed tokens (host form) or its capacity (device form).
-    max_absorbed_tokens: int = 0
+    # Rows of the absorbed path's packed scratch: the routed tokens (host form) or its capacity (device
+    # form); -1: T.
+    max_absorbed_tokens: int = -1
     # Context parallel (mla_ops/context_parallel.py): this rank's chunk pieces and reorder index; a pytree
     # node whose tensors are leaves and whose ContextParallel config and sizes are static context.
     # Its plans keep ``schedule`` / ``device_schedule`` in stripes of interleave * world_size rows.
@@ -110,8 +111,8 @@ def plan_prefill(
     ``max_absorbed_tokens``: the most new tokens the absorbed path takes in one step; the first routed
     requests that fit take it, the rest stay on the chunked path (exact either way). Its packed
     scratch has this many rows in the device form, where it is static; None: no cap on the host,
-    ``workspace_size // 4`` on the device (at DeepSeek's dims its scratch, 2 x N x L per token, then
-    fits in the chunk loop's up-projected workspace, N x (P+V) per row, which it shares).
+    ``workspace_size // 4`` on the device (at DeepSeek's dims its scratch, 2 x N x L per token, is then
+    the size of the chunk loop's up-projected workspace, N x (P+V) per row, allocated after it is freed).
     ``context_parallel=mla_ops.ContextParallel(group, interleave)``: the latent cache is sharded over
     the group's ranks; ``block_table`` is this rank's, the lengths are global, and
     ``absorb_max_query_len`` routes between the all-gather and absorbed-queries paths (None: their

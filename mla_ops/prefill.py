@@ -230,17 +230,13 @@ class _Step(NamedTuple):
     k_scale: torch.Tensor | None
     plan: PrefillPlan
 
-    def absorbed(self, context_out, context_lse, scratch: torch.Tensor | None = None) -> None:
-        """The absorbed requests' context partials, written into their rows only. The kernels pack
-        the routed tokens into ``plan.max_absorbed_tokens`` rows of scratch (carved from ``scratch``
-        when given, a flat buffer the caller reuses afterwards)."""
-        p, (heads, latent) = self.plan, (self.dims.heads_n, self.dims.latent)
-        size = 2 * p.max_absorbed_tokens * heads * latent
-        flat = self.q.new_empty(size) if scratch is None else scratch.narrow(0, 0, size)
+    def absorbed(self, context_out, context_lse) -> None:
+        """The absorbed requests' context partials, written into their rows only; the kernels pack
+        the routed tokens into ``plan.max_absorbed_tokens`` rows of scratch."""
+        p = self.plan
         self.kernels.absorbed_context_attention(
             self.q, self.kv_cache, p.block_table, p.query_start_loc, p.absorbed_context_lens, self.weight,
-            self.softmax_scale, self.k_scale, context_out, context_lse,
-            workspace=flat.view(2, p.max_absorbed_tokens, heads, latent),
+            self.softmax_scale, self.k_scale, context_out, context_lse, p.max_absorbed_tokens,
         )
 
 
@@ -249,14 +245,11 @@ def _device_plan_context(step: _Step, suffix_out, suffix_lse) -> torch.Tensor:
     kernels, dims, q, plan = step.kernels, step.dims, step.q, step.plan
     context_out = torch.zeros_like(suffix_out)
     context_lse = torch.full_like(suffix_lse, float("-inf"))
-    # One buffer for the absorbed path's packed scratch, then the chunks' up-projected rows.
-    kv_size = plan.workspace_size * step.weight.shape[0]
-    shared = q.new_empty(max(kv_size, 2 * plan.max_absorbed_tokens * dims.heads_n * dims.latent))
-    if plan.absorbed_context_lens is not None:
-        step.absorbed(context_out, context_lse, shared)
+    if plan.absorbed_context_lens is not None:  # first: its scratch is freed before the chunk buffers exist
+        step.absorbed(context_out, context_lse)
     schedule = plan.device_schedule
     workspace = q.new_empty(plan.workspace_size, dims.latent + dims.rope)
-    kv = shared.narrow(0, 0, kv_size).view(plan.workspace_size, step.weight.shape[0])
+    kv = q.new_empty(plan.workspace_size, step.weight.shape[0])
     latent, rope = workspace.split([dims.latent, dims.rope], dim=1)
     chunk_k_nope, chunk_v = dims.heads(kv)
     for k in range(schedule.max_chunks):  # chunks past the device count touch nothing

@@ -173,8 +173,8 @@ def test_opcheck():
     batch = make_batch([4, 0, 9], [2, 1, 3], block_size=4, dtype=torch.float32, **SMALL)
     out, lse = torch.randn(6, 3, 8), torch.randn(3, 6)
     torch.library.opcheck(ops.absorbed_context_attention, (*batch.args(), out, lse), test_utils=OPCHECK_UTILS)
-    workspace = torch.randn(2, 5, 3, SMALL["latent"])  # the packed scratch: the 5 tokens of requests with context
-    torch.library.opcheck(ops.absorbed_context_attention, (*batch.args(), out, lse, workspace), test_utils=OPCHECK_UTILS)
+    # A static bound of the tokens of requests with context (5 here), as a plan passes it.
+    torch.library.opcheck(ops.absorbed_context_attention, (*batch.args(), out, lse, 5), test_utils=OPCHECK_UTILS)
     # SchemaCheckMode compares inputs with arithmetic that CPU float8 lacks: skip test_schema there.
     batch = make_batch([4, 0, 9], [2, 1, 3], block_size=4, dtype=torch.float32, fp8_scale=0.5, **SMALL)
     torch.library.opcheck(ops.absorbed_context_attention, (*batch.args(), out, lse), test_utils=OPCHECK_UTILS[1:])

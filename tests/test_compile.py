@@ -166,46 +166,41 @@ def forward(self, arg0_1: "Sym(s85)", arg1_1: "f32[s85, 2, 10]", arg2_1: "Sym(s3
     getitem_8: "f32[2, s85]" = auto_functionalized_v2[2];  auto_functionalized_v2 = None
     zeros_like_1: "f32[s85, 2, 5]" = torch.ops.aten.zeros_like.default(getitem_7, pin_memory = False)
     full_like: "f32[2, s85]" = torch.ops.aten.full_like.default(getitem_8, -inf, pin_memory = False)
-    new_empty_2: "f32[352]" = torch.ops.aten.new_empty.default(arg1_1, [352], pin_memory = False)
-    auto_functionalized_v2_1 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.mla_ops.absorbed_context_attention.default, q = arg1_1, kv_cache = arg6_1, block_table = arg3_1, query_start_loc = arg4_1, context_lens = where_1, kv_b_proj_weight = arg11_1, softmax_scale = 0.25, k_scale = None, _out_base_index = 0, _lse_base_index = 1, _workspace_base_index = 2, _workspace_size = (2, 4, 2, 12), _workspace_stride = (96, 24, 12, 1), _workspace_storage_offset = 0, _all_bases = [zeros_like_1, full_like, new_empty_2]);  where_1 = zeros_like_1 = full_like = new_empty_2 = None
+    auto_functionalized_v2_1 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.mla_ops.absorbed_context_attention.default, q = arg1_1, kv_cache = arg6_1, block_table = arg3_1, query_start_loc = arg4_1, context_lens = where_1, kv_b_proj_weight = arg11_1, softmax_scale = 0.25, k_scale = None, max_absorbed_tokens = 4, _out_base_index = 0, _lse_base_index = 1, _all_bases = [zeros_like_1, full_like]);  where_1 = zeros_like_1 = full_like = None
     getitem_10: "f32[s85, 2, 5]" = auto_functionalized_v2_1[1]
-    getitem_11: "f32[2, s85]" = auto_functionalized_v2_1[2]
-    getitem_12: "f32[352]" = auto_functionalized_v2_1[3];  auto_functionalized_v2_1 = None
-    new_empty_3: "f32[16, 16]" = torch.ops.aten.new_empty.default(arg1_1, [16, 16], pin_memory = False)
+    getitem_11: "f32[2, s85]" = auto_functionalized_v2_1[2];  auto_functionalized_v2_1 = None
+    new_empty_2: "f32[16, 16]" = torch.ops.aten.new_empty.default(arg1_1, [16, 16], pin_memory = False)
+    new_empty_3: "f32[16, 22]" = torch.ops.aten.new_empty.default(arg1_1, [16, 22], pin_memory = False)
     select: "i32[s37 + 1]" = torch.ops.aten.select.int(getitem_2, 0, 0);  getitem_2 = None
     select_1: "i32[s37]" = torch.ops.aten.select.int(getitem, 0, 0);  getitem = None
-    auto_functionalized_v2_2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.mla_ops.gather_context.default, kv_cache = arg6_1, block_table = arg3_1, cu_seq_lens = select, starts = select_1, k_scale = None, _workspace_base_index = 0, _all_bases = [new_empty_3]);  arg6_1 = arg3_1 = new_empty_3 = None
-    getitem_18: "f32[16, 16]" = auto_functionalized_v2_2[1];  auto_functionalized_v2_2 = None
-    split_with_sizes_3 = torch.ops.aten.split_with_sizes.default(getitem_18, [12, 4], 1)
-    getitem_19: "f32[16, 12]" = split_with_sizes_3[0];  split_with_sizes_3 = None
-    auto_functionalized_v2_3 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.mla_ops.up_project.default, latent = getitem_19, kv_b_proj_weight = arg11_1, cu_seq_lens = select, _out_base_index = 0, _out_size = (16, 22), _out_stride = (22, 1), _out_storage_offset = 0, _all_bases = [getitem_12]);  getitem_19 = arg11_1 = getitem_12 = None
-    getitem_22: "f32[352]" = auto_functionalized_v2_3[1];  auto_functionalized_v2_3 = None
-    slice_8: "f32[352]" = torch.ops.aten.slice.Tensor(getitem_22, 0, 0, 352)
-    view_7: "f32[16, 22]" = torch.ops.aten.view.default(slice_8, [16, 22]);  slice_8 = None
-    view_8: "f32[16, 2, 11]" = torch.ops.aten.view.default(view_7, [-1, 2, 11]);  view_7 = None
-    split_with_sizes_4 = torch.ops.aten.split_with_sizes.default(view_8, [6, 5], -1);  view_8 = None
-    getitem_23: "f32[16, 2, 6]" = split_with_sizes_4[0];  split_with_sizes_4 = None
-    split_with_sizes_5 = torch.ops.aten.split_with_sizes.default(getitem_18, [12, 4], 1);  getitem_18 = None
-    getitem_26: "f32[16, 4]" = split_with_sizes_5[1];  split_with_sizes_5 = None
-    slice_9: "f32[352]" = torch.ops.aten.slice.Tensor(getitem_22, 0, 0, 352);  getitem_22 = None
-    view_9: "f32[16, 22]" = torch.ops.aten.view.default(slice_9, [16, 22]);  slice_9 = None
-    view_10: "f32[16, 2, 11]" = torch.ops.aten.view.default(view_9, [-1, 2, 11]);  view_9 = None
-    split_with_sizes_6 = torch.ops.aten.split_with_sizes.default(view_10, [6, 5], -1);  view_10 = None
-    getitem_28: "f32[16, 2, 5]" = split_with_sizes_6[1];  split_with_sizes_6 = None
-    auto_functionalized_v2_4 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.mla_ops.context_attention.default, q = arg1_1, k_nope = getitem_23, k_pe = getitem_26, v = getitem_28, query_start_loc = arg4_1, cu_seq_lens = select, starts = select_1, softmax_scale = 0.25, _out_base_index = 0, _lse_base_index = 1, _all_bases = [getitem_10, getitem_11]);  arg1_1 = getitem_23 = getitem_26 = getitem_28 = select = select_1 = getitem_10 = getitem_11 = None
-    getitem_30: "f32[s85, 2, 5]" = auto_functionalized_v2_4[1]
-    getitem_31: "f32[2, s85]" = auto_functionalized_v2_4[2];  auto_functionalized_v2_4 = None
-    merge_attn_states = torch.ops.mla_ops.merge_attn_states.default(getitem_30, getitem_31, getitem_7, getitem_8);  getitem_30 = getitem_31 = getitem_7 = getitem_8 = None
-    getitem_32: "f32[s85, 2, 5]" = merge_attn_states[0];  merge_attn_states = None
+    auto_functionalized_v2_2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.mla_ops.gather_context.default, kv_cache = arg6_1, block_table = arg3_1, cu_seq_lens = select, starts = select_1, k_scale = None, _workspace_base_index = 0, _all_bases = [new_empty_2]);  arg6_1 = arg3_1 = new_empty_2 = None
+    getitem_17: "f32[16, 16]" = auto_functionalized_v2_2[1];  auto_functionalized_v2_2 = None
+    split_with_sizes_3 = torch.ops.aten.split_with_sizes.default(getitem_17, [12, 4], 1)
+    getitem_18: "f32[16, 12]" = split_with_sizes_3[0];  split_with_sizes_3 = None
+    auto_functionalized_v2_3 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.mla_ops.up_project.default, latent = getitem_18, kv_b_proj_weight = arg11_1, cu_seq_lens = select, _out_base_index = 0, _all_bases = [new_empty_3]);  getitem_18 = arg11_1 = new_empty_3 = None
+    getitem_21: "f32[16, 22]" = auto_functionalized_v2_3[1];  auto_functionalized_v2_3 = None
+    view_2: "f32[16, 2, 11]" = torch.ops.aten.view.default(getitem_21, [-1, 2, 11])
+    split_with_sizes_4 = torch.ops.aten.split_with_sizes.default(view_2, [6, 5], -1);  view_2 = None
+    getitem_22: "f32[16, 2, 6]" = split_with_sizes_4[0];  split_with_sizes_4 = None
+    split_with_sizes_5 = torch.ops.aten.split_with_sizes.default(getitem_17, [12, 4], 1);  getitem_17 = None
+    getitem_25: "f32[16, 4]" = split_with_sizes_5[1];  split_with_sizes_5 = None
+    view_3: "f32[16, 2, 11]" = torch.ops.aten.view.default(getitem_21, [-1, 2, 11]);  getitem_21 = None
+    split_with_sizes_6 = torch.ops.aten.split_with_sizes.default(view_3, [6, 5], -1);  view_3 = None
+    getitem_27: "f32[16, 2, 5]" = split_with_sizes_6[1];  split_with_sizes_6 = None
+    auto_functionalized_v2_4 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.mla_ops.context_attention.default, q = arg1_1, k_nope = getitem_22, k_pe = getitem_25, v = getitem_27, query_start_loc = arg4_1, cu_seq_lens = select, starts = select_1, softmax_scale = 0.25, _out_base_index = 0, _lse_base_index = 1, _all_bases = [getitem_10, getitem_11]);  arg1_1 = getitem_22 = getitem_25 = getitem_27 = select = select_1 = getitem_10 = getitem_11 = None
+    getitem_29: "f32[s85, 2, 5]" = auto_functionalized_v2_4[1]
+    getitem_30: "f32[2, s85]" = auto_functionalized_v2_4[2];  auto_functionalized_v2_4 = None
+    merge_attn_states = torch.ops.mla_ops.merge_attn_states.default(getitem_29, getitem_30, getitem_7, getitem_8);  getitem_29 = getitem_30 = getitem_7 = getitem_8 = None
+    getitem_31: "f32[s85, 2, 5]" = merge_attn_states[0];  merge_attn_states = None
     arange: "i32[s85]" = torch.ops.aten.arange.default(arg0_1, dtype = torch.int32, device = device(type='cpu'), pin_memory = False);  arg0_1 = None
     searchsorted: "i64[s85]" = torch.ops.aten.searchsorted.Tensor(arg4_1, arange, right = True);  arg4_1 = arange = None
     sub_38: "i64[s85]" = torch.ops.aten.sub.Tensor(searchsorted, 1);  searchsorted = None
     sub_40: "Sym(s37 - 1)" = arg2_1 - 1;  arg2_1 = None
     clamp: "i64[s85]" = torch.ops.aten.clamp.default(sub_38, 0, sub_40);  sub_38 = sub_40 = None
     index_select: "b8[s85]" = torch.ops.aten.index_select.default(bitwise_and_2, 0, clamp);  bitwise_and_2 = clamp = None
-    view_11: "b8[s85, 1, 1]" = torch.ops.aten.view.default(index_select, [-1, 1, 1]);  index_select = None
-    full_like_1: "f32[s85, 2, 5]" = torch.ops.aten.full_like.default(getitem_32, nan, pin_memory = False)
-    where_2: "f32[s85, 2, 5]" = torch.ops.aten.where.self(view_11, full_like_1, getitem_32);  view_11 = full_like_1 = getitem_32 = None
+    view_4: "b8[s85, 1, 1]" = torch.ops.aten.view.default(index_select, [-1, 1, 1]);  index_select = None
+    full_like_1: "f32[s85, 2, 5]" = torch.ops.aten.full_like.default(getitem_31, nan, pin_memory = False)
+    where_2: "f32[s85, 2, 5]" = torch.ops.aten.where.self(view_4, full_like_1, getitem_31);  view_4 = full_like_1 = getitem_31 = None
     return (where_2,)""")
 
     def test_fused_merge(self):

@@ -7,7 +7,7 @@ k_scale          [1] float32 or None (float8_e4m3fn caches: dequantized = stored
 -> out           [T, N, V]   lse [N, T] float32, natural log; rows of requests without context
                              are left untouched (out=)
 
-workspace        [2, C, N, L] or None: q_lat and o_lat of the routed tokens (None: C = T)
+max_absorbed_tokens  int: rows of the packed scratch (q_lat, o_lat), at least the routed tokens (-1: T)
 
 Oracle: ``absorbed_reference`` in ``mla_ops/absorbed.py``. Only the tokens of requests with
 context ("routed" here) are touched. They are packed in request order at the device-computed
@@ -348,7 +348,7 @@ def latent_attention(q_lat, q_pe, kv_cache, block_table, query_start_loc, contex
 
 def absorbed_context_attention(
     q, kv_cache, block_table, query_start_loc, context_lens, kv_b_proj_weight, softmax_scale, k_scale, out, lse,
-    workspace=None,
+    max_absorbed_tokens=-1,
 ) -> None:
     """Same contract as ``torch.ops.mla_ops.absorbed_context_attention`` (module docstring)."""
     num_tokens = q.shape[0]
@@ -358,9 +358,8 @@ def absorbed_context_attention(
         dot_dtype(q.dtype, interpreted, "absorbed")  # a TypeError before any work
         if num_tokens == 0 or num_heads == 0 or num_requests == 0 or kv_cache.numel() == 0:
             return  # nothing to attend: every row stays untouched
-        if workspace is None:
-            workspace = q.new_empty(2, num_tokens, num_heads, latent)
-        q_lat, o_lat = workspace.unbind(0)  # [C, N, L] each: the routed tokens' rows, packed
+        rows = num_tokens if max_absorbed_tokens < 0 else min(max_absorbed_tokens, num_tokens)
+        q_lat, o_lat = q.new_empty(2, rows, num_heads, latent).unbind(0)  # the routed tokens' rows, packed
         w_uk, w_uv = split_kv_b_proj(kv_b_proj_weight, num_heads, nope)  # [N, P, L], [N, V, L]
         loc = routed_token_loc(query_start_loc, context_lens)  # [B+1] packed offsets, on the device
         rows_gemm(q, w_uk.transpose(1, 2), q_lat, loc, query_start_loc, map_a=True)  # fold: q_nope @ W_UK

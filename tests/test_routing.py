@@ -3,6 +3,8 @@
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import mla_ops
 from mla_ops.routing import cost_model_threshold, modeled_flops, route_context
@@ -90,6 +92,24 @@ def test_capacity_takes_the_first_routed_requests_that_fit(capacity):
     ref = batch.reference()
     for plan in (host, device):
         assert_close_to_reference(batch.run(plan=plan), ref, torch.float64, f"capacity {capacity}")
+
+
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 12)), max_size=12), st.integers(0, 12),
+       st.one_of(st.none(), st.integers(0, 40)))
+def test_capacity_routing_is_a_prefix_of_the_candidates_on_every_input_form(requests, threshold, capacity):
+    ctx, q = [c for c, _ in requests], [n for _, n in requests]
+    mha, absorbed = route_context(ctx, q, threshold, capacity)
+    for form in (np.array, lambda x: torch.tensor(x, dtype=torch.int32)):
+        other_mha, other_absorbed = route_context(form(ctx), form(q), threshold, capacity)
+        assert list(other_mha) == mha and list(other_absorbed) == absorbed
+    candidates = [i for i, (c, n) in enumerate(requests) if c > 0 and n <= threshold]
+    taken = [i for i in candidates if absorbed[i]]
+    assert taken == candidates[: len(taken)]  # the first candidates, in request order
+    assert [m + a for m, a in zip(mha, absorbed)] == ctx and all(a in (0, c) for a, c in zip(absorbed, ctx))
+    if capacity is not None:
+        assert sum(q[i] for i in taken) <= capacity
+        if len(taken) < len(candidates):  # the next candidate did not fit
+            assert sum(q[i] for i in candidates[: len(taken) + 1]) > capacity
 
 
 def test_device_capacity_defaults_to_a_quarter_of_the_workspace():

@@ -3,8 +3,9 @@
 For the PR's headline batch (one chunk needed), ``run_prefill`` runs with the plan made inside the
 timed step (the device form: planner plus K chunk iterations, as a captured step replays it) and
 with a host plan made once outside (the chunks the batch needs, nothing more), eager and replayed
-from a CUDA graph; every context takes the chunk loop (``absorb_max_query_len=0``). Goals (issue 10): K = 16 within 1.10x of K = 1, and the device path at the K
-the batch needs close to the host path. Dims as ``kernel_bench.py`` (DeepSeek-V2-Lite, bf16).
+from a CUDA graph; every context takes the chunk loop (``absorb_max_query_len=0``). Goals (issue
+10): K = 16 within 1.10x of K = 1, and the device path at the K the batch needs close to the host
+path. Dims as ``kernel_bench.py`` (DeepSeek-V2-Lite, bf16).
 
     python benchmarks/device_path_bench.py --json benchmarks/results/gpu_device_path.json
     python benchmarks/device_path_bench.py --dry-run    # smoke sizes on CPU, marked dry_run
@@ -79,7 +80,8 @@ def run(args) -> dict:
 
         host_plan = mla_ops.plan_prefill(*lengths, absorb_max_query_len=0)
         variants = [("host", host_plan.schedule.num_chunks, run_with(lambda: host_plan))]
-        variants += [("device", k, run_with(lambda k=k: mla_ops.plan_prefill(*lengths, max_chunks=k, absorb_max_query_len=0)))
+        variants += [("device", k, run_with(lambda k=k: mla_ops.plan_prefill(*lengths, max_chunks=k,
+                                                                             absorb_max_query_len=0)))
                      for k in MAX_CHUNKS if k >= needed]
         for path, chunks, step in variants:
             row = dict(mix=name, workspace_size=workspace_size, path=path, max_chunks=chunks, chunks_needed=needed,

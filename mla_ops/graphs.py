@@ -101,8 +101,9 @@ class PrefillGraphs:
     (``MLAModel``: hidden states [T, H]). Sizes: ``max_tokens`` / ``max_requests`` (the largest
     token / request bucket unless the bucket lists say otherwise), ``max_blocks_per_request``
     (block-table columns), ``block_size`` and ``workspace_size`` of the plan. ``request_buckets``,
-    ``absorb_max_query_len`` and ``max_absorbed_tokens`` (the plan's routing), ``k_scale`` and ``backend`` (passed to
-    the model) and ``compile_backend`` (``torch.compile``'s, mode ``"compile"``) are extensions.
+    ``absorb_max_query_len`` and ``max_absorbed_tokens`` (the plan's routing), ``k_scale`` and
+    ``backend`` (passed to the model) and ``compile_backend`` (``torch.compile``'s, mode
+    ``"compile"``) are extensions.
 
     ``stats``: ``graphs`` (buckets captured / compiled / set up), ``replays`` (steps run through
     a bucket), ``eager`` (steps beyond the buckets, run eagerly), ``static_bytes`` (the static

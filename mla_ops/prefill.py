@@ -155,14 +155,16 @@ def mla_prefill(
         plan = plan_prefill(
             query_start_loc, context_lens, block_table, block_size=_block_size(kv_cache),
             workspace_size=workspace_size, policy=policy, split_alignment=split_alignment,
-            max_chunks=max_chunks, absorb_max_query_len=absorb_max_query_len, max_absorbed_tokens=max_absorbed_tokens,
+            max_chunks=max_chunks, absorb_max_query_len=absorb_max_query_len,
+            max_absorbed_tokens=max_absorbed_tokens,
         )
     else:
         if not isinstance(plan, PrefillPlan):
             raise TypeError(f"plan must be a PrefillPlan (mla_ops.plan_prefill), got {type(plan).__name__}")
         given = dict(workspace_size=(workspace_size, 65536), policy=(policy, "packed"),
                      split_alignment=(split_alignment, 1), max_chunks=(max_chunks, None),
-                     absorb_max_query_len=(absorb_max_query_len, None), max_absorbed_tokens=(max_absorbed_tokens, None))
+                     absorb_max_query_len=(absorb_max_query_len, None),
+                     max_absorbed_tokens=(max_absorbed_tokens, None))
         for name, (value, default) in given.items():
             if value != default:
                 raise ValueError(f"{name} is part of the plan: pass it to plan_prefill, not with plan= ({name}={value!r})")

@@ -306,7 +306,8 @@ def tile_shape(dtype: torch.dtype, interpreted: bool, num_heads: int, latent: in
         INTERPRETER_CONFIG if interpreted else CUDA_CONFIG_FP32 if dtype == torch.float32 else CUDA_CONFIG_16BIT
     )
     block_h = min(triton.next_power_of_2(num_heads), rows)
-    return rows // block_h, block_h, block_n, min(block_dv, max(16, triton.next_power_of_2(latent))), num_warps, num_stages
+    block_dv = min(block_dv, max(16, triton.next_power_of_2(latent)))
+    return rows // block_h, block_h, block_n, block_dv, num_warps, num_stages
 
 
 def latent_attention(q_lat, q_pe, kv_cache, block_table, query_start_loc, context_lens, softmax_scale, k_scale,

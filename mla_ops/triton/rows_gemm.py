@@ -154,7 +154,8 @@ def rows_gemm(a, w, c, loc, tokens=None, *, map_a: bool = False, map_c: bool = F
     with device_guard(a) as interpreted:
         if capacity == 0 or num_out == 0 or num_batch == 0:
             return
-        fp32_dot, (block_m, block_n, block_k, num_warps, num_stages) = config(a.dtype, interpreted, capacity, num_out, k)
+        fp32_dot, blocks = config(a.dtype, interpreted, capacity, num_out, k)
+        block_m, block_n, block_k, num_warps, num_stages = blocks
         if tokens is None:
             tokens = loc  # never read without a row map
         programs = persistent_programs(a, interpreted, PROGRAMS_PER_SM)

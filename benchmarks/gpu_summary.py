@@ -133,6 +133,10 @@ def fmt(value, spec=".3g") -> str:
     return "-" if value is None else format(value, spec) if isinstance(value, float) else str(value)
 
 
+def completion(report: dict) -> str:
+    return "Complete" if report["complete"] else "INCOMPLETE (cut short)"
+
+
 def markdown(summary: dict) -> str:
     lines = ["# GPU check summary", ""]
     if summary["dry_run"]:
@@ -153,12 +157,12 @@ def markdown(summary: dict) -> str:
             lines.append(f"| {step} | {t['PASSED']} | {t['FAILED']} | {t['SKIPPED']} | {t['ERROR']} |")
     failed = [name for t in summary["tests"].values() if t for name in t["failed_tests"]]
     lines += [f"* failed: `{name}`" for name in failed]
-    kernels = summary.get("kernels")
+    kernels, absorbed, device_path = (summary.get(k) for k in ("kernels", "absorbed", "device_path"))
     lines += ["", "## Context pipeline (kernel_bench): best of eager / graph replay", ""]
     if kernels is None:
         lines.append("No report.")
     else:
-        lines += [f"{'Complete' if kernels['complete'] else 'INCOMPLETE (cut short)'}; roofline: "
+        lines += [f"{completion(kernels)}; roofline: "
                   f"{fmt(kernels['roofline'].get('matmul_tflops'))} TFLOP/s matmul, "
                   f"{fmt(kernels['roofline'].get('copy_gbps'))} GB/s copy.", "",
                   "| mix | W | chunks p / w / b | packed ms | batch-column / packed | whole / packed "
@@ -170,12 +174,11 @@ def markdown(summary: dict) -> str:
                          f"{fmt(m.get('batch_column_over_packed'))} | {fmt(m.get('whole_requests_over_packed'))} | "
                          f"{fmt(m.get('graph_speedup'))} | {fmt(m.get('tflops'), '.1f')} | "
                          f"{fmt(m.get('roofline_fraction'), '.1%')} |")
-    absorbed = summary.get("absorbed")
     lines += ["", "## Absorbed vs chunked MHA (absorbed_bench)", ""]
     if absorbed is None:
         lines.append("No report.")
     else:
-        lines += [f"{'Complete' if absorbed['complete'] else 'INCOMPLETE (cut short)'}; suggested "
+        lines += [f"{completion(absorbed)}; suggested "
                   f"absorb_max_query_len: {fmt(absorbed['suggested'])} (cost model: {absorbed['cost_model']}).", "",
                   "| context | query | MHA ms | absorbed ms | MHA / absorbed | Triton / FlashMLA |",
                   "| ---: | ---: | ---: | --- | ---: | ---: |"]
@@ -184,12 +187,11 @@ def markdown(summary: dict) -> str:
             lines.append(f"| {p['context_len']} | {fmt(p['query_len'] if p['query_len'] is not None else 'mixed')} | "
                          f"{fmt(p['mha_ms'])} | {times} | {fmt(p.get('mha_over_absorbed'))} | "
                          f"{fmt(p.get('triton_over_flashmla'))} |")
-    device_path = summary.get("device_path")
     lines += ["", "## Device path: K static chunk iterations vs the host plan (device_path_bench)", ""]
     if device_path is None:
         lines.append("No report.")
     else:
-        lines += [f"{'Complete' if device_path['complete'] else 'INCOMPLETE (cut short)'}.", "",
+        lines += [f"{completion(device_path)}.", "",
                   "| mix | ratio | value |", "| --- | --- | ---: |"]
         lines += [f"| {mix} | {key} | {fmt(value)} |" for mix, entry in device_path["ratios"].items()
                   for key, value in entry.items()]

@@ -69,7 +69,7 @@ class FlashMLAGroup:
 
 def flashmla_runner(x, lens: torch.Tensor, query_lens):
     """fn(out, lse): the absorbed partial by FlashMLA, one call per query-length group (module doc)."""
-    from mla_ops import flashmla
+    from mla_ops.ops import flashmla
 
     device = x["q"].device
     qsl = np.concatenate([[0], np.cumsum(query_lens)])
@@ -110,7 +110,7 @@ def absorbed_runners(device):
 
     runners = {"absorbed_triton" if device.type == "cuda" else "absorbed_torch": op}
     if device.type == "cuda":
-        from mla_ops import flashmla
+        from mla_ops.ops import flashmla
 
         ok, reason = flashmla.available()
         if ok:
@@ -157,7 +157,7 @@ def run(args) -> dict:
         device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
         dtype=str(dtype), dims=dict(N=HEADS, L=LATENT, P=NOPE, R=ROPE, V=VALUE), workspace_size=WORKSPACE,
         long=args.long, implementations=list(runners),
-        cost_model_threshold=mla_ops.routing.cost_model_threshold(LATENT, NOPE, ROPE, VALUE),
+        cost_model_threshold=mla_ops.planning.routing.cost_model_threshold(LATENT, NOPE, ROPE, VALUE),
     ), dry_run=args.dry_run)
     configs = [([c] * batch, [q] * batch) for c in context_sweep for q in query_lens_sweep]
     configs.append(([context_sweep[len(context_sweep) // 2]] * len(mixed), mixed))

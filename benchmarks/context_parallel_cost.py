@@ -39,7 +39,8 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `mla_ops
 
 import mla_ops  # noqa: E402
 from benchmarks.trace_replay import DEFAULT_TRACE, load_trace, simulate  # noqa: E402
-from mla_ops import context_parallel  # noqa: E402
+from mla_ops import parallel  # noqa: E402
+from mla_ops.parallel import plan as cp_planning  # noqa: E402
 
 STRATEGIES = ("all_gather", "absorbed", "routed")
 
@@ -52,10 +53,11 @@ def planned_bytes(context_lens, query_lens, world_size: int, threshold: int | No
     needed to plan; the reorder index, which does not change the bytes, is left out).
     """
     config = mla_ops.ContextParallel(cost_model=model)
-    args = context_parallel._Args(0, world_size, 1, workspace_size, workspace_size // world_size, 1, threshold, config)
-    absorbed, gathered, starts, lens, schedule = context_parallel._host_schedule(context_lens, query_lens, "packed",
+    args = cp_planning._Stripes(0, world_size, 1, workspace_size, workspace_size // world_size, 1, threshold, None,
+                                 config)
+    absorbed, gathered, starts, lens, schedule = cp_planning._host_schedule(context_lens, query_lens, "packed",
                                                                                  args)
-    pieces = context_parallel._chunk_pieces(torch.from_numpy(starts), torch.from_numpy(lens),
+    pieces = cp_planning._chunk_pieces(torch.from_numpy(starts), torch.from_numpy(lens),
                                             torch.from_numpy(gathered), args)
     part_rows = int(pieces.local_cu_seq_lens[..., -1].amax(0).sum())  # each chunk's parts: its largest share
     row = (model.latent + model.rope) * model.activation_bytes
@@ -149,14 +151,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--plot", help="where to write a PNG summary")
     parser.add_argument("--world-sizes", default="2,4,8")
     parser.add_argument("--workspace-size", type=int, default=65536)
-    parser.add_argument("--flops-per-byte", type=float, default=context_parallel.CostModel.flops_per_byte)
+    parser.add_argument("--flops-per-byte", type=float, default=parallel.CostModel.flops_per_byte)
     parser.add_argument("--limit", type=int, help="replay only the first N requests")
     parser.add_argument("--modeled-only", action="store_true", help="skip running the host planner per step")
     args = parser.parse_args(argv)
 
     trace = Path(args.trace) if args.trace else DEFAULT_TRACE
     worlds = [int(d) for d in args.world_sizes.split(",")]
-    model = context_parallel.CostModel(flops_per_byte=args.flops_per_byte)
+    model = parallel.CostModel(flops_per_byte=args.flops_per_byte)
     start = time.perf_counter()
     steps = [(np.asarray(s.context_lens, dtype=np.int64), np.asarray(s.query_lens, dtype=np.int64))
              for s in simulate(load_trace(trace, args.limit))]

@@ -46,9 +46,9 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `mla_ops
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.trace_replay import DEFAULT_TRACE, load_trace, repo_path, simulate  # noqa: E402
-from mla_ops.device_schedule import plan_device_reference  # noqa: E402
-from mla_ops.plan import device_absorbed_capacity  # noqa: E402
-from mla_ops.routing import DEFAULT_ABSORB_MAX_QUERY_LEN, route_context  # noqa: E402
+from mla_ops.planning.device_schedule import device_plan_tensors  # noqa: E402
+from mla_ops.planning.options import PlanOptions  # noqa: E402
+from mla_ops.planning.routing import DEFAULT_ABSORB_MAX_QUERY_LEN, route_context  # noqa: E402
 from mla_ops.triton import absorbed, attention, gather, rows_gemm  # noqa: E402
 
 H200_SMS = 132
@@ -60,7 +60,7 @@ CHUNK_OPS = tuple(MODULES)
 ABSORBED_MODULES = {"absorbed_fold": rows_gemm, "absorbed_attention": absorbed, "absorbed_unfold": rows_gemm}
 ABSORBED_OPS = tuple(ABSORBED_MODULES)
 OPS = CHUNK_OPS + ABSORBED_OPS
-CAPACITY = device_absorbed_capacity(WORKSPACE, None)
+CAPACITY = PlanOptions(workspace_size=WORKSPACE, max_chunks=1).absorbed_capacity
 UNLIMITED = math.inf  # one program per tile
 
 
@@ -99,13 +99,13 @@ def absorbed_launches(query_lens: list[int], absorbed_lens: list[int], sms: floa
     block_m, block_h, _, block_dv, _, _ = absorbed.tile_shape(torch.bfloat16, False, HEADS, LATENT)
     num_requests = len(query_lens)
     gemm_programs = rows_gemm.PROGRAMS_PER_SM * sms
-    attn_items = absorbed.items(CAPACITY, num_requests, HEADS, LATENT, block_m, block_h, block_dv)
+    attn_items = absorbed.work_items(CAPACITY, num_requests, HEADS, LATENT, block_m, block_h, block_dv)
     return {
         "absorbed_fold": (rows_gemm.grid(CAPACITY, LATENT, gemm_m, gemm_n, gemm_programs, HEADS)[0],
                           rows_gemm.tiles(rows, LATENT, gemm_m, gemm_n, HEADS)),
         "absorbed_attention": (  # the kernel walks nothing without packed rows
             min(attn_items, absorbed.PROGRAMS_PER_SM * sms),
-            absorbed.items(rows, num_requests, HEADS, LATENT, block_m, block_h, block_dv) if rows else 0,
+            absorbed.work_items(rows, num_requests, HEADS, LATENT, block_m, block_h, block_dv) if rows else 0,
         ),
         "absorbed_unfold": (rows_gemm.grid(CAPACITY, VALUE, gemm_m, gemm_n, gemm_programs, HEADS)[0],
                             rows_gemm.tiles(rows, VALUE, gemm_m, gemm_n, HEADS)),
@@ -123,7 +123,7 @@ def add(work: dict, now: dict, before: dict, ops) -> None:
 def step_work(context_lens: list[int], query_lens: list[int], max_chunks: int) -> dict:
     """Programs (persistent and one per tile) and tiles per op over the K iterations of one step."""
     mha_lens, absorbed_lens = route_context(context_lens, query_lens, DEFAULT_ABSORB_MAX_QUERY_LEN, CAPACITY)
-    _, _, cu_seq_lens, num_chunks = plan_device_reference(
+    _, _, cu_seq_lens, num_chunks = device_plan_tensors(
         torch.tensor(mha_lens, dtype=torch.int32), WORKSPACE, max_chunks
     )
     work = {op: {"programs": 0, "idle_programs": 0, "one_program_per_tile": 0, "tiles": 0} for op in OPS}

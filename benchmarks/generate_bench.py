@@ -23,7 +23,7 @@ import json
 import torch
 
 import mla_ops
-from mla_ops.config import MLAConfig
+from mla_ops.models.config import MLAConfig
 
 CONFIG = dict(
     hidden_size=256, num_attention_heads=4, q_lora_rank=None, kv_lora_rank=64, qk_nope_head_dim=32,

@@ -46,7 +46,7 @@ def environment() -> dict:
     if torch.cuda.is_available():
         env["device"] = torch.cuda.get_device_name()
         env["capability"] = "sm_%d%d" % torch.cuda.get_device_capability()
-    from mla_ops import flashmla
+    from mla_ops.ops import flashmla
 
     env["flash_mla_installed"] = importlib.util.find_spec("flash_mla") is not None
     env["flashmla_available"], env["flashmla_reason"] = flashmla.available()

@@ -36,8 +36,8 @@ import mla_ops  # noqa: E402
 from benchmarks.report import Report, output_path  # noqa: E402
 
 # V2-Lite attention dims, 2 dense layers: the step's launch pattern is what is measured, not MoE.
-V2_LITE_2_LAYERS = dict(mla_ops.layer.mla_configs["deepseek-v2-lite"], num_hidden_layers=2, n_routed_experts=None)
-TINY = dict(mla_ops.layer.mla_configs["tiny"], num_hidden_layers=1)  # the dry run: quick to trace
+V2_LITE_2_LAYERS = dict(mla_ops.models.config.mla_configs["deepseek-v2-lite"], num_hidden_layers=2, n_routed_experts=None)
+TINY = dict(mla_ops.models.config.mla_configs["tiny"], num_hidden_layers=1)  # the dry run: quick to trace
 
 
 def steps(dry_run: bool, long: bool):

@@ -25,8 +25,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from mla_ops.config import MLAConfig
-from mla_ops.moe import MoE
+from mla_ops.models.config import MLAConfig
+from mla_ops.models.moe import MoE
 
 CASES = [  # E, k, H, I
     (8, 2, 64, 32),  # the tests' tiny models

@@ -232,7 +232,7 @@ def routing_summary(batches, thresholds: Sequence[int], workspace_size: int) -> 
     for threshold in thresholds:
         mha = routed = absorbed_tokens = mha_tokens = chunks = 0
         for context_lens, query_lens in batches:
-            f = mla_ops.routing.modeled_flops(context_lens, query_lens, absorb_max_query_len=threshold, **MLA_DIMS)
+            f = mla_ops.planning.routing.modeled_flops(context_lens, query_lens, absorb_max_query_len=threshold, **MLA_DIMS)
             mha += f["mha_only"]
             routed += f["routed"]
             absorbed_tokens += f["absorbed_context_tokens"]

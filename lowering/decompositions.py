@@ -12,13 +12,13 @@ from __future__ import annotations
 import torch
 import torch._inductor.decomposition as inductor_decomposition
 
-from mla_ops.device_schedule import plan_device_reference
-from mla_ops.merge import merge_states_reference
+from mla_ops.ops.merge import merge_states_reference
+from mla_ops.planning.device_schedule import device_plan_tensors
 
 # op -> the function Inductor traces in its place. Its sources are part of the compile-cache key.
 DECOMPOSITIONS = {
     torch.ops.mla_ops.merge_attn_states.default: merge_states_reference,
-    torch.ops.mla_ops.plan_context_chunks_device.default: plan_device_reference,
+    torch.ops.mla_ops.plan_context_chunks_device.default: device_plan_tensors,
 }
 
 

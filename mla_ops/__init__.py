@@ -8,20 +8,21 @@ from ._source_tree import alias_lowering
 
 alias_lowering(__path__)
 
-from . import absorbed, backends, context_attention, gather, suffix_attention, up_projection  # noqa: F401  (ops)
-from .cache import write_latent_cache
-from .context_parallel import ContextParallel, shard_context
-from .device_schedule import DeviceSchedule, plan_context_chunks_device
-from .graphs import PrefillGraphs
-from .generation import Generator, generate
-from .layer import MLAAttention, MLAConfig, MLAForCausalLM, MLAModel
-from .merge import merge_attn_states
-from .plan import PrefillPlan, plan_prefill
-from .prefill import mla_prefill, run_prefill
-from . import routing
-from .routing import route_context
-from .schedule import ContextChunk, ContextSchedule, plan_context_chunks
-from .validation import set_debug
+from . import ops  # noqa: E402,F401  (registers every op)
+from ._checks import set_debug  # noqa: E402
+from .models import MLAAttention, MLAConfig, MLAForCausalLM, MLAModel  # noqa: E402
+from .ops.cache import write_latent_cache  # noqa: E402
+from .ops.merge import merge_attn_states  # noqa: E402
+from .parallel import ContextParallel, CostModel, shard_context  # noqa: E402
+from .planning import routing  # noqa: E402,F401
+from .planning.device_schedule import DeviceSchedule, plan_context_chunks_device  # noqa: E402
+from .planning.options import PlanOptions  # noqa: E402
+from .planning.plan import PrefillPlan  # noqa: E402
+from .planning.routing import route_context  # noqa: E402
+from .planning.schedule import ContextChunk, ContextSchedule, plan_context_chunks  # noqa: E402
+from .prefill import mla_prefill, plan_prefill, run_prefill  # noqa: E402
+from .serving import Generator, PrefillGraphs, generate  # noqa: E402
+
 
 
 def enable() -> dict:
@@ -42,6 +43,7 @@ __all__ = [
     "ContextChunk",
     "ContextParallel",
     "ContextSchedule",
+    "CostModel",
     "DeviceSchedule",
     "MLAAttention",
     "MLAConfig",
@@ -54,6 +56,7 @@ __all__ = [
     "plan_context_chunks",
     "plan_context_chunks_device",
     "plan_prefill",
+    "PlanOptions",
     "PrefillGraphs",
     "PrefillPlan",
     "route_context",

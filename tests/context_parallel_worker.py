@@ -159,11 +159,11 @@ def rank_inputs(b, rank: int):
 
 def run_rank(case: Case, b, rank: int, world: int, cache, table, check=None):
     q, weight, _ = rank_inputs(b, rank)
-    cp = mla_ops.ContextParallel(interleave=case.interleave, max_absorbed_tokens=case.max_absorbed_tokens,
-                                 check=check)
+    cp = mla_ops.ContextParallel(interleave=case.interleave, check=check)
     plan = mla_ops.plan_prefill(b["qsl"], b["ctx"], table, BLOCK_SIZE, workspace_size=case.workspace_size,
                                 policy=case.policy, max_chunks=case.max_chunks,
-                                absorb_max_query_len=case.absorb_max_query_len, context_parallel=cp)
+                                absorb_max_query_len=case.absorb_max_query_len,
+                                max_absorbed_tokens=case.max_absorbed_tokens, context_parallel=cp)
     out = mla_ops.run_prefill(q, b["kv_c"], b["k_pe"], cache, weight, b["scale"], plan, k_scale=b["k_scale"])
     return plan, out
 
@@ -235,12 +235,12 @@ def check_compiled(rank: int, world: int, backend: str) -> dict:
     b = make_batch(case, world)
     cache, table = shuffled_shard(b, rank, world, case.interleave, case.seed)
     q, weight, heads = rank_inputs(b, rank)
-    cp = mla_ops.ContextParallel(max_absorbed_tokens=case.max_absorbed_tokens, check=True)
+    cp = mla_ops.ContextParallel(check=True)
 
     def step(q, kv_c, k_pe, cache, weight, qsl, ctx, table):
         plan = mla_ops.plan_prefill(qsl, ctx, table, BLOCK_SIZE, workspace_size=case.workspace_size,
                                     max_chunks=case.max_chunks, absorb_max_query_len=case.absorb_max_query_len,
-                                    context_parallel=cp)
+                                    max_absorbed_tokens=case.max_absorbed_tokens, context_parallel=cp)
         return mla_ops.run_prefill(q, kv_c, k_pe, cache, weight, b["scale"], plan)
 
     args = (q, b["kv_c"], b["k_pe"], cache, weight, b["qsl"], b["ctx"], table)

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import mla_ops  # noqa: F401  (registers the other ops)
-from mla_ops import absorbed, flashmla
+from mla_ops._mla import MLADims
+from mla_ops.ops import absorbed, flashmla
 
 ops = torch.ops.mla_ops
 FP8 = torch.float8_e4m3fn
@@ -80,7 +81,7 @@ def make_batch(context_lens, query_lens, *, block_size, num_heads, latent, rope,
 def dense_mha_partial(batch: Batch):
     """float64 (out [T, N, V], lse [N, T]) by the MHA formula: up-projected keys, one softmax per request."""
     q, cache, w = batch.q.double(), batch.kv_cache, batch.weight.double()
-    num_heads, latent, nope, rope, value = absorbed.absorbed_dims(batch.q, cache, batch.weight)
+    num_heads, latent, nope, rope, value = MLADims.from_shapes(batch.q, cache, batch.weight)
     out = torch.zeros(q.shape[0], num_heads, value, dtype=torch.float64)
     lse = torch.full((num_heads, q.shape[0]), -math.inf, dtype=torch.float64)
     qsl, ctx = batch.query_start_loc.tolist(), batch.context_lens.tolist()
@@ -100,7 +101,7 @@ def dense_mha_partial(batch: Batch):
 
 def mha_path_partial(batch: Batch, value_dim: int):
     """The library's MHA context partial over all of each request's context (one chunk)."""
-    num_heads, latent, nope, _, _ = absorbed.absorbed_dims(batch.q, batch.kv_cache, batch.weight)
+    num_heads, latent, nope, _, _ = MLADims.from_shapes(batch.q, batch.kv_cache, batch.weight)
     ctx = batch.context_lens
     cu = torch.cat([ctx.new_zeros(1), ctx.cumsum(0).to(torch.int32)])
     starts = torch.zeros_like(ctx)

@@ -131,11 +131,11 @@ class PinnedGraphs(expecttest.TestCase if expecttest else unittest.TestCase):
         (gm,) = backend.fw_graphs
         assert get_first_incompatible_cudagraph_node(gm) is None  # capture-safe, checked without a GPU
         self.assertExpectedInline(graph_text(gm), """\
-def forward(self, arg0_1: "Sym(s85)", arg1_1: "f32[s85, 2, 10]", arg2_1: "Sym(s37)", arg3_1: "i32[s37, 20]", arg4_1: "i32[s37 + 1]", arg5_1: "i32[s37]", arg6_1: "f32[40, 4, 16]", arg7_1: "Sym(s43)", arg8_1: "Sym(1)", arg9_1: "f32[s85, 12]", arg10_1: "f32[s85, 4]", arg11_1: "f32[22, 12]"):
+def forward(self, arg0_1: "Sym(s85)", arg1_1: "f32[s85, 2, 10]", arg2_1: "Sym(s37)", arg3_1: "i32[s37, 20]", arg4_1: "i32[s37 + 1]", arg5_1: "i32[s37]", arg6_1: "f32[40, 4, 16]", arg7_1: "Sym(1)", arg8_1: "Sym(s43)", arg9_1: "f32[s85, 12]", arg10_1: "f32[s85, 4]", arg11_1: "f32[22, 12]"):
     slice_1: "i32[s37]" = torch.ops.aten.slice.Tensor(arg4_1, 0, 1, 9223372036854775807)
     slice_2: "i32[s37]" = torch.ops.aten.slice.Tensor(arg4_1, 0, 0, -1)
     sub_2: "i32[s37]" = torch.ops.aten.sub.Tensor(slice_1, slice_2);  slice_1 = slice_2 = None
-    le: "b8[s37]" = torch.ops.aten.le.Scalar(sub_2, arg7_1);  arg7_1 = None
+    le: "b8[s37]" = torch.ops.aten.le.Scalar(sub_2, arg8_1);  arg8_1 = None
     gt: "b8[s37]" = torch.ops.aten.gt.Scalar(arg5_1, 0)
     bitwise_and: "b8[s37]" = torch.ops.aten.bitwise_and.Tensor(le, gt);  le = gt = None
     scalar_tensor: "i32[]" = torch.ops.aten.scalar_tensor.default(0, dtype = torch.int32, layout = torch.strided, device = device(type='cpu'))
@@ -174,15 +174,15 @@ def forward(self, arg0_1: "Sym(s85)", arg1_1: "f32[s85, 2, 10]", arg2_1: "Sym(s3
     select: "i32[s37 + 1]" = torch.ops.aten.select.int(getitem_2, 0, 0);  getitem_2 = None
     select_1: "i32[s37]" = torch.ops.aten.select.int(getitem, 0, 0);  getitem = None
     auto_functionalized_v2_2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.mla_ops.gather_context.default, kv_cache = arg6_1, block_table = arg3_1, cu_seq_lens = select, starts = select_1, k_scale = None, _workspace_base_index = 0, _all_bases = [new_empty_2]);  arg6_1 = arg3_1 = new_empty_2 = None
-    getitem_17: "f32[16, 16]" = auto_functionalized_v2_2[1];  auto_functionalized_v2_2 = None
-    split_with_sizes_3 = torch.ops.aten.split_with_sizes.default(getitem_17, [12, 4], 1)
+    getitem_15: "f32[16, 16]" = auto_functionalized_v2_2[1];  auto_functionalized_v2_2 = None
+    split_with_sizes_3 = torch.ops.aten.split_with_sizes.default(getitem_15, [12, 4], 1)
     getitem_18: "f32[16, 12]" = split_with_sizes_3[0];  split_with_sizes_3 = None
     auto_functionalized_v2_3 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.mla_ops.up_project.default, latent = getitem_18, kv_b_proj_weight = arg11_1, cu_seq_lens = select, _out_base_index = 0, _all_bases = [new_empty_3]);  getitem_18 = arg11_1 = new_empty_3 = None
     getitem_21: "f32[16, 22]" = auto_functionalized_v2_3[1];  auto_functionalized_v2_3 = None
     view_2: "f32[16, 2, 11]" = torch.ops.aten.view.default(getitem_21, [-1, 2, 11])
     split_with_sizes_4 = torch.ops.aten.split_with_sizes.default(view_2, [6, 5], -1);  view_2 = None
     getitem_22: "f32[16, 2, 6]" = split_with_sizes_4[0];  split_with_sizes_4 = None
-    split_with_sizes_5 = torch.ops.aten.split_with_sizes.default(getitem_17, [12, 4], 1);  getitem_17 = None
+    split_with_sizes_5 = torch.ops.aten.split_with_sizes.default(getitem_15, [12, 4], 1);  getitem_15 = None
     getitem_25: "f32[16, 4]" = split_with_sizes_5[1];  split_with_sizes_5 = None
     view_3: "f32[16, 2, 11]" = torch.ops.aten.view.default(getitem_21, [-1, 2, 11]);  getitem_21 = None
     split_with_sizes_6 = torch.ops.aten.split_with_sizes.default(view_3, [6, 5], -1);  view_3 = None
@@ -352,7 +352,7 @@ def test_the_device_planner_runs_once_per_step_whatever_the_layer_count():
     def generated(layers):
         torch._dynamo.reset()
         torch.manual_seed(0)
-        config = mla_ops.MLAConfig(**{**mla_ops.layer.mla_configs["tiny"], "num_hidden_layers": layers})
+        config = mla_ops.MLAConfig(**{**mla_ops.models.config.mla_configs["tiny"], "num_hidden_layers": layers})
         model = mla_ops.MLAModel(config).eval()
         ids, positions, slots, table, qsl, lens = model_step(config, [5, 0, 13], [3, 2, 4], seed=0)
         caches = model.allocate_kv_caches(64, 4)
@@ -372,7 +372,7 @@ def test_the_device_planner_runs_once_per_step_whatever_the_layer_count():
 CACHE_SCRIPT = """
 import os, sys, torch
 import mla_ops, mla_ops.lowering.decompositions as decompositions
-from mla_ops.merge import merge_states_reference
+from mla_ops.ops.merge import merge_states_reference
 
 if os.environ.get("PATCH_LOWERING"):
     def doubled_merge(*args):  # a "changed lowering": same op, different code

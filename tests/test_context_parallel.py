@@ -25,8 +25,8 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 import mla_ops
-from mla_ops import absorbed, context_parallel
-from mla_ops.latent_attention import latent_attention_reference
+from mla_ops import _mla, parallel
+from mla_ops.ops.absorbed import latent_attention_reference
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "context_parallel_worker.py")
 FP8 = torch.float8_e4m3fn
@@ -170,8 +170,8 @@ def test_shard_context_follows_the_vllm_layout(world, interleave, dtype):
         local_cache, local_table = mla_ops.shard_context(cache, table, ctx, rank=rank, world_size=world,
                                                          interleave=interleave)
         assert local_cache.dtype == dtype and local_table.dtype == torch.int32
-        lens = context_parallel.local_context_lens(ctx, rank, world, interleave)
-        assert torch.equal(lens, torch.tensor(context_parallel.local_context_lens(np.array(contexts), rank, world,
+        lens = parallel.local_context_lens(ctx, rank, world, interleave)
+        assert torch.equal(lens, torch.tensor(parallel.local_context_lens(np.array(contexts), rank, world,
                                                                                   interleave), dtype=torch.int32))
         for r, c in enumerate(contexts):
             owned = [p for p in range(c) if (p // interleave) % world == rank]
@@ -199,7 +199,7 @@ def test_shard_context_rejects_bad_arguments():
 
 
 def test_cost_model_bytes_and_flops_follow_the_documented_formulas():
-    model = context_parallel.CostModel()  # DeepSeek-V3: 128 heads, L=512, P=128, R=64, V=128, bf16, fp32 partials
+    model = parallel.CostModel()  # DeepSeek-V3: 128 heads, L=512, P=128, R=64, V=128, bf16, fp32 partials
     k = model.path_costs(np.array([1000]), np.array([10]), 8)  # 16 heads per rank
     assert k["all_gather_bytes"][0] == 1000 * 7 / 8 * 576 * 2
     assert k["absorbed_bytes"][0] == 10 * 16 * 7 * (576 * 2 + 513 * 4)
@@ -210,7 +210,7 @@ def test_cost_model_bytes_and_flops_follow_the_documented_formulas():
 
 
 def test_cost_model_routes_by_queries_and_context_on_host_and_device():
-    model = context_parallel.CostModel()
+    model = parallel.CostModel()
     ctx = np.array([100_000, 100_000, 50, 4096, 0])
     queries = np.array([1, 4096, 1, 64, 8])
     host = model.prefers_absorbed(ctx, queries, 8)
@@ -249,14 +249,14 @@ def test_latent_attention_is_the_absorbed_op_without_fold_and_unfold(fp8_scale):
     lse = torch.full((heads, 10), NAN, dtype=torch.float64)
     torch.ops.mla_ops.absorbed_context_attention(q, cache, table, qsl, ctx, weight, scale, k_scale, out, lse)
 
-    w_uk, w_uv = absorbed.split_kv_b_proj(weight, heads, nope)
-    q_abs = torch.cat([absorbed.fold_queries(q, w_uk, q.dtype).transpose(0, 1), q[..., nope:]], dim=-1)
+    w_uk, w_uv = _mla.split_kv_b_proj(weight, heads, nope)
+    q_abs = torch.cat([_mla.fold_queries(q, w_uk, q.dtype).transpose(0, 1), q[..., nope:]], dim=-1)
     o_lat = torch.full((10, heads, latent), NAN, dtype=torch.float64)
     lat_lse = torch.full((heads, 10), NAN, dtype=torch.float64)
     torch.ops.mla_ops.latent_context_attention(q_abs, cache, table, qsl, ctx, scale, k_scale, o_lat, lat_lse)
     written = torch.repeat_interleave(ctx > 0, (qsl[1:] - qsl[:-1]).long())
     assert torch.isnan(o_lat[~written]).all() and torch.isnan(lat_lse[:, ~written]).all(), "rows without context"
-    unfolded = absorbed.unfold_outputs(o_lat.transpose(0, 1), w_uv).transpose(0, 1)
+    unfolded = _mla.unfold_outputs(o_lat.transpose(0, 1), w_uv).transpose(0, 1)
     torch.testing.assert_close(unfolded[written], out[written], rtol=0, atol=1e-12)
     torch.testing.assert_close(lat_lse[:, written], lse[:, written], rtol=0, atol=1e-12)
 
@@ -266,7 +266,7 @@ def test_latent_attention_merges_key_blocks(monkeypatch):
     q_abs = torch.randn(10, heads, cache.shape[2], dtype=torch.float64)
     whole = [torch.zeros(10, heads, latent, dtype=torch.float64), torch.zeros(heads, 10, dtype=torch.float64)]
     latent_attention_reference(q_abs, cache, table, qsl, ctx, scale, None, *whole)
-    monkeypatch.setattr(mla_ops.absorbed, "KEY_BLOCK", 7)  # 40 rows -> 6 merged blocks
+    monkeypatch.setattr(mla_ops.ops.absorbed, "KEY_BLOCK", 7)  # 40 rows -> 6 merged blocks
     blocks = [torch.zeros_like(whole[0]), torch.zeros_like(whole[1])]
     latent_attention_reference(q_abs, cache, table, qsl, ctx, scale, None, *blocks)
     torch.testing.assert_close(blocks, whole, rtol=0, atol=1e-12)
@@ -317,18 +317,19 @@ def test_one_rank_equals_single_device(world_of_one, absorb_max_query_len, max_c
     b = prefill_batch()
     expect = mla_ops.mla_prefill(b["q"], b["kv_c"], b["k_pe"], b["cache"], b["table"], b["qsl"], b["ctx"],
                                  b["weight"], b["scale"], workspace_size=8, absorb_max_query_len=0)
-    cp = mla_ops.ContextParallel(interleave=2, max_absorbed_tokens=16)
+    cp = mla_ops.ContextParallel(interleave=2)
     plan = mla_ops.plan_prefill(b["qsl"], b["ctx"], b["table"], 4, workspace_size=8, max_chunks=max_chunks,
-                                absorb_max_query_len=absorb_max_query_len, context_parallel=cp)
+                                absorb_max_query_len=absorb_max_query_len, max_absorbed_tokens=16,
+                                context_parallel=cp)
     out = mla_ops.run_prefill(b["q"], b["kv_c"], b["k_pe"], b["cache"], b["weight"], b["scale"], plan)
     torch.testing.assert_close(out, expect, rtol=0, atol=1e-12)
 
 
 def test_plan_is_a_pytree_with_static_config(world_of_one):
     b = prefill_batch()
-    cp = mla_ops.ContextParallel(max_absorbed_tokens=4, check=True)
+    cp = mla_ops.ContextParallel(check=True)
     plan = mla_ops.plan_prefill(b["qsl"], b["ctx"], b["table"], 4, workspace_size=8, max_chunks=4,
-                                absorb_max_query_len=2, context_parallel=cp)
+                                absorb_max_query_len=2, max_absorbed_tokens=4, context_parallel=cp)
     leaves, spec = pytree.tree_flatten(plan)
     assert all(isinstance(x, torch.Tensor) or x is None for x in leaves)  # the config is no leaf
     again = pytree.tree_unflatten(leaves, spec)
@@ -365,7 +366,7 @@ def test_planning_errors_name_the_argument(world_of_one):
     with pytest.raises(ValueError, match="interleave must be a positive int"):
         mla_ops.ContextParallel(interleave=0)
     with pytest.raises(ValueError, match="max_absorbed_tokens must be an int >= 0"):
-        mla_ops.ContextParallel(max_absorbed_tokens=-1)
+        plan(max_absorbed_tokens=-1, context_parallel=mla_ops.ContextParallel())
     with pytest.raises(TypeError, match="check must be True, False or None"):
         mla_ops.ContextParallel(check="yes")
 
@@ -410,8 +411,8 @@ def test_cuda_one_rank_equals_single_device(world_of_one, max_chunks):
     b = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in prefill_batch(dtype=torch.float32).items()}
     expect = mla_ops.mla_prefill(b["q"], b["kv_c"], b["k_pe"], b["cache"], b["table"], b["qsl"], b["ctx"],
                                  b["weight"], b["scale"], workspace_size=8, absorb_max_query_len=0)
-    cp = mla_ops.ContextParallel(interleave=2, max_absorbed_tokens=16, check=True)
+    cp = mla_ops.ContextParallel(interleave=2, check=True)
     plan = mla_ops.plan_prefill(b["qsl"], b["ctx"], b["table"], 4, workspace_size=8, max_chunks=max_chunks,
-                                absorb_max_query_len=2, context_parallel=cp)
+                                absorb_max_query_len=2, max_absorbed_tokens=16, context_parallel=cp)
     out = mla_ops.run_prefill(b["q"], b["kv_c"], b["k_pe"], b["cache"], b["weight"], b["scale"], plan)
     torch.testing.assert_close(out, expect, rtol=1e-4, atol=1e-4)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import mla_ops
-from mla_ops.backends import REFERENCE
+from mla_ops.ops.backends import REFERENCE
 
 pytestmark = [
     pytest.mark.cuda,
@@ -167,7 +167,7 @@ def test_absorbed_kernel_on_packed_routed_tokens(num_programs, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_flashmla_adapter_against_reference(dtype):
-    from mla_ops import flashmla
+    from mla_ops.ops import flashmla
 
     ok, reason = flashmla.available()
     if not ok:
@@ -389,14 +389,14 @@ def test_cuda_graph_runner_warmup_captures_every_bucket_in_one_pool():
 @pytest.mark.parametrize("num_programs", [3, None])  # forced tiny grids (long stride loops), then the SM count
 def test_persistent_kernels_over_every_chunk_of_a_device_schedule(num_programs, monkeypatch):
     """Gather, up-projection and context attention on each chunk, the empty ones past the count included."""
-    from mla_ops.device_schedule import plan_device_reference
+    from mla_ops.planning.device_schedule import device_plan_tensors
     from mla_ops.triton import _common
 
     monkeypatch.setattr(_common, "PROGRAMS_OVERRIDE", num_programs)
     g = torch.Generator(device=DEVICE).manual_seed(4)
     context_lens = torch.tensor([0, 700, 3000, 0, 90, 0], dtype=torch.int32)
     capacity, max_chunks, heads = 1024, 6, 8
-    starts_k, _, cu_k, num_chunks = (t.to(DEVICE) for t in plan_device_reference(context_lens, capacity, max_chunks))
+    starts_k, _, cu_k, num_chunks = (t.to(DEVICE) for t in device_plan_tensors(context_lens, capacity, max_chunks))
     assert int(num_chunks) < max_chunks
     cache = torch.randn(400, 16, 576, generator=g, device=DEVICE).to(torch.bfloat16)
     table = torch.randperm(400, generator=g, device=DEVICE)[:6 * 60].view(6, 60).to(torch.int32)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import mla_ops
-from mla_ops.config import MLAConfig
-from mla_ops.paged_cache import BlockManager, block_hashes, chain_hash
+from mla_ops.models.config import MLAConfig
+from mla_ops.serving.paged_cache import BlockManager, block_hashes, chain_hash
 
 
 def test_block_names_chain_their_prefix():

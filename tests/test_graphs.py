@@ -15,7 +15,7 @@ from torch._dynamo.utils import counters
 
 import mla_ops
 from mla_batches import model_step
-from mla_ops.graphs import Variant
+from mla_ops.serving.buckets import Bucket
 from test_layer import spread_weights
 
 BLOCK_SIZE, WORKSPACE, ABSORB, MAX_BLOCKS = 4, 8, 2, 12
@@ -25,7 +25,7 @@ NUM_BLOCKS = 128
 
 
 def make_model(dtype=torch.float64, layers=2):
-    config = mla_ops.MLAConfig(**{**mla_ops.layer.mla_configs["tiny"], "num_hidden_layers": layers})
+    config = mla_ops.MLAConfig(**{**mla_ops.models.config.mla_configs["tiny"], "num_hidden_layers": layers})
     return spread_weights(mla_ops.MLAModel(config).to(dtype).eval(), seed=0)
 
 
@@ -51,7 +51,7 @@ def expected_variant(context_lens, query_lens):
     sizes = (smallest(BUCKETS["token_buckets"], sum(query_lens)),
              smallest(BUCKETS["request_buckets"], len(context_lens)),
              smallest(BUCKETS["chunk_buckets"], max(1, math.ceil(chunked / WORKSPACE))))
-    return None if None in sizes else Variant(*sizes)
+    return None if None in sizes else Bucket(*sizes)
 
 
 # Edge cases first: B = 1 and T = 1, no context at all, zero contexts first / middle / last,
@@ -145,7 +145,7 @@ def test_warmup_builds_every_bucket_once_and_writes_nothing():
     before = caches.clone()
     graphs_before = counters["stats"]["unique_graphs"]
     runner.warmup(caches)
-    assert runner.built == runner.variants == tuple(Variant(t, 2, k) for t in (16, 4) for k in (2, 1))
+    assert runner.built == runner.variants == tuple(Bucket(t, 2, k) for t in (16, 4) for k in (2, 1))
     assert torch.equal(caches, before)
     runner.warmup()  # the same cache: nothing left to build
     check_steps(runner, model, [([9, 0], [5, 2]), ([1], [1])], caches, built=runner.built)
@@ -187,7 +187,7 @@ def test_the_bucketed_step_reads_no_device_value_on_the_host():
                                                         num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
     out = runner(ids, positions, caches, slots, table, qsl, ctx)
     assert out.shape == (11, config.hidden_size) and out.device.type == "meta"
-    assert runner.built == (Variant(16, 4, 4),)
+    assert runner.built == (Bucket(16, 4, 4),)
     with pytest.raises(Exception):  # the control: a host read of a meta tensor does raise
         caches.sum().item()
 

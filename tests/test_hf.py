@@ -17,9 +17,9 @@ import torch
 from torch._dynamo.utils import counters
 
 import mla_ops
-from mla_ops.checkpoint import dequantize_blocks
-from mla_ops.config import MLAConfig
-from mla_ops.rope import inverse_frequencies
+from mla_ops.models.checkpoint import dequantize_blocks
+from mla_ops.models.config import MLAConfig
+from mla_ops.models.rope import inverse_frequencies
 
 transformers = pytest.importorskip("transformers")
 from hf_checkpoints import dequantize_reference, make_hf_model, quantize_blocks, save_release_fp8  # noqa: E402

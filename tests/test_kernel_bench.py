@@ -144,7 +144,7 @@ def test_flashmla_is_timed_per_query_length_group_with_its_own_metadata(monkeypa
     """The benchmark's FlashMLA runner against a stand-in of flash_mla 1.0.0 (tests/test_absorbed.py)."""
     from test_absorbed import StandInFlashMLA
 
-    from mla_ops import flashmla
+    from mla_ops.ops import flashmla
 
     stand_in = StandInFlashMLA()
     monkeypatch.setattr(flashmla, "_import_flash_mla", lambda: (stand_in, ""))

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import mla_ops
-from mla_ops.cache import write_latent_cache
-from mla_ops.layer import MLAAttention, MLAConfig, MLAModel
+from mla_ops.ops.cache import write_latent_cache
+from mla_ops.models.deepseek import MLAAttention, MLAConfig, MLAModel
 
 FP8 = torch.float8_e4m3fn
 OPCHECK_UTILS = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")

@@ -6,8 +6,8 @@ x [T, H]   gate -> weights [T, k], indices [T, k]   experts.gate_up_proj [E, 2I,
 import pytest
 import torch
 
-from mla_ops.config import MLAConfig
-from mla_ops.moe import MoE, MoEGate
+from mla_ops.models.config import MLAConfig
+from mla_ops.models.moe import MoE, MoEGate
 
 from hf_checkpoints import hf_config
 

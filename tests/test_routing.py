@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import mla_ops
-from mla_ops.routing import cost_model_threshold, modeled_flops, route_context
+from mla_ops.planning.routing import cost_model_threshold, modeled_flops, route_context
 from mla_batches import assert_close_to_reference, make_batch
 
 # Query lens 1..40 so thresholds 0, 8 and 64 route none, some and all requests with context.

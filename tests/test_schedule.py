@@ -23,7 +23,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import mla_ops
-from mla_ops import schedule as schedule_module
+from mla_ops.planning import schedule as schedule_module
 
 POLICIES = ("packed", "whole_requests")
 BUILDERS = ("lists", "arrays")  # the planner's two paths: small batches, large batches

@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("checks the launchers without Triton's interpreter", allow_module_level=True)
 
-from mla_ops.triton import _common, absorbed, attention, gather, merge, up_projection  # noqa: E402
+from mla_ops.triton import _common, absorbed, attention, gather, merge, rows_gemm  # noqa: E402
 
 
 def launches():
@@ -24,7 +24,7 @@ def launches():
     cache, table = torch.randn(2, 4, 20), torch.tensor([[0], [1]], dtype=torch.int32)
     return {
         "gather": lambda: gather.gather_context(cache, table, qsl, ctx, None, torch.empty(8, 20)),
-        "up_project": lambda: up_projection.up_project(torch.randn(8, 16), torch.randn(32, 16), qsl,
+        "up_project": lambda: rows_gemm.up_project(torch.randn(8, 16), torch.randn(32, 16), qsl,
                                                        torch.empty(8, 32)),
         "context_attention": lambda: attention.context_attention(
             q, kv[..., :8], torch.randn(4, 4), kv[..., 8:], qsl, qsl, ctx, 0.1, out, lse),

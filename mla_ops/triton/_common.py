@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backends import interpreting
+from .._env import interpreting
 
 # Globals read inside @triton.jit must be tl.constexpr; launchers use ``.value``.
 LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln(2): natural -> base-2 exponents

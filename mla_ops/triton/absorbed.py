@@ -1,7 +1,7 @@
 """Triton kernel: absorbed ("MQA") context attention straight over the paged latent cache.
 
 q                [T, N, P+R]   rotated queries            kv_cache [num_blocks, PAGE_SIZE, L+R]
-kv_b_proj_weight [N*(P+V), L]  W_UK [N, P, L], W_UV [N, V, L] (``mla_ops.absorbed.split_kv_b_proj``)
+kv_b_proj_weight [N*(P+V), L]  W_UK [N, P, L], W_UV [N, V, L] (``mla_ops._mla.split_kv_b_proj``)
 block_table      [B, max_blocks] int32   query_start_loc [B+1] int32   context_lens [B] int32
 k_scale          [1] float32 or None (float8_e4m3fn caches: dequantized = stored * k_scale)
 -> out           [T, N, V]   lse [N, T] float32, natural log; rows of requests without context
@@ -9,7 +9,7 @@ k_scale          [1] float32 or None (float8_e4m3fn caches: dequantized = stored
 
 max_absorbed_tokens  int: rows of the packed scratch (q_lat, o_lat), at least the routed tokens (-1: T)
 
-Oracle: ``absorbed_reference`` in ``mla_ops/absorbed.py``. Only the tokens of requests with
+Oracle: ``absorbed_reference`` in ``mla_ops/ops/absorbed.py``. Only the tokens of requests with
 context ("routed" here) are touched. They are packed in request order at the device-computed
 offsets ``loc = routed_token_loc(query_start_loc, context_lens)`` ([B+1]), and every launch is
 persistent and reads its live count ``loc[-1]`` on the device, so no host read is needed (one
@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..absorbed import absorbed_dims, routed_token_loc, split_kv_b_proj
+from .._mla import MLADims, routed_token_loc, split_kv_b_proj
 from ._common import (
     LN2, LOG2E, device_guard, dot_dtype, dot_precision, e4m3fn_to_float32, find_request, online_softmax_step,
     persistent_grid, persistent_programs,
@@ -294,7 +294,7 @@ INTERPRETER_CONFIG = (16, 16, 16, 1, 1)
 PROGRAMS_PER_SM = 1  # 16-bit: q [64, 576] plus two stages of key tiles take most of an SM's shared memory
 
 
-def items(num_rows: int, num_requests: int, num_heads: int, latent: int, block_m: int, block_h: int,
+def work_items(num_rows: int, num_requests: int, num_heads: int, latent: int, block_m: int, block_h: int,
           block_dv: int) -> int:
     """(slot, head group, value slice) items of ``num_rows`` query rows: one spare slot per request."""
     return (num_rows // block_m + num_requests) * triton.cdiv(num_heads, block_h) * triton.cdiv(latent, block_dv)
@@ -328,7 +328,7 @@ def latent_attention(q_lat, q_pe, kv_cache, block_table, query_start_loc, contex
             q_lat.dtype, interpreted, num_heads, latent)
         is_fp8 = kv_cache.dtype == torch.float8_e4m3fn
         cache = kv_cache.view(torch.uint8) if is_fp8 else kv_cache
-        capacity = items(num_rows, num_requests, num_heads, latent, block_m, block_h, block_dv)
+        capacity = work_items(num_rows, num_requests, num_heads, latent, block_m, block_h, block_dv)
         grid = persistent_grid(capacity, persistent_programs(q_lat, interpreted, PROGRAMS_PER_SM))
         _absorbed_fwd[grid](
             q_lat, q_pe, cache, block_table, query_start_loc, latent_loc, context_lens,
@@ -354,7 +354,7 @@ def absorbed_context_attention(
     """Same contract as ``torch.ops.mla_ops.absorbed_context_attention`` (module docstring)."""
     num_tokens = q.shape[0]
     num_requests = context_lens.shape[0]
-    num_heads, latent, nope, rope, _ = absorbed_dims(q, kv_cache, kv_b_proj_weight)
+    num_heads, latent, nope, rope, _ = MLADims.from_shapes(q, kv_cache, kv_b_proj_weight)
     with device_guard(q) as interpreted:
         dot_dtype(q.dtype, interpreted, "absorbed")  # a TypeError before any work
         if num_tokens == 0 or num_heads == 0 or num_requests == 0 or kv_cache.numel() == 0:
@@ -367,3 +367,11 @@ def absorbed_context_attention(
         latent_attention(q_lat, q[..., nope:], kv_cache, block_table, query_start_loc, context_lens,
                          softmax_scale, k_scale, o_lat, lse, latent_loc=loc)
         rows_gemm(o_lat, w_uv, out, loc, query_start_loc, map_c=True)  # unfold: o_lat @ W_UV^T
+
+
+def latent_context_attention(q, kv_cache, block_table, query_start_loc, context_lens, softmax_scale, k_scale,
+                             out, lse) -> None:
+    """The ``latent_context_attention`` op's contract (q ``[T, H, L+R]``) on ``latent_attention``."""
+    latent = out.shape[2]
+    latent_attention(q[..., :latent], q[..., latent:], kv_cache, block_table, query_start_loc, context_lens,
+                     softmax_scale, k_scale, out, lse)

@@ -9,7 +9,7 @@ starts          [n] int32     context: > 0 means request i continues an earlier 
 -> out          [Tq, N, V]    any float dtype   lse [N, Tq] float32, natural log (out=)
 
 ``scores = softmax_scale * (q_nope . k_nope + q_pe . k_pe)``; oracles: ``context_attention_reference``
-(``mla_ops/context_attention.py``) and ``suffix_attention_reference`` (``mla_ops/suffix_attention.py``).
+(``mla_ops/ops/attention.py``) and ``suffix_attention_reference`` (the same module).
 Every tensor may be a strided view (q narrowed along tokens, k_nope / v two views of one
 ``[S, N, P+V]`` buffer, k_pe a column view of the ``[W, L+R]`` workspace, out / lse narrowed).
 

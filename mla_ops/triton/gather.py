@@ -9,7 +9,7 @@ workspace    [W, L+R]                        rows [0, cu_seq_lens[-1]) written (
 
 Workspace row ``cu_seq_lens[i] + j`` receives context token ``p = starts[i] + j`` of request i:
 ``kv_cache[block_table[i, p // block_size], p % block_size]`` (oracle: ``gather_reference`` in
-``mla_ops/gather.py``). The row count ``cu_seq_lens[-1]`` stays on the device: the launch is
+``mla_ops/ops/gather.py``). The row count ``cu_seq_lens[-1]`` stays on the device: the launch is
 persistent (``grid``: at most a few programs per SM, at most the capacity's tiles), and each
 program strides over the live (row tile, column tile) pairs counted from the device row count,
 so a fixed-capacity chunk loop pays only a launch for empty chunks. Each row finds its

@@ -5,7 +5,7 @@ suffix_out [T, N, V]   suffix_lse [N, T]
 -> out [T, N, V] (dtype of prefix_out, contiguous), lse [N, T] float32 (float64 for float64 out)
 
 Per (token, head): ``lse = logaddexp(a, b)``, ``out = out_a * exp(a - lse) + out_b * exp(b - lse)``
-(oracle: ``merge_states_reference`` in ``mla_ops/merge.py``, same order of operations). An LSE of
+(oracle: ``merge_states_reference`` in ``mla_ops/ops/merge.py``, same order of operations). An LSE of
 ``±inf`` is an empty partial (FA2 and FlashMLA report ``+inf``) and counts as ``-inf``; two empty
 partials merge to ``0 / -inf``, never NaN. One program per token and BLOCK_H heads; V is padded
 to a power of two and masked.
@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._mla import lse_dtype
 from ._common import device_guard
 
 
@@ -84,9 +85,8 @@ NUM_WARPS = 4
 def merge_attn_states(prefix_out, prefix_lse, suffix_out, suffix_lse) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge two partials of the same queries; returns ``(out [T, N, V], lse [N, T])``."""
     tokens, heads, head_dim = prefix_out.shape
-    lse_dtype = torch.float64 if prefix_out.dtype == torch.float64 else torch.float32  # mla_ops.merge.lse_dtype
     out = torch.empty((tokens, heads, head_dim), dtype=prefix_out.dtype, device=prefix_out.device)
-    lse = torch.empty((heads, tokens), dtype=lse_dtype, device=prefix_out.device)
+    lse = torch.empty((heads, tokens), dtype=lse_dtype(prefix_out.dtype), device=prefix_out.device)
     if out.numel() == 0 and lse.numel() == 0:
         return out, lse
     with device_guard(prefix_out):

@@ -8,7 +8,7 @@ only its live rows: with ``loc[-1] == 0`` a launch reads one integer and exits.
 
 Two users:
 
-* the up-projection of a chunk's workspace rows (``up_projection.py``): one weight, ``loc`` the
+* the up-projection of a chunk's workspace rows (``up_project`` below): one weight, ``loc`` the
   chunk's ``cu_seq_lens``, no row map;
 * the absorbed path's fold (``q_lat = q_nope @ W_UK``) and unfold (``out = o_lat @ W_UV^T``), one
   weight per head, over the routed requests' tokens packed in request order (``loc`` their packed
@@ -168,3 +168,9 @@ def rows_gemm(a, w, c, loc, tokens=None, *, map_a: bool = False, map_c: bool = F
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M,
             num_warps=num_warps, num_stages=num_stages,
         )
+
+
+def up_project(latent, kv_b_proj_weight, cu_seq_lens, out) -> None:
+    """The up-projection op: ``out[:M] = latent[:M] @ kv_b_proj_weight.T``, M = cu_seq_lens[-1] read on
+    the device (one weight; empty chunks of a fixed-capacity loop cost only a launch)."""
+    rows_gemm(latent.unsqueeze(1), kv_b_proj_weight.unsqueeze(0), out.unsqueeze(1), cu_seq_lens)

@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 
 import torch  # noqa: E402
 
-from mla_ops.absorbed import absorbed_reference  # noqa: E402
+from mla_ops.ops.absorbed import absorbed_reference  # noqa: E402
 from mla_ops.triton import _common  # noqa: E402
 from mla_ops.triton.absorbed import absorbed_context_attention  # noqa: E402
 from test_absorbed import SMALL, make_batch, written_rows  # noqa: E402

@@ -14,10 +14,10 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("run with TRITON_INTERPRET=1 (make test does)", allow_module_level=True)
 pytest.importorskip("triton")
 
-from mla_ops.attention import varlen_attention_reference  # noqa: E402
-from mla_ops.context_attention import context_attention_reference  # noqa: E402
-from mla_ops.device_schedule import plan_device_reference  # noqa: E402
-from mla_ops.suffix_attention import suffix_attention_reference  # noqa: E402
+from mla_ops.ops.attention import varlen_attention_reference  # noqa: E402
+from mla_ops.ops.attention import context_attention_reference  # noqa: E402
+from mla_ops.planning.device_schedule import device_plan_tensors  # noqa: E402
+from mla_ops.ops.attention import suffix_attention_reference  # noqa: E402
 from mla_ops.triton.attention import context_attention, suffix_attention  # noqa: E402
 
 DIMS = {"pow2": (8, 4, 8), "odd": (6, 2, 5)}  # (P, R, V)
@@ -143,7 +143,7 @@ def test_device_schedule_chunks_add_up_to_full_context(dtype):
     nope, rope, value = DIMS["odd"]
     q, ctx_k_nope, ctx_k_pe, ctx_v = make_qkv(q_lens, context_lens, heads, DIMS["odd"], dtype, seed=11)
     query_start_loc, ctx_cu = cu(q_lens), cu(context_lens)
-    starts_k, seq_lens_k, cu_seq_lens_k, num_chunks = plan_device_reference(
+    starts_k, seq_lens_k, cu_seq_lens_k, num_chunks = device_plan_tensors(
         torch.tensor(context_lens, dtype=torch.int32), workspace, capacity
     )
     assert int(num_chunks) < capacity  # spare chunks: every request has no rows there

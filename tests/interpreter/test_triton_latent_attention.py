@@ -1,4 +1,4 @@
-"""The latent attention launcher (context parallel's local attention, mla_ops/latent_attention.py) on
+"""The latent attention launcher (context parallel's local attention, mla_ops/ops/absorbed.py) on
 the absorbed Triton kernel, against its torch oracle under Triton's CPU interpreter.
 
 q [T, H, L+R] folded queries   kv_cache [num_blocks, block_size, L+R]
@@ -16,7 +16,8 @@ pytest.importorskip("triton")
 
 import torch  # noqa: E402
 
-from mla_ops.latent_attention import latent_attention_reference, latent_attention_triton  # noqa: E402
+from mla_ops.ops.absorbed import latent_attention_reference  # noqa: E402
+from mla_ops.triton.absorbed import latent_context_attention as latent_attention_triton  # noqa: E402
 from test_absorbed import SMALL, make_batch, written_rows  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.float16: 1e-2}

@@ -14,12 +14,12 @@ pytest.importorskip("triton")
 
 import torch  # noqa: E402
 
-from mla_ops.context_attention import context_attention_reference  # noqa: E402
-from mla_ops.device_schedule import plan_device_reference  # noqa: E402
-from mla_ops.gather import gather_reference  # noqa: E402
-from mla_ops.suffix_attention import suffix_attention_reference  # noqa: E402
-from mla_ops.triton import _common, attention, gather, rows_gemm, up_projection  # noqa: E402
-from mla_ops.up_projection import up_project_reference  # noqa: E402
+from mla_ops.ops.attention import context_attention_reference  # noqa: E402
+from mla_ops.planning.device_schedule import device_plan_tensors  # noqa: E402
+from mla_ops.ops.gather import gather_reference  # noqa: E402
+from mla_ops.ops.attention import suffix_attention_reference  # noqa: E402
+from mla_ops.triton import _common, attention, gather, rows_gemm  # noqa: E402
+from mla_ops.ops.up_projection import up_project_reference  # noqa: E402
 
 NAN = float("nan")
 EXACT = dict(atol=0.0, rtol=0.0, equal_nan=True)
@@ -39,7 +39,7 @@ def programs(monkeypatch):
 
 
 def device_schedule(context_lens, capacity, max_chunks):
-    starts, seq_lens, cu_seq_lens, num_chunks = plan_device_reference(int32(context_lens), capacity, max_chunks)
+    starts, seq_lens, cu_seq_lens, num_chunks = device_plan_tensors(int32(context_lens), capacity, max_chunks)
     assert int(num_chunks) < max_chunks, "the test needs chunks past the count"
     return starts, seq_lens, cu_seq_lens
 
@@ -85,7 +85,7 @@ def test_up_project_strides_over_live_tiles(rows, num_programs, programs):
     cu = int32([0, rows // 2, rows])
     programs(num_programs)
     got = torch.full((capacity, num_out), NAN)
-    up_projection.up_project(latent, weight, cu, got)
+    rows_gemm.up_project(latent, weight, cu, got)
     want = torch.full((capacity, num_out), NAN, dtype=torch.float64)
     up_project_reference(latent.double(), weight.double(), cu, want)
     torch.testing.assert_close(got[:rows].double(), want[:rows], atol=1e-5, rtol=1e-5)

@@ -16,13 +16,13 @@ pytest.importorskip("triton")
 
 import torch  # noqa: E402
 
-from mla_ops.device_schedule import plan_device_reference  # noqa: E402
-from mla_ops.gather import gather_reference  # noqa: E402
-from mla_ops.merge import merge_states_reference  # noqa: E402
+from mla_ops.planning.device_schedule import device_plan_tensors  # noqa: E402
+from mla_ops.ops.gather import gather_reference  # noqa: E402
+from mla_ops.ops.merge import merge_states_reference  # noqa: E402
 from mla_ops.triton.gather import gather_context  # noqa: E402
 from mla_ops.triton.merge import merge_attn_states  # noqa: E402
-from mla_ops.triton.up_projection import up_project  # noqa: E402
-from mla_ops.up_projection import up_project_reference  # noqa: E402
+from mla_ops.triton.rows_gemm import up_project  # noqa: E402
+from mla_ops.ops.up_projection import up_project_reference  # noqa: E402
 
 WIDTH = 24  # L + R stand-in: not a power of two, so column tiles are masked
 NAN = float("nan")
@@ -109,7 +109,7 @@ def test_gather_over_a_fixed_capacity_device_schedule():
     context_lens = int32([5, 0, 14, 3])
     cache, table = paged_batch(4, context_lens.tolist(), seed=3)
     capacity, max_chunks = 8, 5  # needs 3 chunks; chunks 3 and 4 are empty
-    starts, _, cu_seq_lens, _ = plan_device_reference(context_lens, capacity, max_chunks)
+    starts, _, cu_seq_lens, _ = device_plan_tensors(context_lens, capacity, max_chunks)
     for k in range(max_chunks):
         got, want = run_gather(cache, table, cu_seq_lens[k], starts[k], None, torch.float32, capacity)
         torch.testing.assert_close(got, want, **EXACT, msg=lambda m: f"chunk {k}: {m}")

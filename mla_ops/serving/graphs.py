@@ -33,57 +33,22 @@ padded, device-planned step as is. The last two run on any device and test the b
 
 from __future__ import annotations
 
-import bisect
+import dataclasses
 import itertools
 import numbers
 import types
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import numpy as np
 import torch
 
-from . import validation as V
-from .plan import device_absorbed_capacity, plan_prefill
-from .prefill import BACKENDS
-from .routing import DEFAULT_ABSORB_MAX_QUERY_LEN, route_context
+from .. import _checks as checks
+from ..ops.backends import BACKENDS
+from ..planning.options import PlanOptions
+from ..prefill import plan_with_options
+from .buckets import Bucket, Buckets, padded_lengths
 
 MODES = ("cuda_graph", "compile", "eager")
-
-
-class Variant(NamedTuple):
-    """One bucket: padded token count, request slots, chunk capacity K."""
-
-    tokens: int
-    requests: int
-    chunks: int
-
-    def __str__(self) -> str:
-        return f"T{self.tokens}-B{self.requests}-K{self.chunks}"
-
-
-def _powers_of_two_up_to(limit: int, first: int) -> tuple[int, ...]:
-    sizes = []
-    size = first
-    while size < limit:
-        sizes.append(size)
-        size *= 2
-    return (*sizes, limit)
-
-
-def _check_buckets(buckets, name: str, limit: int | None = None) -> tuple[int, ...]:
-    if isinstance(buckets, (str, bytes)) or not hasattr(buckets, "__iter__"):
-        raise TypeError(f"{name} must be a sequence of positive ints, got {type(buckets).__name__}")
-    sizes = tuple(sorted({V.check_positive_int(b, name) for b in buckets}))
-    if not sizes:
-        raise ValueError(f"{name} must hold at least one size")
-    if limit is not None and sizes[-1] > limit:
-        raise ValueError(f"{name} must not exceed {limit} (the static buffers' size), got {sizes[-1]}")
-    return sizes
-
-
-def _smallest_at_least(buckets: tuple[int, ...], n: int) -> int | None:
-    i = bisect.bisect_left(buckets, n)
-    return buckets[i] if i < len(buckets) else None
 
 
 def _named_copy(fn: Callable, name: str) -> Callable:
@@ -132,24 +97,12 @@ class PrefillGraphs:
     ):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        V.check_choice(mode, "mode", MODES)
-        max_tokens = V.check_positive_int(max_tokens, "max_tokens")
-        max_requests = V.check_positive_int(max_requests, "max_requests")
-        self.max_blocks_per_request = V.check_positive_int(max_blocks_per_request, "max_blocks_per_request")
-        self.block_size = V.check_positive_int(block_size, "block_size")
-        self.workspace_size = V.check_positive_int(workspace_size, "workspace_size")
-        self.chunk_buckets = _check_buckets(chunk_buckets, "chunk_buckets")
-        self.token_buckets = (_powers_of_two_up_to(max_tokens, 16) if token_buckets is None
-                              else _check_buckets(token_buckets, "token_buckets", max_tokens))
-        self.request_buckets = (_powers_of_two_up_to(max_requests, 1) if request_buckets is None
-                                else _check_buckets(request_buckets, "request_buckets", max_requests))
-        if absorb_max_query_len is None:
-            absorb_max_query_len = DEFAULT_ABSORB_MAX_QUERY_LEN
-        self.absorb_max_query_len = V.check_nonnegative_int(absorb_max_query_len, "absorb_max_query_len",
-                                                            " (0 disables)")
-        if max_absorbed_tokens is not None:
-            V.check_nonnegative_int(max_absorbed_tokens, "max_absorbed_tokens")
-        self.max_absorbed_tokens = device_absorbed_capacity(self.workspace_size, max_absorbed_tokens)
+        checks.check_choice(mode, "mode", MODES)
+        self.max_blocks_per_request = checks.check_positive_int(max_blocks_per_request, "max_blocks_per_request")
+        self.buckets = Buckets.build(max_tokens, max_requests, chunk_buckets, token_buckets, request_buckets)
+        # The device plan's options; each bucket plans with its own K (``max_chunks``).
+        self.options = PlanOptions(block_size, workspace_size, max_chunks=self.buckets.chunks[-1],
+                                   absorb_max_query_len=absorb_max_query_len, max_absorbed_tokens=max_absorbed_tokens)
         tensor = next(itertools.chain(model.parameters(), model.buffers()), None)
         if tensor is None:
             raise ValueError("model has no parameters or buffers to tell its device")
@@ -159,21 +112,21 @@ class PrefillGraphs:
                 f"mode='cuda_graph' needs the model on a CUDA device, got {self.device}; use mode='compile' "
                 "or 'eager' elsewhere"
             )
-        V.check_choice(backend, "backend", BACKENDS)
+        checks.check_choice(backend, "backend", BACKENDS)
         self.model, self.mode, self.backend, self.compile_backend = model, mode, backend, compile_backend
         self.k_scale = self._device_k_scale(k_scale)
 
         # Static inputs, sized once for the largest bucket. Request rows: the slots, then the
         # padding request. ``_lengths`` holds a bucket's query_start_loc [S+2] then context_lens
         # [S+1], contiguous, so one copy refills both.
-        tokens, rows = self.token_buckets[-1], self.request_buckets[-1] + 1
+        tokens, rows = self.buckets.tokens[-1], self.buckets.requests[-1] + 1
         zeros = lambda *s, dtype=torch.int32: torch.zeros(*s, dtype=dtype, device=self.device)  # noqa: E731
         self._input_ids, self._positions = zeros(tokens, dtype=torch.long), zeros(tokens, dtype=torch.long)
         self._slot_mapping = torch.full((tokens,), -1, dtype=torch.long, device=self.device)
         self._block_table = zeros(rows, self.max_blocks_per_request)
         self._lengths = zeros(2 * rows + 1)
         static = (self._input_ids, self._positions, self._slot_mapping, self._block_table, self._lengths)
-        self._runs: dict[Variant, Callable[[torch.Tensor], torch.Tensor]] = {}
+        self._runs: dict[Bucket, Callable[[torch.Tensor], torch.Tensor]] = {}
         self._caches: torch.Tensor | None = None  # the cache geometry (and memory) the buckets were built for
         self._pool = torch.cuda.graph_pool_handle() if mode == "cuda_graph" else None
         self.stats = dict(graphs=0, replays=0, eager=0, static_bytes=sum(t.nbytes for t in static), graph_bytes={})
@@ -181,15 +134,32 @@ class PrefillGraphs:
     # ---- public --------------------------------------------------------------------------
 
     @property
-    def variants(self) -> tuple[Variant, ...]:
-        """Every bucket combination, largest first (the order ``warmup`` builds them in)."""
-        return tuple(sorted(
-            (Variant(*v) for v in itertools.product(self.token_buckets, self.request_buckets, self.chunk_buckets)),
-            reverse=True,
-        ))
+    def block_size(self) -> int:
+        return self.options.block_size
 
     @property
-    def built(self) -> tuple[Variant, ...]:
+    def workspace_size(self) -> int:
+        return self.options.workspace_size
+
+    @property
+    def token_buckets(self) -> tuple[int, ...]:
+        return self.buckets.tokens
+
+    @property
+    def request_buckets(self) -> tuple[int, ...]:
+        return self.buckets.requests
+
+    @property
+    def chunk_buckets(self) -> tuple[int, ...]:
+        return self.buckets.chunks
+
+    @property
+    def variants(self) -> tuple[Bucket, ...]:
+        """Every bucket, largest first (the order ``warmup`` builds them in)."""
+        return self.buckets.all()
+
+    @property
+    def built(self) -> tuple[Bucket, ...]:
         """The buckets captured / compiled so far, in build order."""
         return tuple(self._runs)
 
@@ -241,18 +211,13 @@ class PrefillGraphs:
 
     # ---- bucketing -----------------------------------------------------------------------
 
-    def _variant_for(self, qsl: np.ndarray, ctx: np.ndarray) -> Variant | None:
+    def _variant_for(self, qsl: np.ndarray, ctx: np.ndarray) -> Bucket | None:
         """The smallest bucket that holds the step; None beyond the largest."""
         if ctx.size and int(-(-ctx.max() // self.block_size)) > self.max_blocks_per_request:
             return None
-        chunked, _ = route_context(ctx, np.diff(qsl), self.absorb_max_query_len, self.max_absorbed_tokens)
-        chunks_needed = max(1, -(-int(chunked.sum()) // self.workspace_size))
-        sizes = (_smallest_at_least(self.token_buckets, int(qsl[-1])),
-                 _smallest_at_least(self.request_buckets, ctx.size),
-                 _smallest_at_least(self.chunk_buckets, chunks_needed))
-        return None if None in sizes else Variant(*sizes)
+        return self.buckets.choose(qsl, ctx, self.options)
 
-    def _views(self, variant: Variant) -> tuple[torch.Tensor, ...]:
+    def _views(self, variant: Bucket) -> tuple[torch.Tensor, ...]:
         """The static buffers as one bucket's inputs (fixed addresses: what a graph reads)."""
         tokens, rows = variant.tokens, variant.requests + 1
         qsl, ctx = self._lengths[: 2 * rows + 1].split([rows + 1, rows])
@@ -271,19 +236,14 @@ class PrefillGraphs:
         self._block_table[:requests, :width].copy_(block_table[:requests, :width])
         self._load_lengths(variant, qsl, ctx)
 
-    def _load_lengths(self, variant: Variant, qsl: np.ndarray, ctx: np.ndarray) -> None:
-        slots, requests = variant.requests, ctx.size
-        lengths = np.zeros(2 * slots + 3, np.int32)
-        lengths[: requests + 1] = qsl
-        lengths[requests + 1 : slots + 1] = qsl[-1]  # sentinels: no tokens
-        lengths[slots + 1] = variant.tokens  # the padding request takes the spare tokens
-        lengths[slots + 2 : slots + 2 + requests] = ctx  # sentinel and padding contexts stay 0
+    def _load_lengths(self, variant: Bucket, qsl: np.ndarray, ctx: np.ndarray) -> None:
+        lengths = padded_lengths(variant, qsl, ctx)
         host = torch.from_numpy(lengths)
         if self.device.type == "cuda":  # pinned: an async copy, the block kept until it is done
             host = host.pin_memory()
         self._lengths[: lengths.size].copy_(host, non_blocking=True)
 
-    def _load_empty(self, variant: Variant) -> None:
+    def _load_empty(self, variant: Bucket) -> None:
         """A step of padding only (reads and writes no cache row): what a build runs."""
         self._slot_mapping[: variant.tokens].fill_(-1)
         self._load_lengths(variant, np.zeros(1, np.int32), np.zeros(0, np.int32))
@@ -291,19 +251,17 @@ class PrefillGraphs:
     # ---- building and running -------------------------------------------------------------
 
     def _step_function(self, chunks: int, name: str) -> Callable:
-        runner = self
+        runner, options = self, dataclasses.replace(self.options, max_chunks=chunks)
 
         def prefill_step(input_ids, positions, kv_caches, slot_mapping, block_table, query_start_loc, context_lens):
             # Planned here, on the device: a replay re-plans from the refilled length buffers.
-            plan = plan_prefill(query_start_loc, context_lens, block_table, runner.block_size, runner.workspace_size,
-                                max_chunks=chunks, absorb_max_query_len=runner.absorb_max_query_len,
-                                max_absorbed_tokens=runner.max_absorbed_tokens)
+            plan = plan_with_options(query_start_loc, context_lens, block_table, options)
             return runner.model(input_ids, positions, kv_caches, slot_mapping, block_table, plan,
                                 k_scale=runner.k_scale, backend=runner.backend)
 
         return _named_copy(prefill_step, name)
 
-    def _build(self, variant: Variant, kv_caches: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    def _build(self, variant: Bucket, kv_caches: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         ids, positions, slots, table, qsl, ctx = self._views(variant)
         step = self._step_function(variant.chunks, f"prefill_step_{variant}".replace("-", "_"))
         self._load_empty(variant)
@@ -322,7 +280,7 @@ class PrefillGraphs:
         self.stats["graphs"] += 1
         return run
 
-    def _capture(self, variant: Variant, step: Callable[[], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    def _capture(self, variant: Bucket, step: Callable[[], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # Triton JIT and library handles, outside the capture
@@ -345,8 +303,8 @@ class PrefillGraphs:
     def _run_eagerly(self, input_ids, positions, kv_caches, slot_mapping, block_table, query_start_loc,
                      context_lens) -> torch.Tensor:
         block_table = block_table.to(self.device)
-        plan = plan_prefill(query_start_loc, context_lens, block_table, self.block_size, self.workspace_size,
-                            absorb_max_query_len=self.absorb_max_query_len)
+        plan = plan_with_options(query_start_loc, context_lens, block_table,
+                                 dataclasses.replace(self.options, max_chunks=None, max_absorbed_tokens=None))
         return self.model(input_ids.to(self.device), positions.to(self.device), kv_caches,
                           slot_mapping.to(self.device), block_table, plan, k_scale=self.k_scale, backend=self.backend)
 
@@ -382,9 +340,9 @@ class PrefillGraphs:
 
     def _host_lengths(self, input_ids, positions, slot_mapping, block_table, query_start_loc, context_lens):
         """The step's lengths as host arrays, checked (argument names in every error)."""
-        V.check_int32(query_start_loc, "query_start_loc", 1, "[B+1]")
-        V.check_int32(context_lens, "context_lens", 1, "[B]")
-        V.check_int32(block_table, "block_table", 2, "[B, max_blocks]")
+        checks.check_int32(query_start_loc, "query_start_loc", 1, "[B+1]")
+        checks.check_int32(context_lens, "context_lens", 1, "[B]")
+        checks.check_int32(block_table, "block_table", 2, "[B, max_blocks]")
         requests = context_lens.shape[0]
         if query_start_loc.shape[0] != requests + 1:
             raise ValueError(f"query_start_loc must be [B+1] = [{requests + 1}] for B={requests} context_lens, "
@@ -398,10 +356,10 @@ class PrefillGraphs:
             qsl, ctx = both[: requests + 1], both[requests + 1 :]
         table = block_table.numpy() if block_table.device.type == "cpu" else \
             np.zeros((requests, block_table.shape[1]), np.int32)
-        V.check_lengths(qsl, ctx, table, self.block_size)
+        checks.check_lengths(qsl, ctx, table, self.block_size)
         tokens = int(qsl[-1])
         for name, x in (("input_ids", input_ids), ("positions", positions), ("slot_mapping", slot_mapping)):
-            V.check_tensor(x, name, 1, "[T]")
+            checks.check_tensor(x, name, 1, "[T]")
             if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
                 raise TypeError(f"{name} must be an integer tensor, got {x.dtype}")
             if x.shape[0] != tokens:

@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import torch
 
-
-def lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    """LSEs are float32, or float64 when the attention itself runs in float64 (exact oracle)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from .._mla import lse_dtype
 
 
 def merge_states_reference(

@@ -40,7 +40,7 @@ from torch import nn
 IMPLS = ("auto", "dense", "grouped")
 
 
-def _linear(in_features: int, out_features: int, std: float) -> nn.Linear:
+def linear(in_features: int, out_features: int, std: float) -> nn.Linear:
     layer = nn.Linear(in_features, out_features, bias=False)
     nn.init.normal_(layer.weight, std=std)
     return layer
@@ -51,9 +51,9 @@ class FeedForward(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, std: float):
         super().__init__()
-        self.gate_proj = _linear(hidden_size, intermediate_size, std)
-        self.up_proj = _linear(hidden_size, intermediate_size, std)
-        self.down_proj = _linear(intermediate_size, hidden_size, std)
+        self.gate_proj = linear(hidden_size, intermediate_size, std)
+        self.up_proj = linear(hidden_size, intermediate_size, std)
+        self.down_proj = linear(intermediate_size, hidden_size, std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [T, I] -> [T, H]

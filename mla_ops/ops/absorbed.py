@@ -23,9 +23,28 @@ paging), per head n:
 which equals the MHA path's context partial (gather, up-project, attend) exactly in real
 arithmetic. Rows of requests with ``context_lens[r] == 0`` are left untouched: the caller gives
 them the empty partial ``0 / -inf`` (or the chunked MHA path fills them), so routing a batch
-between the two paths is just two context_lens vectors (``mla_ops.routing.route_context``).
+between the two paths is just two context_lens vectors (``mla_ops.route_context``).
 
-Kernels: ``mla_ops/triton/absorbed.py`` (Triton) and ``mla_ops/flashmla.py`` (FlashMLA, SM90);
+``latent_context_attention``: the same attention without the fold and the unfold, over queries
+already in the latent space:
+
+q               [T, H, L+R]   absorbed queries ``[q_nope @ W_UK | q_pe]`` of H heads
+kv_cache        [num_blocks, block_size, L+R]   bf16/fp16/fp32, or float8_e4m3fn with k_scale
+block_table     [B, max_blocks] int32   query_start_loc [B+1] int32   context_lens [B] int32
+k_scale         [1] float32 or None     dequantized = stored * k_scale (float8_e4m3fn caches only)
+-> out          [T, H, L]   lse [H, T] float32 (float64 for float64 q), natural log   (out=)
+
+Per request r with ``context_lens[r] > 0`` and its context rows ``x = [kv_c | k_pe]`` (DESIGN §2
+paging), non-causally, one KV head shared by all H query heads:
+
+    scores = softmax_scale * q @ x^T      (= q_lat . kv_c + q_pe . k_pe)     [H, q_r, c_r]
+    out    = softmax(scores) @ kv_c                                           [q_r, H, L]
+
+Context parallel all-gathers the folded queries of every rank's heads, runs this op over the
+rank's own shard of the cache, and sends the latent partials back to the heads' owners, who merge
+them and unfold (``mla_ops/parallel/run.py``). Rows of requests without context are left untouched.
+
+Kernels: ``mla_ops/triton/absorbed.py`` (Triton) and ``mla_ops/ops/flashmla.py`` (FlashMLA, SM90);
 this module is their oracle and the CPU path, computing in float32 (float64 for float64 q).
 """
 
@@ -33,57 +52,8 @@ from __future__ import annotations
 
 import torch
 
-from .merge import lse_dtype, merge_states_reference
-
-# Context rows per block in the reference loop: bounds the score matrix at N x q_r x KEY_BLOCK.
-KEY_BLOCK = 4096
-
-
-def absorbed_dims(q: torch.Tensor, kv_cache: torch.Tensor, kv_b_proj_weight: torch.Tensor):
-    """``(N, L, P, R, V)`` read from the shapes (module docstring)."""
-    num_heads, latent = q.shape[1], kv_b_proj_weight.shape[1]
-    rope = kv_cache.shape[2] - latent
-    nope = q.shape[2] - rope
-    value = kv_b_proj_weight.shape[0] // max(num_heads, 1) - nope
-    return num_heads, latent, nope, rope, value
-
-
-def split_kv_b_proj(kv_b_proj_weight: torch.Tensor, num_heads: int, nope: int):
-    """``(W_UK [N, P, L], W_UV [N, V, L])``, views of ``kv_b_proj_weight [N*(P+V), L]``."""
-    w = kv_b_proj_weight.view(num_heads, -1, kv_b_proj_weight.shape[1])  # [N, P+V, L]
-    return w[:, :nope], w[:, nope:]
-
-
-def fold_queries(q: torch.Tensor, w_uk: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """q_lat [N, T, L] = q_nope [T, N, P] @ W_UK [N, P, L], one batched matmul in ``dtype``."""
-    q_nope = q[..., : w_uk.shape[1]].transpose(0, 1)  # [N, T, P]
-    return torch.bmm(q_nope.to(dtype), w_uk.to(dtype))
-
-
-def unfold_outputs(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
-    """out [N, T, V] = o_lat [N, T, L] @ W_UV^T [N, L, V], one batched matmul in o_lat's dtype."""
-    return torch.bmm(o_lat, w_uv.to(o_lat.dtype).transpose(1, 2))
-
-
-def token_requests(query_start_loc: torch.Tensor, num_tokens: int):
-    """Per query token, on the device (no host read): ``(request, position, valid)``, each [T].
-
-    ``request`` (int64, clamped into [0, B)) owns the token, ``position`` (int64) is its index in
-    the request's queries, ``valid`` is False for tokens past ``query_start_loc[-1]``.
-    """
-    tokens = torch.arange(num_tokens, device=query_start_loc.device, dtype=query_start_loc.dtype)
-    request = torch.searchsorted(query_start_loc, tokens, right=True) - 1
-    request = request.clamp(0, max(query_start_loc.shape[0] - 2, 0))
-    position = tokens.long() - query_start_loc.long()[request]
-    return request, position, tokens < query_start_loc[-1]
-
-
-def routed_token_loc(query_start_loc: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
-    """[B+1] int32: request r's tokens at rows ``loc[r] .. loc[r+1]`` of a buffer that packs the
-    tokens of the requests with context only (device code, no host read)."""
-    lens = torch.where(context_lens > 0, query_start_loc[1:] - query_start_loc[:-1], 0)
-    return torch.cat([lens.new_zeros(1), torch.cumsum(lens, 0, dtype=torch.int32)]).to(torch.int32)
-
+from .._mla import KEY_BLOCK, MLADims, lse_dtype, split_kv_b_proj
+from .merge import merge_states_reference
 
 def _context_rows(kv_cache, block_table, request: int, begin: int, end: int, k_scale, acc):
     """Context rows ``begin:end`` of ``request`` from the paged cache, dequantized, in ``acc``."""
@@ -119,7 +89,7 @@ def absorbed_reference(
 ) -> None:
     del max_absorbed_tokens  # the reference packs nothing
     acc = lse_dtype(q.dtype)
-    num_heads, latent, nope, _, _ = absorbed_dims(q, kv_cache, kv_b_proj_weight)
+    num_heads, latent, nope, _, _ = MLADims.from_shapes(q, kv_cache, kv_b_proj_weight)
     w_uk, w_uv = (w.to(acc) for w in split_kv_b_proj(kv_b_proj_weight, num_heads, nope))
     bounds, contexts = query_start_loc.tolist(), context_lens.tolist()  # host reads: CPU / oracle path
     for r, context in enumerate(contexts):
@@ -157,4 +127,40 @@ def _absorbed_context_attention(
 @_absorbed_context_attention.register_fake
 def _(q, kv_cache, block_table, query_start_loc, context_lens, kv_b_proj_weight, softmax_scale, k_scale, out, lse,
       max_absorbed_tokens=-1):
+    return None
+
+
+def latent_attention_reference(q, kv_cache, block_table, query_start_loc, context_lens, softmax_scale, k_scale,
+                               out, lse) -> None:
+    acc = lse_dtype(q.dtype)
+    latent = out.shape[2]
+    bounds, contexts = query_start_loc.tolist(), context_lens.tolist()  # host reads: CPU / oracle path
+    for r, context in enumerate(contexts):
+        t0, t1 = bounds[r], bounds[r + 1]
+        if context <= 0 or t0 >= t1:
+            continue
+        qr = q[t0:t1].to(acc) * softmax_scale  # [m, H, L+R]
+        o_r, lse_r = latent_partial(qr, kv_cache, block_table, r, context, latent, k_scale, acc)
+        out[t0:t1] = o_r.to(out.dtype)
+        lse[:, t0:t1] = lse_r.to(lse.dtype)
+
+
+@torch.library.custom_op("mla_ops::latent_context_attention", mutates_args=("out", "lse"))
+def _latent_context_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    softmax_scale: float,
+    k_scale: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    latent_attention_reference(q, kv_cache, block_table, query_start_loc, context_lens, softmax_scale, k_scale,
+                               out, lse)
+
+
+@_latent_context_attention.register_fake
+def _(q, kv_cache, block_table, query_start_loc, context_lens, softmax_scale, k_scale, out, lse) -> None:
     return None

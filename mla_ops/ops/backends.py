@@ -1,4 +1,4 @@
-"""Which implementation runs each operator: the ``backend=`` argument of ``mla_prefill``.
+"""Which implementation runs each operator: the ``backend=`` argument of ``run_prefill``.
 
 Each op has one schema (``torch.ops.mla_ops.*``) and implementations with identical layouts:
 
@@ -9,33 +9,36 @@ Each op has one schema (``torch.ops.mla_ops.*``) and implementations with identi
 ``backend="auto"`` and ``"triton"`` call the ops, so ``torch.compile`` sees them; ``"torch"`` on
 a GPU calls the reference functions directly (eager checking; it reads lengths on the host);
 ``"flashmla"`` runs the absorbed path through the FlashMLA adapter (eager, SM90) and the rest as
-``"auto"``.
+``"auto"``. The table is selected once per call; nothing downstream infers a backend.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
-import os
 from typing import Callable, NamedTuple
 
 import torch
 
-from .absorbed import absorbed_reference
-from .context_attention import context_attention_reference
+from .._env import interpreting, triton_available
+from .absorbed import absorbed_reference, latent_attention_reference
+from .attention import context_attention_reference, suffix_attention_reference
 from .gather import gather_reference
 from .merge import merge_states_reference
-from .suffix_attention import suffix_attention_reference
 from .up_projection import up_project_reference
+
+BACKENDS = ("auto", "torch", "triton", "flashmla")
 
 
 class Kernels(NamedTuple):
+    """One implementation of every op (the reference, the op, or a Triton launcher)."""
+
     gather_context: Callable
     up_project: Callable
     context_attention: Callable
     suffix_attention: Callable
     merge_attn_states: Callable
     absorbed_context_attention: Callable
+    latent_context_attention: Callable
 
 
 REFERENCE = Kernels(
@@ -45,35 +48,31 @@ REFERENCE = Kernels(
     suffix_attention=suffix_attention_reference,
     merge_attn_states=merge_states_reference,
     absorbed_context_attention=absorbed_reference,
+    latent_context_attention=latent_attention_reference,
 )
 OPS = Kernels(**{name: getattr(torch.ops.mla_ops, name).default for name in Kernels._fields})
 
 
 @functools.cache
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@functools.cache
 def triton_kernels() -> Kernels:
-    from .triton import absorbed, attention, gather, merge, up_projection
+    from ..triton import absorbed, attention, gather, merge, rows_gemm
 
     return Kernels(
         gather_context=gather.gather_context,
-        up_project=up_projection.up_project,
+        up_project=rows_gemm.up_project,
         context_attention=attention.context_attention,
         suffix_attention=attention.suffix_attention,
         merge_attn_states=merge.merge_attn_states,
         absorbed_context_attention=absorbed.absorbed_context_attention,
+        latent_context_attention=absorbed.latent_context_attention,
     )
 
 
-def select(backend: str, device: torch.device, absorb_max_query_len: int = 0) -> Kernels:
-    """The kernels ``mla_prefill`` calls for ``backend`` on ``device`` (validated names only)."""
+def select(backend: str, device: torch.device, absorbed_query_bound: int = 0) -> Kernels:
+    """The kernels ``run_prefill`` calls for ``backend`` on ``device`` (validated names only).
+
+    ``absorbed_query_bound``: the longest query of an absorbed request (FlashMLA's static ``s_q``).
+    """
     if backend == "flashmla":
         from . import flashmla
 
@@ -82,8 +81,8 @@ def select(backend: str, device: torch.device, absorb_max_query_len: int = 0) ->
             raise ValueError(f"backend='flashmla' is unavailable: {reason}")
         if torch.compiler.is_compiling():
             raise ValueError("backend='flashmla' runs eagerly; under torch.compile use 'auto' (Triton)")
-        # One s_q per FlashMLA call: requests are padded to the routing threshold, a static bound.
-        absorbed = functools.partial(flashmla.absorbed_context_attention, max_query_len=absorb_max_query_len or None)
+        # One s_q per FlashMLA call: requests are padded to the routing bound, a static size.
+        absorbed = functools.partial(flashmla.absorbed_context_attention, max_query_len=absorbed_query_bound or None)
         return select("auto", device)._replace(absorbed_context_attention=absorbed)
     if backend == "triton" and not triton_available():
         raise ValueError("backend='triton' needs the triton package (pip install 'mla-ops[triton]')")

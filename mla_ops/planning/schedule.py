@@ -32,6 +32,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from .._checks import check_positive_int
+
 POLICIES = ("packed", "whole_requests")
 SMALL_BATCH = 384  # requests: about where the numpy path starts to win, measured on a 2-core x86 host
 
@@ -156,14 +158,6 @@ def _as_lengths(values, name: str) -> list[int] | np.ndarray:
     return lengths
 
 
-def _check_positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}")
-    return int(value)
-
-
 def _packed_boundaries(cu_context: list[int], workspace_size: int, alignment: int) -> list[int]:
     total = cu_context[-1]
     if alignment == 1:
@@ -226,8 +220,8 @@ def plan_context_chunks(
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-    workspace_size = _check_positive_int(workspace_size, "workspace_size")
-    split_alignment = _check_positive_int(split_alignment, "split_alignment")
+    workspace_size = check_positive_int(workspace_size, "workspace_size")
+    split_alignment = check_positive_int(split_alignment, "split_alignment")
     if workspace_size < split_alignment:
         raise ValueError(
             f"workspace_size ({workspace_size}) must hold at least one split_alignment step "

@@ -15,7 +15,7 @@ A checkpoint directory holds ``config.json`` and either ``model.safetensors`` or
 Converted once at load, never per step: fp8 blocks dequantized in float32 then cast to the model
 dtype; experts stacked into ``experts.gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``; the R rope
 rows of each head in ``q_proj`` / ``q_b_proj`` and of ``kv_a_proj_with_mqa`` permuted to halves when
-``rope_interleave`` (``mla_ops.rope``). MTP layers and ``rotary_emb.inv_freq`` buffers are skipped.
+``rope_interleave`` (``mla_ops.models.rope``). MTP layers and ``rotary_emb.inv_freq`` buffers are skipped.
 Every name and shape is checked from the file headers before any tensor is read: a missing,
 unexpected or misshapen tensor raises a ValueError that names it.
 """
@@ -171,7 +171,7 @@ def _convert(config: MLAConfig, source: _Source, tensor: torch.Tensor, scale: to
     return tensor
 
 
-def _torch_dtype(name) -> torch.dtype | None:
+def torch_dtype(name) -> torch.dtype | None:
     if name is None or isinstance(name, torch.dtype):
         return name
     dtype = getattr(torch, str(name).removeprefix("torch."), None)
@@ -194,7 +194,7 @@ def load_pretrained(cls, path, dtype: torch.dtype | None = None, device=None):
     with open(os.path.join(path, "config.json")) as f:
         raw = json.load(f)
     config = MLAConfig.from_hf(raw)
-    dtype = _torch_dtype(dtype) or _torch_dtype(config.dtype) or torch.float32
+    dtype = torch_dtype(dtype) or torch_dtype(config.dtype) or torch.float32
     block = tuple((raw.get("quantization_config") or {}).get("weight_block_size") or (128, 128))
     files = checkpoint_files(path)
 

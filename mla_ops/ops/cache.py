@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from .validation import check_k_scale, check_tensor, values_readable
+from .._checks import FLOAT_DTYPES, check_k_scale, check_tensor, values_readable
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_CACHE_DTYPES = _FLOAT_DTYPES + (torch.float8_e4m3fn,)
+_CACHE_DTYPES = FLOAT_DTYPES + (torch.float8_e4m3fn,)
 _SLOT_DTYPES = (torch.int64, torch.int32)
 
 
@@ -80,7 +79,7 @@ def check_write(kv_c, k_pe, slot_mapping, kv_cache, k_scale) -> None:
     check_tensor(slot_mapping, "slot_mapping", 1, "[T]", device, "kv_cache")
     if kv_cache.dtype not in _CACHE_DTYPES:
         raise TypeError(f"kv_cache must be float16, bfloat16, float32, float64 or float8_e4m3fn, got {kv_cache.dtype}")
-    if kv_c.dtype not in _FLOAT_DTYPES:
+    if kv_c.dtype not in FLOAT_DTYPES:
         raise TypeError(f"kv_c must be float16, bfloat16, float32 or float64, got {kv_c.dtype}")
     if k_pe.dtype != kv_c.dtype:
         raise TypeError(f"k_pe must have the dtype of kv_c ({kv_c.dtype}), got {k_pe.dtype}")

@@ -3,7 +3,7 @@
 Every step is one batched prefill with one plan (``mla_ops.plan_prefill``) shared by all layers:
 new prompts (minus what the prefix cache already holds) and, as one-token prefills, the next token
 of every running sequence; the planner routes those to the absorbed path (query length 1 with a
-context). The cache is a ``BlockManager`` (``mla_ops.paged_cache``): full blocks are shared by
+context). The cache is a ``BlockManager`` (``mla_ops.serving.paged_cache``): full blocks are shared by
 content hash between the prompts of a call and across calls (a prompt whose next block another
 prompt of the same step is computing waits one step and then reuses it), and freed when unused.
 
@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import torch
 
 from .paged_cache import BlockManager, block_hashes, chain_hash
-from .plan import plan_prefill
+from ..prefill import plan_prefill
 
 
 @dataclass
@@ -224,7 +224,7 @@ class Generator:
 
     def _compiled_step(self, max_chunks: int) -> Callable:
         if max_chunks not in self._compiled:
-            from . import enable
+            from ..lowering import enable
 
             enable()
             model, block_size, workspace = self.model, self.block_size, self.workspace_size
@@ -345,8 +345,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at config.json's eos_token_id")
     args = parser.parse_args(argv)
 
-    from .checkpoint import _torch_dtype
-    from .layer import MLAForCausalLM
+    from ..models.checkpoint import torch_dtype
+    from ..models.deepseek import MLAForCausalLM
 
     tokenizer = None
     tokenizer_path = os.path.join(args.model, "tokenizer.json")
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("give at least one --prompt or --prompt-ids")
 
     started = time.perf_counter()
-    model = MLAForCausalLM.from_pretrained(args.model, dtype=_torch_dtype(args.dtype), device=args.device)
+    model = MLAForCausalLM.from_pretrained(args.model, dtype=torch_dtype(args.dtype), device=args.device)
     print(f"loaded {args.model} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     eos = None
     if not args.ignore_eos:

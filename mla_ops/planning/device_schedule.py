@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .validation import check_int32, check_positive_int
+from .._checks import check_int32, check_positive_int
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class DeviceSchedule:
         return self.num_chunks > self.max_chunks
 
 
-def plan_device_reference(context_lens: torch.Tensor, workspace_size: int, max_chunks: int):
+def device_plan_tensors(context_lens: torch.Tensor, workspace_size: int, max_chunks: int):
     lens = context_lens.long()
     cu = torch.nn.functional.pad(torch.cumsum(lens, 0), (1, 0))  # [B+1] stream offsets
     total = cu[-1:]
@@ -58,7 +58,7 @@ def plan_device_reference(context_lens: torch.Tensor, workspace_size: int, max_c
 def _plan_context_chunks_device(
     context_lens: torch.Tensor, workspace_size: int, max_chunks: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return plan_device_reference(context_lens, workspace_size, max_chunks)
+    return device_plan_tensors(context_lens, workspace_size, max_chunks)
 
 
 @_plan_context_chunks_device.register_fake

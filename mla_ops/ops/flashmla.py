@@ -5,7 +5,7 @@ kv_b_proj_weight [N*(P+V), 512]  block_table [B, max_blocks] int32
 query_start_loc  [B+1] int32     context_lens [B] int32
 -> out           [T, N, V]     lse [N, T] float32, natural log; rows of requests without context
                                are left untouched (out=): the contract of
-                               ``torch.ops.mla_ops.absorbed_context_attention`` (``mla_ops/absorbed.py``)
+                               ``torch.ops.mla_ops.absorbed_context_attention`` (``mla_ops/ops/absorbed.py``)
 
 FlashMLA is the ``sgl-flash-mla`` wheel (import name ``flash_mla``; DESIGN §7). Its 1.0.0 Python
 surface (``flash_mla/flash_mla_interface.py``, read from the wheel) reaches SM90 dense decoding
@@ -67,7 +67,7 @@ import functools
 
 import torch
 
-from .absorbed import absorbed_dims, fold_queries, split_kv_b_proj, token_requests, unfold_outputs
+from .._mla import MLADims, fold_queries, split_kv_b_proj, token_requests, unfold_outputs
 
 PAGE_SIZE = 64  # FlashMLA's paged cache block size
 HEAD_DIM = 576  # L + R of the latent rows (512 + 64)
@@ -165,7 +165,7 @@ def absorbed_context_attention(
     if problem is not None:
         raise problem[0](problem[1])
     num_tokens, num_requests = q.shape[0], context_lens.shape[0]
-    num_heads, latent, nope, rope, _ = absorbed_dims(q, kv_cache, kv_b_proj_weight)
+    num_heads, latent, nope, rope, _ = MLADims.from_shapes(q, kv_cache, kv_b_proj_weight)
     if latent != HEAD_DIM_V:
         raise ValueError(f"kv_b_proj_weight has L = {latent}: FlashMLA needs L = {HEAD_DIM_V}")
     s_q = num_tokens if max_query_len is None else int(max_query_len)

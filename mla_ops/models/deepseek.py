@@ -6,10 +6,10 @@ kv_cache  [num_blocks, block_size, L+R]   one latent row [kv_c | k_pe] per token
 
 Module and parameter names follow DeepSeek's and transformers' (``q_a_proj``, ``kv_a_proj_with_mqa``,
 ``kv_b_proj``, ``mlp.experts.gate_up_proj``, ``lm_head``, ...), so a checkpoint's tensors map by name;
-``mla_ops.checkpoint`` converts the rest once at load (interleaved RoPE rows to the halves the layers
+``mla_ops.models.checkpoint`` converts the rest once at load (interleaved RoPE rows to the halves the layers
 rotate, per-expert tensors to stacked ones, float8 blocks to the model dtype). YaRN frequencies and
-their softmax-scale correction come from the config (``mla_ops.rope``); layers from
-``first_k_dense_replace`` on have DeepSeek's mixture of experts (``mla_ops.moe``).
+their softmax-scale correction come from the config (``mla_ops.models.rope``); layers from
+``first_k_dense_replace`` on have DeepSeek's mixture of experts (``mla_ops.models.moe``).
 
 The cache tensors, slot mapping, block table and the step's ``PrefillPlan`` (``mla_ops.plan_prefill``,
 made once per step) are passed in on every call; nothing is stored in the modules. Every layer
@@ -22,12 +22,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .cache import check_write, write_checked
-from .config import MLAConfig, mla_configs  # noqa: F401  (mla_configs: the presets, re-exported)
-from .moe import MoE, FeedForward, _linear
-from .plan import PrefillPlan
-from .prefill import check_run, launch
-from .rope import acc_dtype, apply_rotary_emb, rotary_cos_sin, rotate_half  # noqa: F401
+from ..ops.cache import check_write, write_checked
+from ..planning.plan import PrefillPlan
+from ..prefill import check_run, run_checked
+from .config import MLAConfig
+from .moe import FeedForward, MoE, linear
+from .rope import acc_dtype, apply_rotary_emb, rotary_cos_sin
 
 
 class RMSNorm(nn.Module):
@@ -57,15 +57,15 @@ class MLAAttention(nn.Module):
 
         self.q_lora_rank = c.q_lora_rank
         if c.q_lora_rank is None:
-            self.q_proj = _linear(c.hidden_size, c.num_attention_heads * c.qk_head_dim, std)
+            self.q_proj = linear(c.hidden_size, c.num_attention_heads * c.qk_head_dim, std)
         else:
-            self.q_a_proj = _linear(c.hidden_size, c.q_lora_rank, std)
+            self.q_a_proj = linear(c.hidden_size, c.q_lora_rank, std)
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.lora_norm_eps)
-            self.q_b_proj = _linear(c.q_lora_rank, c.num_attention_heads * c.qk_head_dim, std)
-        self.kv_a_proj_with_mqa = _linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, std)
+            self.q_b_proj = linear(c.q_lora_rank, c.num_attention_heads * c.qk_head_dim, std)
+        self.kv_a_proj_with_mqa = linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, std)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.lora_norm_eps)
-        self.kv_b_proj = _linear(c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), std)
-        self.o_proj = _linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, std)
+        self.kv_b_proj = linear(c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), std)
+        self.o_proj = linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, std)
 
     def forward(
         self,
@@ -101,7 +101,7 @@ class MLAAttention(nn.Module):
         dims = check_run(q, kv_c, k_pe, kv_cache, weight, self.softmax_scale, plan, k_scale, backend, None)
         check_write(kv_c, k_pe, slot_mapping, kv_cache, k_scale)
         write_checked(kv_c, k_pe, slot_mapping, kv_cache, k_scale)
-        out = launch(q, kv_c, k_pe, kv_cache, weight, self.softmax_scale, plan, k_scale, backend, dims)  # [T, N, V]
+        out = run_checked(q, kv_c, k_pe, kv_cache, weight, self.softmax_scale, plan, k_scale, backend, dims)  # [T, N, V]
         return self.o_proj(out.reshape(num_tokens, N * V))  # [T, H]
 
 
@@ -185,14 +185,14 @@ class MLAForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = MLAModel(config)
-        self.lm_head = _linear(config.hidden_size, config.vocab_size, config.initializer_range)
+        self.lm_head = linear(config.hidden_size, config.vocab_size, config.initializer_range)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None) -> MLAForCausalLM:
         """A checkpoint directory (config.json + safetensors, DeepSeek's release layout or what
-        transformers writes); see ``mla_ops.checkpoint.load_pretrained``."""
+        transformers writes); see ``mla_ops.models.checkpoint.load_pretrained``."""
         from .checkpoint import load_pretrained
 
         return load_pretrained(cls, path, dtype=dtype, device=device)

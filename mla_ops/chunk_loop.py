@@ -1,0 +1,149 @@
+"""The context partial of a step, chunk by chunk, and its merge with the suffix partial.
+
+``Step`` is what one ``run_prefill`` call hands the loops: the selected kernels, the dims, the
+layer's tensors and the step's plan. Three ways through the context, one per plan form:
+
+* ``host_context``: the host schedule's chunks, each over its own requests and token range only;
+* ``device_context``: K static chunk steps over the device schedule (no host read of a device
+  value); chunks past the device count touch nothing;
+* context parallel (``mla_ops.parallel.run``) reuses ``attend_chunks`` with rows fetched across
+  ranks, and ``mark_truncated``.
+
+Per chunk: the chunk's latent rows (gathered from the paged cache) are up-projected to per-head
+keys and values and attended by the chunk's queries, folding into the running context partial.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+from ._mla import MLADims, lse_dtype
+from .ops.backends import Kernels
+from .planning.plan import PrefillPlan
+
+
+class Step(NamedTuple):
+    """One ``run_prefill`` call: kernels, dims, the layer's tensors and the step's plan."""
+
+    kernels: Kernels
+    dims: MLADims
+    q: torch.Tensor
+    kv_cache: torch.Tensor
+    weight: torch.Tensor
+    softmax_scale: float
+    k_scale: torch.Tensor | None
+    plan: PrefillPlan
+
+    def suffix(self, kv_c: torch.Tensor, k_pe: torch.Tensor):
+        """The suffix partial ``(out [T, N, V], lse [N, T])``: every token over its own request's new
+        keys, causally."""
+        q, dims = self.q, self.dims
+        k_nope, v = dims.split_kv(torch.mm(kv_c, self.weight.t()))
+        out = q.new_empty(q.shape[0], dims.num_heads, dims.value)
+        lse = q.new_empty(dims.num_heads, q.shape[0], dtype=lse_dtype(q.dtype))
+        self.kernels.suffix_attention(q, k_nope, k_pe, v, self.plan.query_start_loc, self.softmax_scale, out, lse)
+        return out, lse
+
+    def absorbed(self, context_out, context_lse) -> None:
+        """The absorbed requests' context partials, written into their rows only; the kernels pack
+        the routed tokens into ``plan.max_absorbed_tokens`` rows of scratch."""
+        p = self.plan
+        self.kernels.absorbed_context_attention(
+            self.q, self.kv_cache, p.block_table, p.query_start_loc, p.absorbed_context_lens, self.weight,
+            self.softmax_scale, self.k_scale, context_out, context_lse, p.max_absorbed_tokens,
+        )
+
+
+def empty_partial(out: torch.Tensor, lse: torch.Tensor):
+    """The merge's identity shaped like ``(out, lse)``: ``0 / -inf``."""
+    return torch.zeros_like(out), torch.full_like(lse, float("-inf"))
+
+
+def attend_chunks(step: Step, num_chunks: int, chunk_rows: Callable[..., torch.Tensor], cu_seq_lens: torch.Tensor,
+                  starts: torch.Tensor, kv: torch.Tensor, context_out: torch.Tensor, context_lse: torch.Tensor) -> None:
+    """For each chunk k: its workspace rows ``chunk_rows(k, cu_seq_lens[k], starts[k])`` ``[W, L+R]`` are
+    up-projected into ``kv`` ``[W, N*(P+V)]`` and attended by every query (``cu_seq_lens`` ``[K, B+1]``
+    and ``starts`` ``[K, B]``: the chunks over the whole batch)."""
+    kernels, dims = step.kernels, step.dims
+    chunk_k_nope, chunk_v = dims.split_kv(kv)
+    for k in range(num_chunks):
+        cu_k, starts_k = cu_seq_lens.select(0, k), starts.select(0, k)
+        latent, rope = chunk_rows(k, cu_k, starts_k).split([dims.latent, dims.rope], dim=1)
+        kernels.up_project(latent, step.weight, cu_k, kv)
+        kernels.context_attention(step.q, chunk_k_nope, rope, chunk_v, step.plan.query_start_loc, cu_k, starts_k,
+                                  step.softmax_scale, context_out, context_lse)
+
+
+def mark_truncated(out: torch.Tensor, plan: PrefillPlan) -> torch.Tensor:
+    """Requests whose chunked context runs past the device plan's capacity were not fully attended:
+    their tokens become NaN, never silently wrong."""
+    if plan.truncated is None:
+        return out
+    token = torch.arange(out.shape[0], device=out.device, dtype=plan.query_start_loc.dtype)
+    request = torch.searchsorted(plan.query_start_loc, token, right=True) - 1  # [T]
+    truncated = plan.truncated.index_select(0, request.clamp(0, max(plan.num_requests - 1, 0)))
+    return torch.where(truncated.view(-1, 1, 1), torch.full_like(out, float("nan")), out)
+
+
+def device_context(step: Step, suffix_out: torch.Tensor, suffix_lse: torch.Tensor) -> torch.Tensor:
+    """K static chunk steps over the device plan; no host read of a device value."""
+    dims, q, plan = step.dims, step.q, step.plan
+    context_out, context_lse = empty_partial(suffix_out, suffix_lse)
+    if plan.absorbed_context_lens is not None:  # first: its scratch is freed before the chunk buffers exist
+        step.absorbed(context_out, context_lse)
+    schedule = plan.device_schedule
+    workspace = q.new_empty(plan.workspace_size, dims.latent + dims.rope)
+    kv = q.new_empty(plan.workspace_size, step.weight.shape[0])
+
+    def gathered(k: int, cu_seq_lens: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        step.kernels.gather_context(step.kv_cache, plan.block_table, cu_seq_lens, starts, step.k_scale, workspace)
+        return workspace
+
+    attend_chunks(step, schedule.max_chunks, gathered, schedule.cu_seq_lens, schedule.starts, kv, context_out,
+                  context_lse)
+    out, _ = step.kernels.merge_attn_states(context_out, context_lse, suffix_out, suffix_lse)
+    return mark_truncated(out, plan)
+
+
+def host_context(step: Step, suffix_out: torch.Tensor, suffix_lse: torch.Tensor) -> torch.Tensor:
+    """The host schedule's chunks, each over its own requests only."""
+    kernels, dims, q, plan = step.kernels, step.dims, step.q, step.plan
+    schedule, num_tokens = plan.schedule, q.shape[0]
+    if plan.absorbed_context_lens is not None:  # any token may get an absorbed partial
+        covered = num_tokens
+        context_out, context_lse = empty_partial(suffix_out, suffix_lse)
+        step.absorbed(context_out, context_lse)
+    elif schedule.num_chunks == 0:
+        return suffix_out
+    else:  # the context partial of every token up to the last request with context
+        covered = schedule.prefill_tokens_with_context
+        context_out = suffix_out.new_empty(covered, *suffix_out.shape[1:])
+        context_lse = suffix_lse.new_empty(suffix_lse.shape[0], covered)
+        for start, end in schedule.empty_token_ranges:
+            if start < covered:
+                context_out[start:end].zero_()
+                context_lse[:, start:end].fill_(float("-inf"))
+
+    if schedule.num_chunks:
+        workspace = q.new_empty(max(c.num_context_tokens for c in schedule.chunks), dims.latent + dims.rope)
+    for chunk in schedule.chunks:
+        rows = workspace.narrow(0, 0, chunk.num_context_tokens)
+        kernels.gather_context(step.kv_cache, plan.block_table.narrow(0, chunk.request_start, chunk.num_requests),
+                               chunk.cu_seq_lens, chunk.starts, step.k_scale, rows)
+        latent, rope = rows.split([dims.latent, dims.rope], dim=1)
+        chunk_k_nope, chunk_v = dims.split_kv(torch.mm(latent, step.weight.t()))  # the host knows the live rows
+        tokens = chunk.token_end - chunk.token_start
+        kernels.context_attention(
+            q.narrow(0, chunk.token_start, tokens), chunk_k_nope, rope, chunk_v, chunk.query_start_loc,
+            chunk.cu_seq_lens, chunk.starts, step.softmax_scale,
+            context_out.narrow(0, chunk.token_start, tokens), context_lse.narrow(1, chunk.token_start, tokens),
+        )
+
+    merged, _ = kernels.merge_attn_states(
+        context_out, context_lse, suffix_out.narrow(0, 0, covered), suffix_lse.narrow(1, 0, covered)
+    )
+    if covered == num_tokens:
+        return merged
+    return torch.cat([merged, suffix_out.narrow(0, covered, num_tokens - covered)])

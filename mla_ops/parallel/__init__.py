@@ -1,0 +1,10 @@
+"""Context parallel (DESIGN §10): the latent cache sharded over a ``torch.distributed`` group.
+
+config (``ContextParallel``, ``CostModel``) · layout (``shard_context``) · plan (each rank's part of
+the step's plan) · collectives · run (the context partial across ranks).
+"""
+
+from .config import ContextParallel, CostModel
+from .layout import local_context_lens, shard_context
+
+__all__ = ["ContextParallel", "CostModel", "local_context_lens", "shard_context"]

@@ -1,0 +1,85 @@
+"""``PlanOptions``: every planning option of a step in one frozen, validated object.
+
+``plan_prefill``, ``mla_prefill``, ``PrefillGraphs`` and ``Generator`` take the options as keywords
+(DESIGN §4) and build one of these; each option is checked here, once, and its default resolved
+here, once, whatever path (host or device form, one device or context parallel) plans the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import _checks
+from .routing import DEFAULT_ABSORB_MAX_QUERY_LEN
+from .schedule import POLICIES
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """How a step is planned.
+
+    block_size: rows per cache block. workspace_size: rows one chunk gathers (W).
+    policy, split_alignment: the host schedule's (``plan_context_chunks``).
+    max_chunks: K, the device form's static chunk capacity (packed, ``split_alignment=1``);
+      None plans on the host.
+    absorb_max_query_len: requests with at most this many new tokens (and some context) take the
+      absorbed path; None: ``routing.DEFAULT_ABSORB_MAX_QUERY_LEN`` on one device, the cost model
+      under context parallel; 0: no absorbed path.
+    max_absorbed_tokens: the most new tokens the absorbed path takes in one step (the first routed
+      requests that fit take it, the rest the chunk loop); None: no cap in the host form, W // 4 in
+      the device form, where it sizes a static scratch.
+    """
+
+    block_size: int = 16
+    workspace_size: int = 65536
+    policy: str = "packed"
+    split_alignment: int = 1
+    max_chunks: int | None = None
+    absorb_max_query_len: int | None = None
+    max_absorbed_tokens: int | None = None
+
+    def __post_init__(self):
+        normalized = dict(
+            block_size=_checks.check_positive_int(self.block_size, "block_size"),
+            workspace_size=_checks.check_positive_int(self.workspace_size, "workspace_size"),
+            split_alignment=_checks.check_positive_int(self.split_alignment, "split_alignment"),
+        )
+        _checks.check_choice(self.policy, "policy", POLICIES)
+        if normalized["workspace_size"] < normalized["split_alignment"]:
+            raise ValueError(
+                f"workspace_size must hold at least one split_alignment step ({self.split_alignment} rows), "
+                f"got {self.workspace_size}"
+            )
+        if self.max_chunks is not None:
+            normalized["max_chunks"] = _checks.check_positive_int(self.max_chunks, "max_chunks")
+            if self.policy != "packed" or normalized["split_alignment"] != 1:
+                raise ValueError(
+                    "max_chunks plans the packed schedule (split_alignment=1) on the device: it cannot be "
+                    f"combined with policy={self.policy!r} or split_alignment={self.split_alignment}"
+                )
+        if self.absorb_max_query_len is not None:
+            normalized["absorb_max_query_len"] = _checks.check_nonnegative_int(
+                self.absorb_max_query_len, "absorb_max_query_len", " (0 disables)")
+        if self.max_absorbed_tokens is not None:
+            normalized["max_absorbed_tokens"] = _checks.check_nonnegative_int(
+                self.max_absorbed_tokens, "max_absorbed_tokens")
+        for name, value in normalized.items():  # numpy ints become ints: the plan's static sizes
+            object.__setattr__(self, name, value)
+
+    @property
+    def device_form(self) -> bool:
+        return self.max_chunks is not None
+
+    @property
+    def absorb_threshold(self) -> int:
+        """The single-device routing threshold (None resolved to the default)."""
+        if self.absorb_max_query_len is None:
+            return DEFAULT_ABSORB_MAX_QUERY_LEN
+        return self.absorb_max_query_len
+
+    @property
+    def absorbed_capacity(self) -> int | None:
+        """Tokens the absorbed path may take: None (no cap, host form) or a static int."""
+        if self.max_absorbed_tokens is None and self.device_form:
+            return self.workspace_size // 4
+        return self.max_absorbed_tokens

@@ -4,36 +4,37 @@ A sweep over query length x context length (B identical requests each, DeepSeek-
 bf16): the context partial by the chunked MHA pipeline (gather, up-project, attend; packed
 schedule) and by the absorbed op (Triton, and FlashMLA where ``flash_mla`` imports), side by side
 in one run, then one batch of mixed query lengths. The suggested ``absorb_max_query_len`` is the
-largest query length at which the absorbed path is faster for every context length of the sweep;
-``mla_ops.routing`` takes it as ``MEASURED_ABSORB_MAX_QUERY_LEN`` once measured.
+largest query length up to which the absorbed path is faster at every context length of the sweep;
+``mla_ops.planning.routing`` takes it as ``MEASURED_ABSORB_MAX_QUERY_LEN`` once measured.
 
 FlashMLA is timed as it is meant to be called: one call per group of requests with the same
 query length (its ``s_q``, so no request is padded), each group with its own scheduling metadata
 from ``get_mla_metadata()``, filled by the warm-up call and reused by every timed call.
 
-    python benchmarks/absorbed_bench.py --json benchmarks/results/gpu_absorbed.json --plot ...png
-    python benchmarks/absorbed_bench.py --long       # more contexts and query lengths
-    python benchmarks/absorbed_bench.py --smoke      # tiny sizes on any device
-    python benchmarks/absorbed_bench.py --dry-run    # smoke on CPU into a temporary folder, marked dry_run
+    python -m benchmarks.absorbed_bench --json benchmarks/results/gpu_absorbed.json --plot ...png
+    python -m benchmarks.absorbed_bench --long       # more contexts and query lengths
+    python -m benchmarks.absorbed_bench --smoke      # tiny sizes on any device
+    python -m benchmarks.absorbed_bench --dry-run    # smoke on CPU into a temporary folder, marked dry_run
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._lib import cli
+from benchmarks._lib import plot as plotting
+from benchmarks._lib.batches import V2_LITE, paged_batch
+from benchmarks._lib.pipeline import chunk_tensors, context_pipeline
+from benchmarks._lib.report import Report, machine
+from benchmarks._lib.timing import median_ms
+from mla_ops.planning.routing import cost_model_threshold
 
-import mla_ops  # noqa: E402
-from benchmarks.kernel_bench import HEADS, LATENT, NOPE, ROPE, VALUE, add_common_args, context_pipeline  # noqa: E402
-from benchmarks.kernel_bench import full_batch_chunks, make_inputs, parse_args, timed  # noqa: E402
-from benchmarks.report import Report  # noqa: E402
-
+DIMS = V2_LITE
+HEADS, LATENT, NOPE, ROPE, VALUE = DIMS
+BLOCK_SIZE = 64
 WORKSPACE = 65536
 
 
@@ -92,7 +93,7 @@ def flashmla_runner(x, lens: torch.Tensor, query_lens):
             else:  # the group's rows in, its partial out (timed: a host-grouping caller pays these copies)
                 q, g_out, g_lse = (t.index_select(d, g.tokens) for t, d in ((x["q"], 0), (out, 0), (lse, 1)))
             flashmla.absorbed_context_attention(q, x["kv_cache"], g.block_table, g.query_start_loc, g.context_lens,
-                                                x["weight"], NOPE ** -0.5, None, g_out, g_lse,
+                                                x["kv_b_proj_weight"], NOPE ** -0.5, None, g_out, g_lse,
                                                 max_query_len=g.s_q, metadata=g.metadata)
             if g.tokens is not None:
                 out.index_copy_(0, g.tokens, g_out)
@@ -105,8 +106,8 @@ def absorbed_runners(device):
     """name -> make(x, lens, query_lens) -> fn(out, lse), for each absorbed implementation available."""
     def op(x, lens, query_lens):
         return lambda out, lse: torch.ops.mla_ops.absorbed_context_attention(
-            x["q"], x["kv_cache"], x["block_table"], x["query_start_loc"], lens, x["weight"], NOPE ** -0.5, None,
-            out, lse)
+            x["q"], x["kv_cache"], x["block_table"], x["query_start_loc"], lens, x["kv_b_proj_weight"], NOPE ** -0.5,
+            None, out, lse)
 
     runners = {"absorbed_triton" if device.type == "cuda" else "absorbed_torch": op}
     if device.type == "cuda":
@@ -121,18 +122,17 @@ def absorbed_runners(device):
 
 
 def measure(context_lens, query_lens, runners, device, dtype, reps) -> dict:
-    x = make_inputs(context_lens, query_lens, device, dtype)
-    lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
-    starts, cu = (torch.as_tensor(a, dtype=torch.int32, device=device)
-                  for a in full_batch_chunks(context_lens, query_lens, WORKSPACE, "packed"))
+    x = paged_batch(context_lens, query_lens, DIMS, BLOCK_SIZE, device, dtype)
+    lens = x["context_lens"]
+    starts, cu = chunk_tensors(context_lens, query_lens, WORKSPACE, "packed", device)
     q = query_lens[0] if len(set(query_lens)) == 1 else None
     row = dict(context_len=context_lens[0], query_len=q, query_lens=list(query_lens), requests=len(context_lens),
-               mha_ms=timed(lambda: context_pipeline(x, starts, cu, WORKSPACE), device, reps))
+               mha_ms=median_ms(lambda: context_pipeline(x, DIMS, starts, cu, WORKSPACE), device, reps))
     out = x["q"].new_empty(sum(query_lens), HEADS, VALUE)
     lse = torch.empty(HEADS, sum(query_lens), device=device)
     for name, make in runners.items():
         fn = make(x, lens, query_lens)
-        row[f"{name}_ms"] = timed(lambda: fn(out, lse), device, reps)
+        row[f"{name}_ms"] = median_ms(lambda: fn(out, lse), device, reps)
     return row
 
 
@@ -154,10 +154,8 @@ def run(args) -> dict:
     context_sweep, query_lens_sweep, batch, mixed = sweep(args.smoke, args.long)
     runners = absorbed_runners(device)
     report = Report(args.json, dict(
-        device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
-        dtype=str(dtype), dims=dict(N=HEADS, L=LATENT, P=NOPE, R=ROPE, V=VALUE), workspace_size=WORKSPACE,
-        long=args.long, implementations=list(runners),
-        cost_model_threshold=mla_ops.planning.routing.cost_model_threshold(LATENT, NOPE, ROPE, VALUE),
+        machine(device), dtype=str(dtype), dims=DIMS.header(), workspace_size=WORKSPACE, long=args.long,
+        implementations=list(runners), cost_model_threshold=cost_model_threshold(LATENT, NOPE, ROPE, VALUE),
     ), dry_run=args.dry_run)
     configs = [([c] * batch, [q] * batch) for c in context_sweep for q in query_lens_sweep]
     configs.append(([context_sweep[len(context_sweep) // 2]] * len(mixed), mixed))
@@ -172,11 +170,7 @@ def run(args) -> dict:
 
 
 def plot(report: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = plotting.pyplot()
     swept = [r for r in report["results"] if r["query_len"] is not None]
     contexts = sorted({r["context_len"] for r in swept})
     fig, axes = plt.subplots(1, max(1, len(contexts)), figsize=(5 * max(1, len(contexts)), 4), squeeze=False)
@@ -194,14 +188,13 @@ def plot(report: dict, path: str) -> None:
         ax.legend(fontsize=8)
     fig.suptitle(f"{report['device']}: absorbed vs chunked MHA; suggested absorb_max_query_len = "
                  f"{report.get('suggested_absorb_max_query_len', '(run incomplete)')}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    plotting.save(fig, path, dpi=120)
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(parser)
-    args = parse_args(parser, argv, "gpu_absorbed.json")
+    parser = cli.parser(__doc__)
+    cli.add_common_args(parser)
+    args = cli.parse_args(parser, argv, "gpu_absorbed.json")
     report = run(args)
     print("suggested absorb_max_query_len:", report["suggested_absorb_max_query_len"],
           "(cost model:", report["cost_model_threshold"], ")")

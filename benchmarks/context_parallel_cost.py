@@ -1,10 +1,11 @@
 """Bytes each rank moves per prefill step under context parallel: all-gather of the context rows,
 all-gather of the absorbed queries, and the per-request choice of ``mla_ops.context_parallel``.
 
-The steps are the Mooncake conversation trace through ``benchmarks/trace_replay.py``'s scheduler
-(``load_trace`` + ``simulate``: 8,192 tokens per step, up to 256 running requests). For D = 2, 4, 8
-ranks (DeepSeek-V3: 128 heads, 128 / D per rank; L=512, P=128, R=64, V=128; bf16 activations,
-float32 partials; interleave 1) every step is costed three ways, per rank and per layer:
+The steps are the Mooncake conversation trace through the scheduler model of
+``benchmarks/_lib/trace.py`` (``load_trace`` + ``simulate``: 8,192 tokens per step, up to 256
+running requests). For D = 2, 4, 8 ranks (DeepSeek-V3: 128 heads, 128 / D per rank; L=512, P=128,
+R=64, V=128; bf16 activations, float32 partials; interleave 1) every step is costed three ways,
+per rank and per layer:
 
 * ``all_gather``: every request with context takes the all-gather path;
 * ``absorbed``: every request with context takes the absorbed-queries path;
@@ -18,15 +19,13 @@ as planned by the library's host planner (rank 0's plan; every rank moves the sa
 tokens' queries and partials. No GPU is involved: the bytes follow from the plans, the FLOPs from
 the model. Nothing here is a measured time: no multi-GPU machine was available.
 
-    python benchmarks/context_parallel_cost.py \
+    python -m benchmarks.context_parallel_cost \
         --json benchmarks/results/context_parallel_cost.json --plot benchmarks/results/context_parallel_cost.png
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 from pathlib import Path
 from typing import Sequence
@@ -34,13 +33,12 @@ from typing import Sequence
 import numpy as np
 import torch
 
-if __package__ in (None, ""):  # run as a script: make `benchmarks` and `mla_ops` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import mla_ops  # noqa: E402
-from benchmarks.trace_replay import DEFAULT_TRACE, load_trace, simulate  # noqa: E402
-from mla_ops import parallel  # noqa: E402
-from mla_ops.parallel import plan as cp_planning  # noqa: E402
+import mla_ops
+from benchmarks._lib import plot as plotting
+from benchmarks._lib.report import write_json_atomic
+from benchmarks._lib.trace import DEFAULT_TRACE, load_trace, simulate
+from mla_ops import parallel
+from mla_ops.parallel import plan as cp_planning
 
 STRATEGIES = ("all_gather", "absorbed", "routed")
 
@@ -111,11 +109,7 @@ def _summary(values) -> dict:
 
 
 def plot(result: dict, path: str | Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = plotting.pyplot()
     worlds = result["world_sizes"]
     fig, (bars, cdf) = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.27
@@ -138,13 +132,11 @@ def plot(result: dict, path: str | Path) -> None:
     cdf.set_ylabel("fraction of steps")
     cdf.legend()
     fig.suptitle("Context parallel traffic (DeepSeek-V3 dims, bf16; cost model, no GPU measurement)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plotting.save(fig, path, dpi=120)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trace", help=f"trace .jsonl (Mooncake format); default: {DEFAULT_TRACE.name} in "
                                         "benchmarks/traces/")
     parser.add_argument("--json", required=True, help="where to write the results JSON")
@@ -173,8 +165,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         plot(result, args.plot)
     for entry in by_world.values():  # the plot's per-step series; the JSON keeps the summaries
         entry.pop("per_step_modeled_bytes")
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    write_json_atomic(args.json, result)
 
     kind = "modeled_bytes" if args.modeled_only else "planned_bytes"
     print(f"{len(steps):,} prefill steps; {kind} per rank and layer, mean per step (MiB):")

@@ -1,95 +1,95 @@
-"""The device path (``plan_prefill(..., max_chunks=K)``) at K = 1, 4, 16 against the host path, on a GPU.
+"""The device path (``plan_prefill(..., max_chunks=K)``) at K = 1, 4, 16 against the host path.
 
 For the PR's headline batch (one chunk needed), ``run_prefill`` runs with the plan made inside the
 timed step (the device form: planner plus K chunk iterations, as a captured step replays it) and
 with a host plan made once outside (the chunks the batch needs, nothing more), eager and replayed
 from a CUDA graph; every context takes the chunk loop (``absorb_max_query_len=0``). Goals (issue
 10): K = 16 within 1.10x of K = 1, and the device path at the K the batch needs close to the host
-path. Dims as ``kernel_bench.py`` (DeepSeek-V2-Lite, bf16).
+path. DeepSeek-V2-Lite dims, bf16, as ``kernel_bench``.
 
-    python benchmarks/device_path_bench.py --json benchmarks/results/gpu_device_path.json
-    python benchmarks/device_path_bench.py --dry-run    # smoke sizes on CPU, marked dry_run
+``--interpret`` asks the same question on a CPU, of the Triton kernels under Triton's interpreter
+(``TRITON_INTERPRET=1``, set before the kernels are defined, hence in the command line): a tiny
+batch (contexts 40, 0, 23, 9; 2 heads, L = 16; fp32; workspace 128) that needs one chunk, so K - 1
+iterations find no rows. Every launched program runs in Python, so a dead iteration costs what its
+launches cost: a proxy for launch overhead, not a GPU time. Two routings: ``interpret-chunked``
+(every context on the chunk loop) and ``interpret-routed`` (the default threshold: the short
+requests take the absorbed path and the chunk loop has nothing left). The variants run in turn,
+best of ``--reps`` (the interpreter is serial: one thread). Goal (issue 10): K = 16 within 1.3x of K = 1.
+
+    python -m benchmarks.device_path_bench --json benchmarks/results/gpu_device_path.json
+    python -m benchmarks.device_path_bench --dry-run    # smoke sizes on CPU (torch kernels), marked dry_run
+    TRITON_INTERPRET=1 python -m benchmarks.device_path_bench --interpret --reps 5 --json /tmp/interpret.json
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import mla_ops  # noqa: E402
-from benchmarks.kernel_bench import (  # noqa: E402
-    BLOCK_SIZE, HEADS, LATENT, NOPE, ROPE, VALUE, add_common_args, make_inputs, parse_args, timed,
-)
-from benchmarks.report import Report  # noqa: E402
+import mla_ops
+from benchmarks._lib import cli
+from benchmarks._lib.batches import V2_LITE, Dims, paged_batch
+from benchmarks._lib.report import Report, machine
+from benchmarks._lib.timing import best_of_interleaved_s, graph_replay_ms, median_ms
 
 MAX_CHUNKS = (1, 4, 16)
+DIMS, BLOCK_SIZE = V2_LITE, 64
+INTERPRET_DIMS, INTERPRET_BLOCK_SIZE = Dims(heads=2, latent=16, nope=8, rope=4, value=8), 16
 
 
-def mixes(smoke: bool):
-    """(name, context_lens, query_lens, workspace_size): batches that need one chunk."""
+def mixes(smoke: bool, interpret: bool):
+    """(name, context_lens, query_lens, workspace_size, absorb_max_query_len): batches that need one chunk."""
+    if interpret:
+        batch = ([40, 0, 23, 9], [5, 3, 1, 7], 128)
+        return [("interpret-chunked", *batch, 0), ("interpret-routed", *batch, None)]
     if smoke:
-        return [("smoke", [300] + [4] * 7, [9] * 8, 512)]
-    return [("pr-headline", [60000] + [16] * 31, [513] * 32, 65536)]
-
-
-def graph_ms(step, device, reps):
-    """Milliseconds per replay of ``step`` captured in a CUDA graph; None off CUDA."""
-    if device.type != "cuda":
-        return None
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # warm-up outside the capture: Triton compiles here
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    ms = timed(graph.replay, device, reps)
-    del graph
-    return ms
+        return [("smoke", [300] + [4] * 7, [9] * 8, 512, 0)]
+    return [("pr-headline", [60000] + [16] * 31, [513] * 32, 65536, 0)]
 
 
 def run(args) -> dict:
-    device = torch.device(args.device)
+    interpret = args.interpret
+    device = torch.device("cpu" if interpret else args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dims, block_size = (INTERPRET_DIMS, INTERPRET_BLOCK_SIZE) if interpret else (DIMS, BLOCK_SIZE)
+    backend = "triton" if interpret else "auto"
     torch.set_grad_enabled(False)
+    if interpret:
+        torch.set_num_threads(1)  # the interpreter is serial; threads only add noise
     report = Report(args.json, dict(
-        device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
-        dtype=str(dtype), dims=dict(N=HEADS, L=LATENT, P=NOPE, R=ROPE, V=VALUE, block_size=BLOCK_SIZE),
+        machine(device), dtype=str(dtype), dims=dict(dims.header(), block_size=block_size),
+        **(dict(backend="triton interpreter", timing="best of interleaved wall times") if interpret else {}),
     ), dry_run=args.dry_run)
-    for name, context_lens, query_lens, workspace_size in mixes(args.smoke):
-        x = make_inputs(context_lens, query_lens, device, dtype)
-        g = torch.Generator(device=device).manual_seed(1)
-        tokens = x["q"].shape[0]
-        kv_c = torch.randn(tokens, LATENT, generator=g, device=device).to(dtype)
-        k_pe = torch.randn(tokens, ROPE, generator=g, device=device).to(dtype)
-        context = torch.tensor(context_lens, dtype=torch.int32, device=device)
-        # Every context on the chunk loop (absorb_max_query_len=0): the loop's dead iterations are measured.
-        lengths = (x["query_start_loc"], context, x["block_table"], BLOCK_SIZE, workspace_size)
+    for name, context_lens, query_lens, workspace_size, absorb in mixes(args.smoke, interpret):
+        x = paged_batch(context_lens, query_lens, dims, block_size, device, dtype)
+        lengths = (x["query_start_loc"], x["context_lens"], x["block_table"], block_size, workspace_size)
         needed = max(1, math.ceil(sum(context_lens) / workspace_size))
-        scale = (NOPE + ROPE) ** -0.5
+        scale = (dims.nope + dims.rope) ** -0.5
 
         def run_with(plan_fn):
-            return lambda: mla_ops.run_prefill(x["q"], kv_c, k_pe, x["kv_cache"], x["weight"], scale, plan_fn())
+            return lambda: mla_ops.run_prefill(x["q"], x["kv_c"], x["k_pe"], x["kv_cache"], x["kv_b_proj_weight"],
+                                               scale, plan_fn(), backend=backend)
 
-        host_plan = mla_ops.plan_prefill(*lengths, absorb_max_query_len=0)
+        host_plan = mla_ops.plan_prefill(*lengths, absorb_max_query_len=absorb)
         variants = [("host", host_plan.schedule.num_chunks, run_with(lambda: host_plan))]
         variants += [("device", k, run_with(lambda k=k: mla_ops.plan_prefill(*lengths, max_chunks=k,
-                                                                             absorb_max_query_len=0)))
+                                                                             absorb_max_query_len=absorb)))
                      for k in MAX_CHUNKS if k >= needed]
-        for path, chunks, step in variants:
+        if interpret:
+            best = best_of_interleaved_s({i: step for i, (_, _, step) in enumerate(variants)}, args.reps)
+            times = [(best[i] * 1e3, None) for i in range(len(variants))]
+        else:
+            times = [(median_ms(step, device, args.reps), graph_replay_ms(step, device, args.reps))
+                     for _, _, step in variants]
+        for (path, chunks, _), (eager_ms, graph_ms) in zip(variants, times):
             row = dict(mix=name, workspace_size=workspace_size, path=path, max_chunks=chunks, chunks_needed=needed,
-                       requests=len(context_lens), context_tokens=sum(context_lens), query_tokens=tokens,
-                       eager_ms=timed(step, device, args.reps), graph_ms=graph_ms(step, device, args.reps))
+                       requests=len(context_lens), context_tokens=sum(context_lens), query_tokens=sum(query_lens),
+                       absorb_max_query_len=absorb, eager_ms=eager_ms, graph_ms=graph_ms)
             report.add(row)
-            print(f"{name:<12} {path:<6} K={chunks:<3} eager {row['eager_ms']:8.3f} ms  graph "
-                  f"{row['graph_ms'] if row['graph_ms'] is None else round(row['graph_ms'], 3)!s:>8} ms", flush=True)
+            print(f"{name:<18} {path:<6} K={chunks:<3} eager {eager_ms:8.3f} ms  graph "
+                  f"{graph_ms if graph_ms is None else round(graph_ms, 3)!s:>8} ms", flush=True)
         del x
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -119,9 +119,15 @@ def ratios(report: dict) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(parser)
-    return run(parse_args(parser, argv, "gpu_device_path.json"))
+    parser = cli.parser(__doc__)
+    cli.add_common_args(parser)
+    parser.add_argument("--interpret", action="store_true",
+                        help="the Triton kernels under Triton's CPU interpreter, tiny sizes (needs TRITON_INTERPRET=1)")
+    args = cli.parse_args(parser, argv, "gpu_device_path.json")
+    if args.interpret and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("--interpret runs the kernels under Triton's interpreter, which must be on before they are "
+                     "defined: TRITON_INTERPRET=1 python -m benchmarks.device_path_bench --interpret ...")
+    return run(args)
 
 
 if __name__ == "__main__":

@@ -7,11 +7,9 @@ is the op's own ``grid`` function (``mla_ops.triton.gather.grid``, ``rows_gemm.g
 ``PROGRAMS_PER_SM``, and the programs stride over the tiles that are live in the chunk. This
 script counts, for the PR's headline batch (32 requests x 513 new tokens, contexts 60,000 +
 31 x 16, W = 65,536) and for every step of the Mooncake conversation trace (``load_trace`` +
-``simulate`` of ``benchmarks/trace_replay.py``), at K = 1, 4, 16:
+``simulate`` of ``benchmarks/_lib/trace.py``), at K = 1, 4, 16:
 
 * ``programs``: the sum over the K iterations of each launch's grid;
-* ``one_program_per_tile``: the same with one program per tile of the capacity (the grids the
-  kernels had before they were persistent: ``grid(..., programs=inf)``);
 * ``idle_programs``: programs whose stride loop finds no tile (about a launch's worth per dead chunk);
 * ``tiles``: the tiles the stride loops walk (gather: row tiles x column tiles of the chunk's rows;
   up-projection: output tiles of its rows; attention: the query-tile slots of the chunk's live run
@@ -20,14 +18,12 @@ script counts, for the PR's headline batch (32 requests x 513 new tokens, contex
 The absorbed path runs once per step, before the chunks: fold, latent attention and unfold over
 the routed requests' tokens packed into ``max_absorbed_tokens`` rows (the default, W / 4). The
 requests are routed as the device plan routes them (threshold 170, then the capacity), so the
-chunks carry the MHA share only. ``absorbed_rows`` counts the packed rows the step folds;
-``absorbed_rows_before`` the rows the earlier path folded and unfolded with dense matmuls
-(every token of the step, routed or not).
+chunks carry the MHA share only. ``absorbed_rows`` counts the packed rows the step folds.
 
-DeepSeek-V3 dims: N = 128 heads, L = 512, R = 64, P = V = 128, 16-bit tile configs. No GPU is
-involved: these are launch sizes, not times.
+DeepSeek-V3 dims (``MLAConfig.from_name("deepseek-v3")``: N = 128 heads, L = 512, R = 64,
+P = V = 128), 16-bit tile configs. No GPU is involved: these are launch sizes, not times.
 
-    python benchmarks/device_path_work.py --json benchmarks/results/device_path_work.json \
+    python -m benchmarks.device_path_work --json benchmarks/results/device_path_work.json \
         --plot benchmarks/results/device_path_work.png
 """
 
@@ -35,24 +31,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import sys
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
-if __package__ in (None, ""):  # run as a script: make `benchmarks` and `mla_ops` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.trace_replay import DEFAULT_TRACE, load_trace, repo_path, simulate  # noqa: E402
-from mla_ops.planning.device_schedule import device_plan_tensors  # noqa: E402
-from mla_ops.planning.options import PlanOptions  # noqa: E402
-from mla_ops.planning.routing import DEFAULT_ABSORB_MAX_QUERY_LEN, route_context  # noqa: E402
-from mla_ops.triton import absorbed, attention, gather, rows_gemm  # noqa: E402
+from benchmarks._lib import plot as plotting
+from benchmarks._lib.batches import V3
+from benchmarks._lib.report import write_json_atomic
+from benchmarks._lib.trace import DEFAULT_TRACE, load_trace, repo_path, simulate
+from mla_ops.planning.device_schedule import device_plan_tensors
+from mla_ops.planning.options import PlanOptions
+from mla_ops.planning.routing import DEFAULT_ABSORB_MAX_QUERY_LEN, route_context
+from mla_ops.triton import absorbed, attention, gather, rows_gemm
 
 H200_SMS = 132
-HEADS, LATENT, ROPE, NOPE, VALUE = 128, 512, 64, 128, 128
+HEADS, LATENT, NOPE, ROPE, VALUE = V3
 WORKSPACE = 65536
 MAX_CHUNKS = (1, 4, 16)
 MODULES = {"gather": gather, "up_projection": rows_gemm, "attention": attention}
@@ -61,10 +55,9 @@ ABSORBED_MODULES = {"absorbed_fold": rows_gemm, "absorbed_attention": absorbed, 
 ABSORBED_OPS = tuple(ABSORBED_MODULES)
 OPS = CHUNK_OPS + ABSORBED_OPS
 CAPACITY = PlanOptions(workspace_size=WORKSPACE, max_chunks=1).absorbed_capacity
-UNLIMITED = math.inf  # one program per tile
 
 
-def chunk_launches(query_lens: list[int], cu_seq_lens: list[int], sms: float) -> dict[str, tuple[int, int]]:
+def chunk_launches(query_lens: list[int], cu_seq_lens: list[int], sms: int) -> dict[str, tuple[int, int]]:
     """(grid size, tiles walked) of each op for one chunk iteration with these device rows on ``sms`` SMs."""
     width, num_out = LATENT + ROPE, HEADS * (NOPE + VALUE)
     up_m, up_n = rows_gemm.GPU_CONFIG_16BIT[:2]
@@ -92,7 +85,7 @@ def chunk_launches(query_lens: list[int], cu_seq_lens: list[int], sms: float) ->
     }
 
 
-def absorbed_launches(query_lens: list[int], absorbed_lens: list[int], sms: float) -> dict[str, tuple[int, int]]:
+def absorbed_launches(query_lens: list[int], absorbed_lens: list[int], sms: int) -> dict[str, tuple[int, int]]:
     """(grid size, tiles walked) of the absorbed path's three launches for one step on ``sms`` SMs."""
     rows = sum(q for q, a in zip(query_lens, absorbed_lens) if a)  # the packed routed tokens
     gemm_m, gemm_n = rows_gemm.GPU_CONFIG_16BIT[:2]
@@ -112,35 +105,32 @@ def absorbed_launches(query_lens: list[int], absorbed_lens: list[int], sms: floa
     }
 
 
-def add(work: dict, now: dict, before: dict, ops) -> None:
+def add(work: dict, launches: dict, ops) -> None:
     for op in ops:
-        work[op]["programs"] += now[op][0]
-        work[op]["idle_programs"] += max(0, now[op][0] - now[op][1])  # their stride loop never runs
-        work[op]["one_program_per_tile"] += before[op][0]
-        work[op]["tiles"] += now[op][1]
+        programs, tiles = launches[op]
+        work[op]["programs"] += programs
+        work[op]["idle_programs"] += max(0, programs - tiles)  # their stride loop never runs
+        work[op]["tiles"] += tiles
 
 
 def step_work(context_lens: list[int], query_lens: list[int], max_chunks: int) -> dict:
-    """Programs (persistent and one per tile) and tiles per op over the K iterations of one step."""
+    """Programs and tiles per op over the K iterations of one step."""
     mha_lens, absorbed_lens = route_context(context_lens, query_lens, DEFAULT_ABSORB_MAX_QUERY_LEN, CAPACITY)
     _, _, cu_seq_lens, num_chunks = device_plan_tensors(
         torch.tensor(mha_lens, dtype=torch.int32), WORKSPACE, max_chunks
     )
-    work = {op: {"programs": 0, "idle_programs": 0, "one_program_per_tile": 0, "tiles": 0} for op in OPS}
+    work = {op: {"programs": 0, "idle_programs": 0, "tiles": 0} for op in OPS}
     for cu in cu_seq_lens.tolist():
-        add(work, chunk_launches(query_lens, cu, H200_SMS), chunk_launches(query_lens, cu, UNLIMITED), CHUNK_OPS)
-    add(work, absorbed_launches(query_lens, absorbed_lens, H200_SMS),
-        absorbed_launches(query_lens, absorbed_lens, UNLIMITED), ABSORBED_OPS)
+        add(work, chunk_launches(query_lens, cu, H200_SMS), CHUNK_OPS)
+    add(work, absorbed_launches(query_lens, absorbed_lens, H200_SMS), ABSORBED_OPS)
     work["live_chunks"] = min(int(num_chunks), max_chunks)
     work["absorbed_rows"] = sum(q for q, a in zip(query_lens, absorbed_lens) if a)
-    work["absorbed_rows_before"] = sum(query_lens)
     return work
 
 
 def totals(steps: list[dict]) -> dict:
     out = {op: {key: sum(s[op][key] for s in steps) for key in steps[0][op]} for op in OPS}
-    for key in ("absorbed_rows", "absorbed_rows_before"):
-        out[key] = sum(s[key] for s in steps)
+    out["absorbed_rows"] = sum(s["absorbed_rows"] for s in steps)
     out["steps"] = len(steps)
     return out
 
@@ -157,12 +147,10 @@ def run(trace: str | Path, limit: int | None) -> dict:
         per_step = [step_work(s.context_lens, s.query_lens, k) for s in steps if any(s.context_lens)]
         trace_work[k] = totals(per_step)
 
-    def ratio(table, key="programs"):
-        # Each iteration's grid is fixed at launch (no host read), so the chunk ops' persistent
-        # programs grow as K; what they replace is one program per tile of the capacity, K times.
-        return round(all_programs(table[16], ops=CHUNK_OPS) / all_programs(table[1], key, CHUNK_OPS), 4)
+    def ratio(table):
+        # Each iteration's grid is fixed at launch (no host read), so the chunk ops' programs grow as K.
+        return round(all_programs(table[16], ops=CHUNK_OPS) / all_programs(table[1], ops=CHUNK_OPS), 4)
 
-    routed_headline = headline[1]
     return {
         "config": dict(sms=H200_SMS,
                        programs_per_sm={op: m.PROGRAMS_PER_SM for op, m in {**MODULES, **ABSORBED_MODULES}.items()},
@@ -171,51 +159,42 @@ def run(trace: str | Path, limit: int | None) -> dict:
                        trace=repo_path(trace), limit=limit),
         "headline": {str(k): v for k, v in headline.items()},
         "headline_programs_k16_over_k1": ratio(headline),
-        "headline_programs_k16_over_one_per_tile_k1": ratio(headline, "one_program_per_tile"),
-        # The absorbed path's packed rows against the earlier fold/unfold of every token; its bf16
-        # scratch (2 x rows x N x L), freed before the chunk loop's buffer is made, is as large at W / 4.
-        "headline_absorbed_rows": routed_headline["absorbed_rows"],
-        "headline_absorbed_rows_before": routed_headline["absorbed_rows_before"],
-        "headline_absorbed_scratch_bytes_before": 2 * routed_headline["absorbed_rows_before"] * HEADS * LATENT * 2,
+        "headline_absorbed_rows": headline[1]["absorbed_rows"],
+        # The absorbed path's bf16 scratch (2 x capacity x N x L) and the chunk loop's up-projected
+        # workspace (W x N x (P + V)) share one allocation.
         "absorbed_scratch_bytes": 2 * CAPACITY * HEADS * LATENT * 2,
         "chunk_buffer_bytes": WORKSPACE * HEADS * (NOPE + VALUE) * 2,
         "trace_steps_with_context": trace_work[1]["steps"],
         "trace_totals": {str(k): v for k, v in trace_work.items()},
         "trace_programs_k16_over_k1": ratio(trace_work),
-        "trace_programs_k16_over_one_per_tile_k1": ratio(trace_work, "one_program_per_tile"),
     }
 
 
 def plot(result: dict, path: str | Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = plotting.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, title in ((axes[0], "headline", "headline batch"), (axes[1], "trace_totals", "Mooncake trace")):
         ks = list(result[key])
-        for label, field in (("persistent", "programs"), ("one program per tile", "one_program_per_tile"),
+        for label, field in (("programs", "programs"), ("idle programs", "idle_programs"),
                              ("tiles walked", "tiles")):
             ax.plot(ks, [all_programs(result[key][k], field) for k in ks], marker="o", label=label)
         ax.set_yscale("log")
         ax.set_xlabel("max_chunks K")
         ax.set_title(f"{title}: programs (3 ops x K chunks + 3 absorbed)")
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
+    plotting.save(fig, path, dpi=100)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trace", default=DEFAULT_TRACE)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trace", default=str(DEFAULT_TRACE))
     parser.add_argument("--limit", type=int, default=None, help="first N trace requests only")
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None)
     args = parser.parse_args(argv)
     result = run(args.trace, args.limit)
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        write_json_atomic(args.json, result)
     if args.plot:
         plot(result, args.plot)
     print(json.dumps({k: v for k, v in result.items() if "_over_" in k}))

@@ -11,18 +11,19 @@ A small random DeepSeek-V2-Lite-style model (MoE after one dense layer, YaRN, fl
 Each configuration runs ``--repeats`` times (fresh ``Generator`` each, interleaved) and reports the
 fastest. Writes JSON (and a PNG with matplotlib) under benchmarks/results/.
 
-    python benchmarks/generate_bench.py --json benchmarks/results/generate_bench.json \\
+    python -m benchmarks.generate_bench --json benchmarks/results/generate_bench.json \\
         --plot benchmarks/results/generate_bench.png
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
 import mla_ops
+from benchmarks._lib import plot as plotting
+from benchmarks._lib.report import write_json_atomic
 from mla_ops.models.config import MLAConfig
 
 CONFIG = dict(
@@ -54,7 +55,8 @@ def workload(num_requests: int, prefix_len: int, suffix_len: int, seed: int) -> 
 
 def measure(model, name: str, args) -> dict:
     generator = mla_ops.Generator(model, block_size=args.block_size, prefix_caching=name != "no_prefix_cache")
-    first, second = workload(args.requests, args.prefix, args.suffix, 1), workload(args.requests, args.prefix, args.suffix, 2)
+    first = workload(args.requests, args.prefix, args.suffix, 1)
+    second = workload(args.requests, args.prefix, args.suffix, 2)
     outputs = generator.generate(first, args.new_tokens)
     if name == "warm":
         outputs = generator.generate(second, args.new_tokens)
@@ -66,8 +68,8 @@ def measure(model, name: str, args) -> dict:
                 outputs=outputs)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--prefix", type=int, default=512, help="shared prompt tokens")
     parser.add_argument("--suffix", type=int, default=32, help="tokens of each request's own")
@@ -77,7 +79,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steady timings on a shared box)")
     parser.add_argument("--json", default="benchmarks/results/generate_bench.json")
     parser.add_argument("--plot", default="benchmarks/results/generate_bench.png")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = random_model()
     names = ("no_prefix_cache", "cold", "warm")
@@ -96,17 +98,13 @@ def main() -> None:
         row["speedup_vs_no_prefix_cache"] = round(base / row["seconds"], 3)
         rows.append(row)
         print(row)
-    with open(args.json, "w") as f:
-        json.dump({"device": "cpu", "threads": args.threads, "torch": torch.__version__, "model": CONFIG,
-                   "workload": dict(requests=args.requests, prefix=args.prefix, suffix=args.suffix,
-                                    new_tokens=args.new_tokens, block_size=args.block_size),
-                   "rows": rows}, f, indent=1)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    write_json_atomic(args.json, {
+        "device": "cpu", "threads": args.threads, "torch": torch.__version__, "model": CONFIG,
+        "workload": dict(requests=args.requests, prefix=args.prefix, suffix=args.suffix, new_tokens=args.new_tokens,
+                         block_size=args.block_size),
+        "rows": rows})
+    plt = plotting.pyplot(optional=True)
+    if plt is None or not args.plot:
         return
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.bar(names, [r["tokens_per_s"] for r in rows], color=["gray", "tab:blue", "tab:green"])
@@ -115,8 +113,7 @@ def main() -> None:
     ax.set_ylim(0, 1.15 * max(r["tokens_per_s"] for r in rows))
     ax.set_ylabel("generated tokens / s")
     ax.set_title(f"{args.requests} requests, {args.prefix}-token shared prefix (CPU, {args.threads} thread)")
-    fig.tight_layout()
-    fig.savefig(args.plot, dpi=110)
+    plotting.save(fig, args.plot, dpi=110)
 
 
 if __name__ == "__main__":

@@ -9,13 +9,13 @@
 #   bash benchmarks/gpu_check.sh --long      # the long benchmark sweeps, at most 10 minutes
 #   bash benchmarks/gpu_check.sh --dry-run   # CPU: every step at tiny sizes, into a temporary folder
 #
-# Steps and limits in seconds (default / --long): wheels 10, env 20, cuda_kernels 70 (the tests of
-# tests/test_cuda.py whose names hold neither "graph" nor "reduce_overhead": kernels, FlashMLA,
-# mla_prefill), kernel_bench 50 / 180, absorbed_bench 45 / 175, device_path_bench 40 (the device
-# path at K = 1, 4, 16 against the host path), cuda_graphs 65 (the others: CUDA
-# graphs, torch.compile, PrefillGraphs), graphs_bench 45 / 120 (PrefillGraphs replay vs eager),
-# cuda_models 0 / 120 (--long only: the cuda tests of MoE, generation and context parallel),
-# summary 15; 360 s in all (815 with --long: two device calls, or a 10-minute one without the model
+# Steps and limits in seconds (default / --long): wheels 10, env 20, cuda_kernels 70 (the tests
+# marked cuda, anywhere under tests/, whose names hold neither "graph" nor "reduce_overhead":
+# kernels, FlashMLA, mla_prefill), kernel_bench 50 / 180, absorbed_bench 45 / 175,
+# device_path_bench 40 (the device path at K = 1, 4, 16 against the host path), cuda_graphs 65
+# (those that do: CUDA graphs, torch.compile, PrefillGraphs), graphs_bench 45 / 120 (PrefillGraphs
+# replay vs eager), cuda_models 0 / 120 (--long only: the cuda tests of MoE, generation and context
+# parallel, named in $model_tests and left out of the two others), summary 15; 360 s in all (815 with --long: two device calls, or a 10-minute one without the model
 # tests), and `timeout -k 5` kills a step at most 5 s past its limit. A dry run allows 10x each
 # limit: it checks the code paths, not the speed.
 #
@@ -82,19 +82,23 @@ site=/tmp/site
 step wheels 10 bash -c 'if ! ls .whl/*.whl >/dev/null 2>&1; then echo "no wheels in .whl/: FlashMLA is not measured"
     else "$0" -m pip install -q --no-index --no-deps --no-compile --target "$1" .whl/*.whl && ls "$1"; fi' "$PY" "$site"
 [ -d "$site" ] && export PYTHONPATH="$PYTHONPATH:$site"
-step env 20 "$PY" benchmarks/gpu_summary.py env --json "$out/gpu_env.json" "${dry_flag[@]}"
-pytest_args=(-m cuda tests/test_cuda.py -p no:cacheprovider -v -rs)
-step cuda_kernels 70 "$PY" -m pytest "${pytest_args[@]}" -k "not graph and not reduce_overhead"
+step env 20 "$PY" -m benchmarks.gpu_summary env --json "$out/gpu_env.json" "${dry_flag[@]}"
+# The GPU tests: marked cuda wherever they live under tests/ (tests/interpreter is its own run),
+# split by name. The model tests are long: --long only.
+pytest_args=(-m cuda tests --ignore=tests/interpreter -p no:cacheprovider -v -rs)
+model_tests="test_grouped_moe_on_cuda_compiles_and_captures or test_generation_on_cuda_equals_cpu_eager_and_compiled"
+model_tests+=" or test_cuda_latent_attention_kernel or test_cuda_one_rank_equals_single_device"
+step cuda_kernels 70 "$PY" -m pytest "${pytest_args[@]}" -k "not graph and not reduce_overhead and not ($model_tests)"
 if [ "$long" = 1 ]; then bench_limit=180; graphs_limit=120; else bench_limit=50; graphs_limit=45; fi
-step kernel_bench "$bench_limit" "$PY" benchmarks/kernel_bench.py --json "$out/gpu_kernels.json" "${flags[@]}"
-step absorbed_bench $((bench_limit - 5)) "$PY" benchmarks/absorbed_bench.py --json "$out/gpu_absorbed.json" "${flags[@]}"
-step device_path_bench 40 "$PY" benchmarks/device_path_bench.py --json "$out/gpu_device_path.json" "${flags[@]}"
-step cuda_graphs 65 "$PY" -m pytest "${pytest_args[@]}" -k "graph or reduce_overhead"
-step graphs_bench "$graphs_limit" "$PY" benchmarks/graphs_bench.py --json "$out/gpu_graphs.json" "${flags[@]}"
+step kernel_bench "$bench_limit" "$PY" -m benchmarks.kernel_bench --json "$out/gpu_kernels.json" "${flags[@]}"
+step absorbed_bench $((bench_limit - 5)) "$PY" -m benchmarks.absorbed_bench --json "$out/gpu_absorbed.json" \
+    "${flags[@]}"
+step device_path_bench 40 "$PY" -m benchmarks.device_path_bench --json "$out/gpu_device_path.json" "${flags[@]}"
+step cuda_graphs 65 "$PY" -m pytest "${pytest_args[@]}" -k "(graph or reduce_overhead) and not ($model_tests)"
+step graphs_bench "$graphs_limit" "$PY" -m benchmarks.graphs_bench --json "$out/gpu_graphs.json" "${flags[@]}"
 if [ "$long" = 1 ]; then
-    step cuda_models 120 "$PY" -m pytest -m cuda tests/test_moe.py tests/test_generation.py \
-        tests/test_context_parallel.py -p no:cacheprovider -v -rs
+    step cuda_models 120 "$PY" -m pytest "${pytest_args[@]}" -k "$model_tests"
 fi
-step summary 15 "$PY" benchmarks/gpu_summary.py summary --dir "$out" "${dry_flag[@]}"
+step summary 15 "$PY" -m benchmarks.gpu_summary summary --dir "$out" "${dry_flag[@]}"
 echo "results in $out"
 exit $failed

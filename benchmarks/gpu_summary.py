@@ -1,7 +1,7 @@
 """The first and last steps of ``benchmarks/gpu_check.sh``: what the machine is, and what the run got.
 
-    python benchmarks/gpu_summary.py env --json OUT/gpu_env.json    # versions, GPU, FlashMLA
-    python benchmarks/gpu_summary.py summary --dir OUT               # OUT/gpu_summary.md, .json, plots
+    python -m benchmarks.gpu_summary env --json OUT/gpu_env.json    # versions, GPU, FlashMLA
+    python -m benchmarks.gpu_summary summary --dir OUT               # OUT/gpu_summary.md, .json, plots
 
 The summary reads whatever the steps left in OUT, complete or not: the step table
 (``gpu_steps.tsv``: status, seconds, time limit), the pytest logs (one line per test, written as
@@ -23,9 +23,7 @@ import platform
 import re
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.report import under_results_dir, write_json_atomic  # noqa: E402
+from benchmarks._lib.report import under_results_dir, write_json_atomic
 
 TEST_STEPS = ("cuda_kernels", "cuda_graphs", "cuda_models")
 TEST_LINE = re.compile(r"^(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)")

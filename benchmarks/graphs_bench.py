@@ -13,31 +13,31 @@ Per step: ``eager_ms`` (the model with a host plan, as an eager caller runs it) 
 (``PrefillGraphs``: host bucketing, refill of the static buffers, replay), both steady-state
 milliseconds per step measured back to back in this run, their ratio, the first call (which
 captures), the graph memory the capture added, and the largest difference of the outputs. The JSON
-is rewritten after every step (``benchmarks/report.py``), so a run cut short keeps what it measured.
+is rewritten after every step (``benchmarks/_lib/report.py``), so a run cut short keeps what it measured.
 
-    python benchmarks/graphs_bench.py --json benchmarks/results/gpu_graphs.json --plot ...png
-    python benchmarks/graphs_bench.py --dry-run   # tiny sizes on CPU, modes "eager" and "compile",
+    python -m benchmarks.graphs_bench --json benchmarks/results/gpu_graphs.json --plot ...png
+    python -m benchmarks.graphs_bench --dry-run   # tiny sizes on CPU, modes "eager" and "compile",
                                                   # marked dry_run, never under benchmarks/results/
 """
 
 from __future__ import annotations
 
-import argparse
-import math
-import os
-import sys
+import dataclasses
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import mla_ops  # noqa: E402
-from benchmarks.report import Report, output_path  # noqa: E402
+import mla_ops
+from benchmarks._lib import cli
+from benchmarks._lib import plot as plotting
+from benchmarks._lib.batches import model_step
+from benchmarks._lib.report import Report, machine
+from benchmarks._lib.timing import per_step_ms
 
 # V2-Lite attention dims, 2 dense layers: the step's launch pattern is what is measured, not MoE.
-V2_LITE_2_LAYERS = dict(mla_ops.models.config.mla_configs["deepseek-v2-lite"], num_hidden_layers=2, n_routed_experts=None)
-TINY = dict(mla_ops.models.config.mla_configs["tiny"], num_hidden_layers=1)  # the dry run: quick to trace
+V2_LITE_2_LAYERS = dataclasses.replace(mla_ops.MLAConfig.from_name("deepseek-v2-lite"), num_hidden_layers=2,
+                                       n_routed_experts=None)
+TINY = dataclasses.replace(mla_ops.MLAConfig.from_name("tiny"), num_hidden_layers=1)  # the dry run: quick to trace
 
 
 def steps(dry_run: bool, long: bool):
@@ -51,45 +51,9 @@ def steps(dry_run: bool, long: bool):
     return out
 
 
-def step_inputs(config, context_lens, query_lens, block_size, device, seed=0):
-    """One step's inputs (new tokens right after each context) and the cache blocks it uses."""
-    g = torch.Generator().manual_seed(seed)
-    blocks = [math.ceil((c + q) / block_size) for c, q in zip(context_lens, query_lens)]
-    order = torch.randperm(sum(blocks), generator=g).to(torch.int32)
-    table = torch.zeros(len(blocks), max(blocks), dtype=torch.int32)
-    slots, used = [], 0
-    for r, n in enumerate(blocks):
-        table[r, :n] = order[used : used + n]
-        used += n
-        c, q = context_lens[r], query_lens[r]
-        pos = torch.arange(c, c + q)
-        slots.append(table[r, pos // block_size].long() * block_size + pos % block_size)
-    positions = torch.cat([torch.arange(c, c + q) for c, q in zip(context_lens, query_lens)])
-    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
-    ids = torch.randint(0, config.vocab_size, (sum(query_lens),), generator=g)
-    return dict(input_ids=ids.to(device), positions=positions.to(device), slot_mapping=torch.cat(slots).to(device),
-                block_table=table.to(device), query_start_loc=qsl,
-                context_lens=torch.tensor(context_lens, dtype=torch.int32),
-                num_blocks=sum(blocks))
-
-
-def per_step_ms(fn, device, reps: int) -> float:
-    """Steady-state milliseconds per step: ``reps`` steps back to back, one sync at the end (so a
-    host-bound step shows its host time, a GPU-bound one its GPU time)."""
-    for _ in range(2 if device.type == "cuda" else 1):
-        fn()
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    sync()
-    return (time.perf_counter() - start) * 1e3 / reps
-
-
 def run_step(model, device, mode, name, context_lens, query_lens, workspace_size, absorb, args) -> dict:
     config, block_size = model.config, args.block_size
-    x = step_inputs(config, context_lens, query_lens, block_size, device)
+    x = model_step(config, context_lens, query_lens, block_size, device)
     caches = model.allocate_kv_caches(x.pop("num_blocks"), block_size)
     torch.nn.init.normal_(caches, std=0.5)
     call = dict(x, kv_caches=caches)
@@ -133,13 +97,12 @@ def run(args) -> dict:
         raise SystemExit("graphs_bench measures CUDA-graph replay: it needs a GPU (or --dry-run on CPU)")
     torch.manual_seed(0)
     dtype = torch.float32 if args.dry_run else torch.bfloat16
-    config = mla_ops.MLAConfig(**(TINY if args.dry_run else V2_LITE_2_LAYERS))
+    config = TINY if args.dry_run else V2_LITE_2_LAYERS
     with torch.device(device):  # initialised where it runs: quick for the full-size layers
         model = mla_ops.MLAModel(config).to(dtype).eval()
     modes = ("eager", "compile") if args.dry_run else ("cuda_graph",)
     report = Report(args.json, dict(
-        device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
-        dtype=str(dtype), layers=config.num_hidden_layers, block_size=args.block_size,
+        machine(device), dtype=str(dtype), layers=config.num_hidden_layers, block_size=args.block_size,
     ), dry_run=args.dry_run)
     for name, context_lens, query_lens, workspace_size, absorb in steps(args.dry_run, args.long):
         for mode in modes:
@@ -150,11 +113,7 @@ def run(args) -> dict:
 
 
 def plot(report: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = plotting.pyplot()
     rows = report["results"]
     fig, ax = plt.subplots(figsize=(max(7, 1.3 * len(rows)), 4.5))
     xs = range(len(rows))
@@ -169,32 +128,20 @@ def plot(report: dict, path: str) -> None:
     dry = " (dry run: no GPU result)" if report["dry_run"] else ""
     ax.set_title(f"{report['device']}, {report['dtype']}, {report['layers']} layers{dry}")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    plotting.save(fig, path, dpi=120)
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", help="write the report here (rewritten after every step)")
-    parser.add_argument("--plot", help="write a PNG here")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--reps", type=int, default=20)
+    parser = cli.parser(__doc__)
+    cli.add_common_args(parser, reps=20, device="cuda", smoke=False)
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--compile-backend", help="torch.compile backend of mode 'compile' (default inductor; "
                         "aot_eager for --dry-run, which checks the code paths, not Inductor)")
-    parser.add_argument("--long", action="store_true", help="also the largest steps")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="tiny sizes on CPU, modes eager and compile, marked dry_run, "
-                        "never under benchmarks/results/")
-    args = parser.parse_args(argv)
+    args = cli.parse_args(parser, argv, "gpu_graphs.json")  # --dry-run: also modes eager and compile
     if args.compile_backend is None:
         args.compile_backend = "aot_eager" if args.dry_run else "inductor"
     if args.dry_run:
         args.block_size = 4
-        args.json = output_path(args.json, True, "gpu_graphs.json")
-        if args.plot:
-            output_path(args.plot, True, "gpu_graphs.png")
-        print(f"dry run (CPU, no GPU result): {args.json}", flush=True)
     report = run(args)
     if args.plot:
         plot(report, args.plot)

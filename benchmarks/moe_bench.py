@@ -12,19 +12,19 @@ Side by side in one run, per (experts E, top-k, hidden H, expert width I, tokens
 Writes JSON (and a PNG when matplotlib is there) under benchmarks/results/. Eager timings; the
 compiled forms run the same kernels (Inductor keeps the matmuls as library calls).
 
-    python benchmarks/moe_bench.py --json benchmarks/results/moe_bench.json --plot benchmarks/results/moe_bench.png
+    python -m benchmarks.moe_bench --json benchmarks/results/moe_bench.json --plot benchmarks/results/moe_bench.png
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks._lib import plot as plotting
+from benchmarks._lib.report import write_json_atomic
+from benchmarks._lib.timing import median_ms
 from mla_ops.models.config import MLAConfig
 from mla_ops.models.moe import MoE
 
@@ -50,18 +50,9 @@ def host_loop(experts, x, weights, indices):
     for e in indices.unique().tolist():  # host read of the routing
         token, slot = torch.where(indices == e)
         h = F.linear(x[token], experts.gate_up_proj[e])
-        out.index_add_(0, token, F.linear(experts._act(h), experts.down_proj[e]) * weights[token, slot, None].to(x.dtype))
+        y = F.linear(experts._act(h), experts.down_proj[e])
+        out.index_add_(0, token, y * weights[token, slot, None].to(x.dtype))
     return out
-
-
-def timed(fn, repeats: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def run(repeats: int) -> list[dict]:
@@ -88,30 +79,25 @@ def run(repeats: int) -> list[dict]:
                     row = dict(experts=E, top_k=k, hidden=H, inter=I, tokens=T, dtype=str(dtype).removeprefix("torch."))
                     for name, fn in forms.items():
                         err = (fn().float() - ref).abs().max().item()
-                        row[f"{name}_ms"] = round(timed(fn, repeats) * 1e3, 4)
+                        row[f"{name}_ms"] = round(median_ms(fn, reps=repeats, warmup=1), 4)  # wall time
                         row[f"{name}_max_err"] = err
                 rows.append(row)
                 print(row)
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steady timings on a shared box)")
     parser.add_argument("--json", default="benchmarks/results/moe_bench.json")
     parser.add_argument("--plot", default="benchmarks/results/moe_bench.png")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = run(args.repeats)
-    with open(args.json, "w") as f:
-        json.dump({"device": "cpu", "threads": args.threads, "torch": torch.__version__, "rows": rows}, f, indent=1)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    write_json_atomic(args.json, {"device": "cpu", "threads": args.threads, "torch": torch.__version__, "rows": rows})
+    plt = plotting.pyplot(optional=True)
+    if plt is None or not args.plot:
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, dtype in zip(axes, ("float32", "bfloat16")):
@@ -125,8 +111,7 @@ def main() -> None:
         ax.set_yscale("log")
         ax.set_title(f"{dtype}: time / host-loop time (CPU)")
     axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(args.plot, dpi=110)
+    plotting.save(fig, args.plot, dpi=110)
 
 
 if __name__ == "__main__":

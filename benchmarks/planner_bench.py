@@ -17,30 +17,27 @@ on the same batches. Cases: random batches of B requests (contexts 0 or 16..4,09
 tokens, W = 65,536), batches sized to need 1 to 1,000 chunks (64 requests, W = 1,024), the PR's
 headline batch, and every prefill step of the Mooncake trace replay (W = 65,536).
 
-    python benchmarks/planner_bench.py --json benchmarks/results/planner_bench.json \
+    python -m benchmarks.planner_bench --json benchmarks/results/planner_bench.json \
         --plot benchmarks/results/planner_bench.png
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
-import sys
-import time
 from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
-if __package__ in (None, ""):  # run as a script: make `benchmarks` and `mla_ops` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import mla_ops  # noqa: E402
-from benchmarks.trace_replay import DEFAULT_TRACE, load_trace, simulate  # noqa: E402
-from benchmarks.vllm_planner import build_chunked_context  # noqa: E402
+import mla_ops
+from benchmarks._lib import plot as plotting
+from benchmarks._lib.report import write_json_atomic
+from benchmarks._lib.timing import thread_time_samples
+from benchmarks._lib.trace import DEFAULT_TRACE, load_trace, simulate
+from benchmarks.vllm_planner import build_chunked_context
 
 BLOCK_SIZE = 16
 BATCH_SIZES = (1, 8, 32, 256, 1024, 4096)
@@ -98,25 +95,18 @@ def time_batches(batches: Sequence[Batch], workspace_size: int, rounds: int) -> 
     """Median µs and chunk count per planner over ``rounds`` interleaved samples per batch.
 
     A sample is the thread's CPU time over enough back-to-back calls to last ~200 µs, divided by
-    their number: on a shared machine, time the thread spends descheduled does not count.
+    their number (``timing.thread_time_samples``): on a shared machine, time the thread spends
+    descheduled does not count.
     """
     fns = planners(workspace_size)
     names = list(fns)
     samples = {n: [] for n in names}
     chunks = {n: [] for n in names}
     for b in batches:
-        calls = {}
+        batch_samples, counts = thread_time_samples({n: (lambda fn=fns[n]: fn(b)) for n in names}, rounds)
         for n in names:
-            t0 = time.thread_time_ns()
-            chunks[n].append(fns[n](b))  # warm-up; also the chunk count
-            calls[n] = max(1, min(50, 200_000 // max(time.thread_time_ns() - t0, 1)))
-        for i in range(rounds):
-            for n in names[i % len(names):] + names[: i % len(names)]:
-                fn, k = fns[n], calls[n]
-                t0 = time.thread_time_ns()
-                for _ in range(k):
-                    fn(b)
-                samples[n].append((time.thread_time_ns() - t0) / k)
+            samples[n] += batch_samples[n]
+            chunks[n].append(counts[n])  # the warm-up call's result: the chunk count
     us = {n: statistics.median(samples[n]) / 1000 for n in names}
     return {
         "us": {n: round(v, 2) for n, v in us.items()},
@@ -181,11 +171,7 @@ def run(trace: str | Path, *, rounds: int = 15, trace_rounds: int = 5, limit: in
 
 
 def plot(result: dict, path: str | Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = plotting.pyplot()
     ours = [n for n in result["planners"] if n != "vllm"]
     fig, axes = plt.subplots(1, 3, figsize=(17, 5))
     for ax, family, key, label in ((axes[0], "batch_size", "B", "requests B (W = 65,536)"),
@@ -217,26 +203,18 @@ def plot(result: dict, path: str | Path) -> None:
     head = result["headline"]
     fig.suptitle(f"Host planner vs vLLM PR #50613's (with its per-chunk metadata); headline batch: "
                  f"vLLM {head['us']['vllm']} µs, packed {head['us']['packed']} µs", fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plotting.save(fig, path, dpi=110)
 
 
 def write_json(result: dict, path: str | Path) -> None:
-    """Indented, except the per-step ratios: one line per planner."""
-    ratios = result["trace"].pop("step_ratios")
-    text = json.dumps(result, indent=1)
-    result["trace"]["step_ratios"] = ratios
-    lines = ",\n".join(f"  {json.dumps(n)}: {json.dumps(v, separators=(',', ':'))}" for n, v in ratios.items())
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text[:-2] + ',\n "trace_step_ratios": {\n' + lines + "\n }\n}\n")
+    """Indented, except the per-step ratios: ``trace_step_ratios``, last, one line per planner."""
+    trace = {k: v for k, v in result["trace"].items() if k != "step_ratios"}
+    write_json_atomic(path, dict(result, trace=trace, trace_step_ratios=result["trace"]["step_ratios"]),
+                      one_line=("trace_step_ratios",))
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trace", default=str(DEFAULT_TRACE), help="trace .jsonl (Mooncake format)")
     parser.add_argument("--json", required=True, help="where to write the results JSON")
     parser.add_argument("--plot", help="where to write a PNG summary")

@@ -7,7 +7,7 @@ Triton's launcher specialises them), so these are the variants a GPU run compile
 kernel: shared memory, registers, stack / local bytes, whether loads are asynchronous copies
 (software-pipelined) and whether the dot runs on Hopper's warpgroup tensor cores (wgmma).
 
-    python benchmarks/sm90_build.py --json benchmarks/results/sm90_build.json
+    python -m benchmarks.sm90_build --json benchmarks/results/sm90_build.json
 """
 
 from __future__ import annotations
@@ -18,9 +18,7 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
-from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -29,13 +27,13 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-if __package__ in (None, ""):  # run as a script: make `mla_ops` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from mla_ops.triton import absorbed, attention, rows_gemm  # noqa: E402
+from benchmarks._lib.batches import V3
+from benchmarks._lib.report import write_json_atomic
+from mla_ops.triton import absorbed, attention, rows_gemm
 
 H200 = GPUTarget("cuda", 90, 32)
-LATENT, ROPE, NOPE, VALUE, PAGE = 512, 64, 128, 128, 64
+LATENT, NOPE, ROPE, VALUE = V3.latent, V3.nope, V3.rope, V3.value  # DeepSeek's head dims
+PAGE = 64  # FlashMLA's cache page size
 INT_POINTERS = {"loc_ptr", "tokens_ptr", "block_table_ptr", "query_start_loc_ptr", "latent_loc_ptr",
                 "context_lens_ptr", "cu_k_ptr", "starts_ptr"}
 FP32_POINTERS = {"k_scale_ptr", "lse_ptr"}
@@ -118,7 +116,7 @@ def build(name: str, spec) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", default=None)
     parser.add_argument("--only", nargs="*", help="kernel names (default: all)")
     args = parser.parse_args(argv)
@@ -126,8 +124,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     for row in rows:
         print(json.dumps(row))
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(triton=triton.__version__, target="sm_90", results=rows),
-                                              indent=1) + "\n")
+        write_json_atomic(args.json, dict(triton=triton.__version__, target="sm_90", results=rows))
     return rows
 
 

@@ -1,37 +1,15 @@
 """Replay a real request trace through a simulated prefix-caching, chunked-prefill scheduler and
 count the context chunks each step needs under every chunk-schedule policy.
 
-Trace: one JSON object per line (the Mooncake FAST'25 format, see benchmarks/traces/README.md):
-``timestamp`` (arrival, ms), ``input_length`` (prompt tokens), ``output_length`` (generated
-tokens), ``hash_ids`` (one id per ``--block-size``-token prompt block; equal chains = same prefix).
+The trace format and the scheduler model are those of ``benchmarks/_lib/trace.py`` (``load_trace``,
+``simulate``; the flags below set its parameters). For every step with at least one prefill, the
+batch ``(context_lens, query_lens)`` (in the scheduler's order) is planned for each workspace size
+with the old vLLM batch-column schedule (``benchmarks.batch_column``) and with
+``mla_ops.plan_context_chunks`` under ``whole_requests`` and ``packed``. A routing sweep costs the
+steps at DeepSeek-V2-Lite dims for several ``absorb_max_query_len`` (modeled FLOPs, no timing).
+Planner time is ``planner_bench``'s question, not this script's.
 
-The scheduler model (simple and deterministic; no randomness, no wall clock):
-
-* Time advances by a fixed ``--step-ms`` per step; when nothing is running or waiting it jumps to
-  the next arrival. A request arriving at time ``t`` can be scheduled by the first step at ``>= t``.
-* Prefix cache: a global, unbounded set of block-hash *chains* (a block is keyed by its whole
-  prefix of hash ids, not by its own id). When a request is admitted, its cached prefix is the
-  longest prefix of its chain that is cached, times the block size, capped to ``input_length - 1``
-  rounded down to whole blocks (at least one token is computed, as in vLLM). Only full blocks are
-  cached; they become cached at the end of the step that computes their last token.
-* Each step spends ``--token-budget`` tokens, first-come first-served:
-  1. every decoding request gets 1 token (decodes use budget and running slots but are not part of
-     the planner's batch);
-  2. running partial prefills continue, in admission order, each getting
-     ``min(remaining prompt tokens, remaining budget)`` tokens (chunked prefill);
-  3. waiting requests are admitted in arrival order while budget remains and fewer than
-     ``--max-running`` requests (prefilling + decoding) run, with the same rule.
-  A prefill's ``context_len`` in a step is the number of its prompt tokens already computed or
-  cached, its ``query_len`` the tokens it gets in this step.
-* A request whose prompt is complete decodes for ``output_length`` steps from the next step on
-  (1 token per step), then leaves; its running slot is free from the step after its last decode.
-
-For every step with at least one prefill, the batch ``(context_lens, query_lens)`` (in the order
-above) is planned for each workspace size with the old vLLM batch-column schedule
-(``benchmarks.batch_column``) and with ``mla_ops.plan_context_chunks`` under ``whole_requests``
-and ``packed``; host planner time is measured with ``time.perf_counter_ns`` around each call.
-
-    python benchmarks/trace_replay.py \
+    python -m benchmarks.trace_replay \
         --json benchmarks/results/trace_replay.json --plot benchmarks/results/trace_replay.png
 
 replays the Mooncake conversation trace kept in ``benchmarks/traces/``; ``--trace`` takes another.
@@ -40,167 +18,28 @@ replays the Mooncake conversation trace kept in ``benchmarks/traces/``; ``--trac
 from __future__ import annotations
 
 import argparse
-import collections
-import json
-import statistics
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 
-if __package__ in (None, ""):  # run as a script: make `benchmarks` and `mla_ops` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import mla_ops
+from benchmarks._lib import plot as plotting
+from benchmarks._lib.batches import V2_LITE
+from benchmarks._lib.costs import modeled_flops
+from benchmarks._lib.report import write_json_atomic
+from benchmarks._lib.trace import DEFAULT_TRACE, Request, load_trace, repo_path, simulate
+from benchmarks.batch_column import batch_column_chunks
 
-import mla_ops  # noqa: E402
-from benchmarks.batch_column import batch_column_chunks  # noqa: E402
-
-DEFAULT_TRACE = Path(__file__).resolve().parent / "traces" / "mooncake_conversation_trace.jsonl"
 POLICIES = ("batch_column", "whole_requests", "packed")
 PLANNER_POLICIES = ("whole_requests", "packed")
-
-
-@dataclass
-class Request:
-    """One trace request and its scheduler state."""
-
-    arrival_ms: float
-    input_len: int
-    output_len: int
-    blocks: list[int]  # prefix-chain id of each prompt block (equal id = equal whole prefix)
-    computed: int = 0  # prompt tokens computed or cached so far
-    decodes_left: int = 0
-
-
-@dataclass(frozen=True)
-class Step:
-    """One scheduler step that holds at least one prefill."""
-
-    t_ms: float
-    context_lens: list[int]
-    query_lens: list[int]
-    num_decodes: int
-
-
-def repo_path(path: str | Path) -> str:
-    """``path`` relative to the repository when it lies inside it (results stay machine-independent)."""
-    path = Path(path).resolve()
-    root = Path(__file__).resolve().parent.parent
-    return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
-
-
-def load_trace(path: str | Path, limit: int | None = None) -> list[Request]:
-    """Read the trace, turning each request's hash ids into prefix-chain ids (a trie walk)."""
-    chain_ids: dict[tuple[int, int], int] = {}
-    requests = []
-    with open(path) as f:
-        for line in f:
-            if limit is not None and len(requests) >= limit:
-                break
-            if not line.strip():
-                continue
-            rec = json.loads(line)
-            parent, blocks = -1, []
-            for h in rec["hash_ids"]:
-                parent = chain_ids.setdefault((parent, h), len(chain_ids))
-                blocks.append(parent)
-            requests.append(
-                Request(float(rec["timestamp"]), int(rec["input_length"]), int(rec["output_length"]), blocks)
-            )
-    requests.sort(key=lambda r: r.arrival_ms)  # stable: ties keep trace order
-    return requests
-
-
-def simulate(
-    requests: Sequence[Request],
-    *,
-    token_budget: int = 8192,
-    max_running: int = 256,
-    step_ms: float = 50.0,
-    block_size: int = 512,
-    on_finish=None,
-) -> Iterator[Step]:
-    """Run the scheduler described in the module docstring; yield every step that has prefills.
-
-    ``requests`` must be sorted by arrival; their state fields are reset here. ``on_finish`` is
-    called once per request that leaves (for a progress bar).
-    """
-    for r in requests:
-        r.computed, r.decodes_left = 0, 0
-    cached: set[int] = set()
-    waiting: collections.deque[Request] = collections.deque()
-    prefilling: list[Request] = []  # admitted, prompt not complete, in admission order
-    decoding: list[Request] = []
-    next_arrival, now = 0, requests[0].arrival_ms if requests else 0.0
-
-    while next_arrival < len(requests) or waiting or prefilling or decoding:
-        while next_arrival < len(requests) and requests[next_arrival].arrival_ms <= now:
-            waiting.append(requests[next_arrival])
-            next_arrival += 1
-        if not (waiting or prefilling or decoding):
-            now = requests[next_arrival].arrival_ms  # idle: jump to the next arrival
-            continue
-
-        budget = token_budget
-        # 1. Decodes, one token each.
-        num_decodes = min(len(decoding), budget)
-        budget -= num_decodes
-        still_decoding = []
-        for i, r in enumerate(decoding):
-            if i < num_decodes:
-                r.decodes_left -= 1
-            if r.decodes_left > 0:
-                still_decoding.append(r)
-            elif on_finish is not None:
-                on_finish(r)
-
-        # 2. Continue partial prefills, then 3. admit waiting requests.
-        scheduled: list[tuple[Request, int]] = []  # (request, tokens this step)
-        for r in prefilling:
-            if budget == 0:
-                break
-            n = min(r.input_len - r.computed, budget)
-            scheduled.append((r, n))
-            budget -= n
-        while waiting and budget > 0 and len(prefilling) + len(decoding) < max_running:
-            r = waiting.popleft()
-            hit = 0
-            for block in r.blocks[: (r.input_len - 1) // block_size]:
-                if block not in cached:
-                    break
-                hit += 1
-            r.computed = hit * block_size
-            prefilling.append(r)
-            n = min(r.input_len - r.computed, budget)
-            scheduled.append((r, n))
-            budget -= n
-
-        if scheduled:
-            yield Step(now, [r.computed for r, _ in scheduled], [n for _, n in scheduled], num_decodes)
-
-        # End of step: cache newly completed blocks, move finished prompts to decoding.
-        for r, n in scheduled:
-            full_before, r.computed = r.computed // block_size, r.computed + n
-            cached.update(r.blocks[full_before : r.computed // block_size])
-            if r.computed == r.input_len:
-                r.decodes_left = r.output_len
-                if r.decodes_left > 0:
-                    still_decoding.append(r)
-                elif on_finish is not None:
-                    on_finish(r)
-        prefilling = [r for r in prefilling if r.computed < r.input_len]
-        decoding = still_decoding
-        now += step_ms
+# DeepSeek-V2-Lite's attention dims for the routing cost model (N, L, P, R, V).
+MLA_DIMS = V2_LITE._asdict()
 
 
 def count_chunks(
-    context_lens: np.ndarray,
-    query_lens: np.ndarray,
-    workspace_size: int,
-    split_alignment: int,
-    planner_ns: dict[str, list[int]] | None = None,
+    context_lens: np.ndarray, query_lens: np.ndarray, workspace_size: int, split_alignment: int
 ) -> dict[str, int | None]:
     """Chunks of one batch under each policy; batch_column is None where its formula fails."""
     try:
@@ -210,19 +49,11 @@ def count_chunks(
     except ValueError:  # too many requests for one alignment step each
         counts = {"batch_column": None}
     for policy in PLANNER_POLICIES:
-        t0 = time.perf_counter_ns()
         sched = mla_ops.plan_context_chunks(
             context_lens, query_lens, workspace_size, policy=policy, split_alignment=split_alignment
         )
-        t1 = time.perf_counter_ns()
-        if planner_ns is not None:
-            planner_ns[policy].append(t1 - t0)
         counts[policy] = sched.num_chunks
     return counts
-
-
-# DeepSeek-V2-Lite's attention dims for the routing cost model (N, L, P, R, V).
-MLA_DIMS = dict(heads=16, latent=512, nope=128, rope=64, value=128)
 
 
 def routing_summary(batches, thresholds: Sequence[int], workspace_size: int) -> list[dict]:
@@ -232,7 +63,7 @@ def routing_summary(batches, thresholds: Sequence[int], workspace_size: int) -> 
     for threshold in thresholds:
         mha = routed = absorbed_tokens = mha_tokens = chunks = 0
         for context_lens, query_lens in batches:
-            f = mla_ops.planning.routing.modeled_flops(context_lens, query_lens, absorb_max_query_len=threshold, **MLA_DIMS)
+            f = modeled_flops(context_lens, query_lens, absorb_max_query_len=threshold, **MLA_DIMS)
             mha += f["mha_only"]
             routed += f["routed"]
             absorbed_tokens += f["absorbed_context_tokens"]
@@ -248,10 +79,6 @@ def routing_summary(batches, thresholds: Sequence[int], workspace_size: int) -> 
             "packed_mha_chunks": chunks,
         })
     return rows
-
-
-def _median_us(samples: list[int]) -> float | None:
-    return round(statistics.median(samples) / 1000.0, 2) if samples else None
 
 
 def replay(
@@ -270,7 +97,6 @@ def replay(
     from tqdm import tqdm
 
     bar = tqdm(total=len(requests), unit="req", desc="replay", disable=not progress, mininterval=1.0)
-    planner_ns = {w: {p: [] for p in PLANNER_POLICIES} for w in workspace_sizes}
     steps = []
     start = time.perf_counter()
     for step in simulate(
@@ -283,10 +109,7 @@ def replay(
     ):
         context_lens = np.asarray(step.context_lens, dtype=np.int32)
         query_lens = np.asarray(step.query_lens, dtype=np.int32)
-        by_ws = {
-            w: count_chunks(context_lens, query_lens, w, split_alignment, planner_ns[w])
-            for w in workspace_sizes
-        }
+        by_ws = {w: count_chunks(context_lens, query_lens, w, split_alignment) for w in workspace_sizes}
         steps.append((step, by_ws))
     bar.close()
     wall_s = time.perf_counter() - start
@@ -303,7 +126,6 @@ def replay(
             "max_chunks_in_a_step": {p: max((c[p] or 0 for c in per_step), default=0) for p in POLICIES},
             "lower_bound_total": sum(-(-sum(s.context_lens) // w) for s, _ in steps),
             "batch_column_infeasible_steps": sum(1 for c in per_step if c["batch_column"] is None),
-            "planner_us_median": {p: _median_us(planner_ns[w][p]) for p in PLANNER_POLICIES},
         }
     return {
         "workspace_size": primary,
@@ -319,9 +141,6 @@ def replay(
         "replay_wall_s": round(wall_s, 2),
         "totals": by_workspace[str(primary)]["totals"],
         "by_workspace": by_workspace,
-        "planner_us_median": {
-            p: _median_us([t for w in workspace_sizes for t in planner_ns[w][p]]) for p in PLANNER_POLICIES
-        },
         "chunks_by_workspace_order": list(POLICIES),
         "routing": routing_summary(
             [(s.context_lens, s.query_lens) for s, _ in steps], absorb_thresholds, primary
@@ -343,13 +162,7 @@ def replay(
 
 def write_json(result: dict, path: str | Path) -> None:
     """Summary fields indented, then one compact line per step (valid JSON, greppable, small)."""
-    head = {k: v for k, v in result.items() if k != "steps"}
-    text = json.dumps(head, indent=1)
-    lines = [json.dumps(s, separators=(",", ":")) for s in result["steps"]]
-    body = '"steps": [\n' + ",\n".join(lines) + "\n]"
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text[:-2] + ",\n " + body + "\n}\n" if head else "{" + body + "}\n")
+    write_json_atomic(path, result, one_line=("steps",))
 
 
 def _chunk_bins(max_count: int) -> tuple[list[int], list[str]]:
@@ -363,10 +176,7 @@ def _chunk_bins(max_count: int) -> tuple[list[int], list[str]]:
 
 def plot(result: dict, path: str | Path) -> None:
     """Totals per policy and workspace size, and per-step chunk-count histograms."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plotting.pyplot()
 
     colors = {"batch_column": "tab:red", "whole_requests": "tab:orange", "packed": "tab:green"}
     names = {"batch_column": "batch column (old vLLM)", "whole_requests": "whole_requests (vLLM PR #50613)",
@@ -415,22 +225,17 @@ def plot(result: dict, path: str | Path) -> None:
         # The bar chart's legend names the colors for all panels.
         ax.grid(axis="y", alpha=0.3)
 
-    planner = ", ".join(f"{p} {v} µs" for p, v in result["planner_us_median"].items())
     fig.suptitle(
         f"{Path(result.get('trace', '')).name}: {result['num_requests']:,} requests, "
         f"budget {result['token_budget']:,} tokens/step, max {result['max_running']} running, "
-        f"split_alignment {result['split_alignment']}; median host planner time: {planner}",
+        f"split_alignment {result['split_alignment']}",
         fontsize=10,
     )
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plotting.save(fig, path, dpi=110)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trace", default=str(DEFAULT_TRACE), help="trace .jsonl (Mooncake format)")
     parser.add_argument("--json", required=True, help="where to write the results JSON")
     parser.add_argument("--plot", help="where to write a PNG summary")
@@ -477,7 +282,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
         entry = result["by_workspace"][str(w)]
         row = " ".join(f"{entry['totals'][p]:>15,}" for p in POLICIES)
         print(f"{w:>10,} {row} {entry['lower_bound_total']:>12,}")
-    print("planner median (µs):", result["planner_us_median"])
     print(f"routing (W={workspace_sizes[0]:,}, DeepSeek-V2-Lite dims):")
     for r in result["routing"]:
         print(f"  absorb q <= {r['absorb_max_query_len']:>4}: {r['absorbed_context_share']:6.1%} of context rows "

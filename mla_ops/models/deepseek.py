@@ -101,7 +101,8 @@ class MLAAttention(nn.Module):
         dims = check_run(q, kv_c, k_pe, kv_cache, weight, self.softmax_scale, plan, k_scale, backend, None)
         check_write(kv_c, k_pe, slot_mapping, kv_cache, k_scale)
         write_checked(kv_c, k_pe, slot_mapping, kv_cache, k_scale)
-        out = run_checked(q, kv_c, k_pe, kv_cache, weight, self.softmax_scale, plan, k_scale, backend, dims)  # [T, N, V]
+        out = run_checked(q, kv_c, k_pe, kv_cache, weight, self.softmax_scale, plan, k_scale, backend,
+                          dims)  # [T, N, V]
         return self.o_proj(out.reshape(num_tokens, N * V))  # [T, H]
 
 

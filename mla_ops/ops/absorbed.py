@@ -91,17 +91,17 @@ def absorbed_reference(
     acc = lse_dtype(q.dtype)
     num_heads, latent, nope, _, _ = MLADims.from_shapes(q, kv_cache, kv_b_proj_weight)
     w_uk, w_uv = (w.to(acc) for w in split_kv_b_proj(kv_b_proj_weight, num_heads, nope))
-    bounds, contexts = query_start_loc.tolist(), context_lens.tolist()  # host reads: CPU / oracle path
-    for r, context in enumerate(contexts):
-        t0, t1 = bounds[r], bounds[r + 1]
-        if context <= 0 or t0 == t1:
-            continue
-        qr = q[t0:t1].to(acc)  # [m, N, P+R]
-        q_lat = torch.einsum("mnp,npl->mnl", qr[..., :nope], w_uk)  # [m, N, L]
-        folded = torch.cat([q_lat, qr[..., nope:]], dim=-1) * softmax_scale  # [m, N, L+R]
-        o_lat, lse_r = latent_partial(folded, kv_cache, block_table, r, context, latent, k_scale, acc)
-        out[t0:t1] = torch.einsum("mnl,nvl->mnv", o_lat, w_uv).to(out.dtype)
-        lse[:, t0:t1] = lse_r.to(lse.dtype)
+    qa = q.to(acc)
+    folded = torch.cat([torch.einsum("tnp,npl->tnl", qa[..., :nope], w_uk), qa[..., nope:]], dim=-1)  # [T, N, L+R]
+    o_lat = folded.new_zeros(q.shape[0], num_heads, latent)
+    lse_lat = folded.new_full((num_heads, q.shape[0]), float("-inf"))
+    latent_attention_reference(folded, kv_cache, block_table, query_start_loc, context_lens, softmax_scale, k_scale,
+                               o_lat, lse_lat)
+    query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    rows = torch.repeat_interleave(context_lens > 0, query_lens)  # host path: the tokens with a partial
+    rows = torch.cat([rows, rows.new_zeros(q.shape[0] - rows.shape[0])])  # tokens past query_start_loc[-1]
+    out[rows] = torch.einsum("tnl,nvl->tnv", o_lat[rows], w_uv).to(out.dtype)
+    lse[:, rows] = lse_lat[:, rows].to(lse.dtype)
 
 
 @torch.library.custom_op("mla_ops::absorbed_context_attention", mutates_args=("out", "lse"))

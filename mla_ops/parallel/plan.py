@@ -202,11 +202,7 @@ def _host_schedule(ctx: np.ndarray, query_lens: np.ndarray, policy: str, args: _
     gathered_ctx = np.where(absorbed, 0, ctx)
     schedule = plan_context_chunks(args.stripes(gathered_ctx), query_lens, args.stripes_per_chunk, policy=policy,
                                    split_alignment=args.stripe_alignment)
-    stripe_starts = np.zeros((schedule.num_chunks, ctx.size), np.int64)
-    stripe_lens = np.zeros_like(stripe_starts)
-    for k, chunk in enumerate(schedule.chunks):
-        stripe_starts[k, chunk.request_start : chunk.request_end] = chunk.starts.numpy()
-        stripe_lens[k, chunk.request_start : chunk.request_end] = chunk.seq_lens.numpy()
+    stripe_starts, stripe_lens = schedule.dense(ctx.size)
     return absorbed, gathered_ctx, stripe_starts, stripe_lens, schedule
 
 

@@ -64,19 +64,3 @@ def route_context(context_lens, query_lens, absorb_max_query_len: int, max_absor
         absorbed &= np.cumsum(np.where(absorbed, query_lens, 0)) <= max_absorbed_tokens
     absorbed_lens = np.where(absorbed, context_lens, 0)
     return context_lens - absorbed_lens, absorbed_lens
-
-
-def modeled_flops(context_lens, query_lens, heads: int, latent: int, nope: int, rope: int, value: int,
-                  absorb_max_query_len: int) -> dict:
-    """Context-attention FLOPs of a batch, all-MHA versus routed (DESIGN §1 cost model)."""
-    c = np.asarray(context_lens, dtype=np.float64)
-    q = np.asarray(query_lens, dtype=np.float64)
-    mha = heads * (c * 2 * latent * (nope + value) + q * c * 2 * (nope + rope + value))
-    absorbed = heads * q * c * 2 * (2 * latent + rope)
-    routed = q <= absorb_max_query_len
-    return {
-        "mha_only": float(mha.sum()),
-        "routed": float(np.where(routed, absorbed, mha).sum()),
-        "absorbed_context_tokens": int(c[routed].sum()),
-        "mha_context_tokens": int(c[~routed].sum()),
-    }

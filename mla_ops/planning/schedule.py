@@ -88,6 +88,16 @@ class ContextSchedule:
     def num_chunks(self) -> int:
         return len(self.chunks)
 
+    def dense(self, num_requests: int) -> tuple[np.ndarray, np.ndarray]:
+        """The chunks over the whole batch, as the device form lays them out: ``(starts, seq_lens)``,
+        each ``[num_chunks, num_requests]`` int64, zero where a chunk does not cover a request."""
+        starts = np.zeros((self.num_chunks, num_requests), np.int64)
+        seq_lens = np.zeros_like(starts)
+        for k, chunk in enumerate(self.chunks):
+            starts[k, chunk.request_start : chunk.request_end] = chunk.starts.cpu().numpy()
+            seq_lens[k, chunk.request_start : chunk.request_end] = chunk.seq_lens.cpu().numpy()
+        return starts, seq_lens
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "ContextSchedule":
         """The same schedule with its chunk tensors on ``device``, moved in a single copy."""
         buffer = self._buffer

@@ -7,10 +7,11 @@ context). The cache is a ``BlockManager`` (``mla_ops.serving.paged_cache``): ful
 content hash between the prompts of a call and across calls (a prompt whose next block another
 prompt of the same step is computing waits one step and then reuses it), and freed when unused.
 
-``compile=True`` runs each step through ``torch.compile(fullgraph=True, dynamic=True)`` with a
-device plan (``max_chunks=K``, K the step's context chunks rounded up to a power of two) made
-inside the graph, on padded inputs: tokens to a power of two (a padding request owns them; their
-slots are -1, so they write nothing), requests to a power of two (zero-length requests).
+``compile=True`` runs each step through ``PrefillGraphs`` (``mla_ops.serving.graphs``): CUDA graphs
+on a GPU, ``torch.compile`` per bucket elsewhere, each step padded to its bucket by the one padding
+contract of ``mla_ops.serving.buckets``, with a device plan made inside the graph; a step beyond
+the buckets runs eagerly. The runner is kept across calls while the cache tensor stays the same
+(pass ``num_blocks`` so that it never grows).
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ from typing import Callable, Sequence
 
 import torch
 
+from .. import _checks as checks
+from ..planning.options import PlanOptions
+from ..prefill import plan_with_options
+from .graphs import PrefillGraphs
 from .paged_cache import BlockManager, block_hashes, chain_hash
-from ..prefill import plan_prefill
 
 
 @dataclass
@@ -46,7 +50,7 @@ class GenerationStats:
 
 
 @dataclass
-class _Sequence:
+class _RunningRequest:
     tokens: list[int]
     prompt_len: int
     hashes: list[bytes]  # names of the prompt's full blocks
@@ -66,26 +70,28 @@ class Generator:
     """A model, its paged latent cache and the prefix-cache index, kept across ``generate`` calls.
 
     model: an ``MLAForCausalLM``. num_blocks: cache blocks (None: as many as each call needs, the
-    cache growing when a call needs more). prefix_caching=False recomputes every prompt in full.
+    cache growing when a call needs more). compile=True: steps run through ``PrefillGraphs``
+    (module doc). prefix_caching=False recomputes every prompt in full.
     """
 
     def __init__(self, model, *, block_size: int = 16, num_blocks: int | None = None,
                  workspace_size: int = 65536, compile: bool = False, prefix_caching: bool = True):
         if not (hasattr(model, "model") and hasattr(model, "lm_head")):
             raise TypeError(f"model must be an MLAForCausalLM (a model and its lm_head), got {type(model).__name__}")
-        for name, value in (("block_size", block_size), ("workspace_size", workspace_size)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks < 1):
-            raise ValueError(f"num_blocks must be a positive int or None, got {num_blocks!r}")
+        if num_blocks is not None:
+            checks.check_positive_int(num_blocks, "num_blocks")
         self.model = model
-        self.block_size, self.workspace_size, self.compile = block_size, workspace_size, compile
+        self.options = PlanOptions(block_size, workspace_size)  # the host plans of eager steps
+        self.block_size, self.workspace_size = self.options.block_size, self.options.workspace_size
+        self.compile = compile
         self.fixed_num_blocks = num_blocks
         self.manager = BlockManager(num_blocks or 1, block_size, prefix_caching)
         self.kv_caches: torch.Tensor | None = None
         self.stats = GenerationStats()
         self._fingerprint = None
-        self._compiled: dict[int, Callable] = {}
+        self._runner: PrefillGraphs | None = None  # compile=True: the step runner and the cache it was built for
+        self._runner_caches: torch.Tensor | None = None
+        self._call_sizes = (1, 1)  # compile=True: the token and request buckets a call needs
         self.settings = (block_size, num_blocks, workspace_size, compile, prefix_caching)
 
     # ---- the cache -------------------------------------------------------------------------------
@@ -118,7 +124,7 @@ class Generator:
         grown[:, : self.kv_caches.shape[1]] = self.kv_caches  # block ids (and cached rows) stay valid
         self.kv_caches = grown
 
-    def _reserve(self, seqs: list[_Sequence], max_new_tokens: int) -> None:
+    def _reserve(self, seqs: list[_RunningRequest], max_new_tokens: int) -> None:
         """Pin every prompt's cached prefix (no allocation of this call can evict it), then make
         sure the rest of the call fits."""
         bs = self.block_size
@@ -136,7 +142,7 @@ class Generator:
             need += math.ceil((seq.prompt_len + max_new_tokens) / bs) - shared
         self._ensure_capacity(need)
 
-    def _admit(self, seq: _Sequence, pending: set[bytes]) -> bool:
+    def _admit(self, seq: _RunningRequest, pending: set[bytes]) -> bool:
         """Take what the cache holds now; wait a step if another prompt is computing the next block."""
         more = self.manager.match(seq.hashes[: seq.max_hits])[len(seq.blocks) :]
         for block in more:
@@ -151,7 +157,7 @@ class Generator:
         self.stats.cached_tokens += seq.num_computed
         return True
 
-    def _register_full_blocks(self, seq: _Sequence) -> None:
+    def _register_full_blocks(self, seq: _RunningRequest) -> None:
         bs = self.block_size
         parent = seq.hashes[seq.num_registered - 1] if seq.num_registered else None
         for j in range(seq.num_registered, seq.num_computed // bs):
@@ -161,14 +167,14 @@ class Generator:
             self.manager.register(seq.blocks[j], parent)
         seq.num_registered = max(seq.num_registered, seq.num_computed // bs)
 
-    def _release(self, seq: _Sequence) -> None:
+    def _release(self, seq: _RunningRequest) -> None:
         for block in reversed(seq.blocks):  # the tail is evicted first, the shared prefix last
             self.manager.release(block)
         seq.blocks = []
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def _step_inputs(self, batch: list[_Sequence]):
+    def _step_inputs(self, batch: list[_RunningRequest]):
         """Host tensors of one step: every scheduled sequence's tokens past its cached rows."""
         bs = self.block_size
         ids, positions, slots, qsl, ctx = [], [], [], [0], []
@@ -183,60 +189,43 @@ class Generator:
             ctx.append(start)
         return ids, positions, slots, qsl, ctx
 
-    def _run_step(self, batch: list[_Sequence], table_width: int) -> list[int]:
+    def _run_step(self, batch: list[_RunningRequest], table_width: int) -> list[int]:
         ids, positions, slots, qsl, ctx = self._step_inputs(batch)
         device = self.kv_caches.device
-        if self.compile:
-            return self._run_compiled(batch, ids, positions, slots, qsl, ctx, table_width)
-        table = torch.zeros(len(batch), max(len(s.blocks) for s in batch), dtype=torch.int32)
+        table = torch.zeros(len(batch), table_width, dtype=torch.int32)
         for r, seq in enumerate(batch):
             table[r, : len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
         table = table.to(device)
+        inputs = [torch.tensor(x, device=device) for x in (ids, positions, slots)]
         qsl_t, ctx_t = torch.tensor(qsl, dtype=torch.int32), torch.tensor(ctx, dtype=torch.int32)
-        plan = plan_prefill(qsl_t, ctx_t, table, self.block_size, self.workspace_size)  # host plan, all layers
-        hidden = self.model.model(torch.tensor(ids, device=device), torch.tensor(positions, device=device),
-                                  self.kv_caches, torch.tensor(slots, device=device), table, plan)
+        if self.compile:
+            input_ids, positions_t, slot_mapping = inputs
+            hidden = self._graphs(table_width)(input_ids, positions_t, self.kv_caches, slot_mapping, table, qsl_t,
+                                               ctx_t)
+        else:
+            plan = plan_with_options(qsl_t, ctx_t, table, self.options)  # host plan, all layers
+            hidden = self.model.model(inputs[0], inputs[1], self.kv_caches, inputs[2], table, plan)
         last = torch.tensor(qsl[1:], device=device) - 1
         return self.model.lm_head(hidden.index_select(0, last)).argmax(-1).tolist()
 
-    def _run_compiled(self, batch, ids, positions, slots, qsl, ctx, table_width) -> list[int]:
-        # mla_ops.PrefillGraphs (mla_ops/graphs.py: CUDA graphs, or mode="compile") would take this
-        # place: it owns static padded buffers and the K buckets; generation only needs next tokens.
-        num_tokens, num_requests = len(ids), len(batch)
-        padded_tokens = _next_pow2(max(num_tokens, 2))
-        pad = padded_tokens - num_tokens
-        ids, positions, slots = ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad
-        qsl, ctx = qsl + [padded_tokens] * (pad > 0), ctx + [0] * (pad > 0)  # a request owning the padding
-        padded_requests = _next_pow2(max(len(ctx), 2))
-        qsl += [padded_tokens] * (padded_requests - len(ctx))  # zero-length requests
-        ctx += [0] * (padded_requests - len(ctx))
-        table = torch.zeros(padded_requests, table_width, dtype=torch.int32)
-        for r, seq in enumerate(batch):
-            table[r, : len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
-        last = [end - 1 for end in qsl[1 : num_requests + 1]] + [0] * (padded_requests - num_requests)
-        max_chunks = _next_pow2(max(1, math.ceil(sum(ctx) / self.workspace_size)))
-        device = self.kv_caches.device
-        as_device = lambda values, dtype=torch.int64: torch.tensor(values, dtype=dtype, device=device)  # noqa: E731
-        step = self._compiled_step(max_chunks)
-        tokens = step(as_device(ids), as_device(positions), as_device(slots), table.to(device),
-                      as_device(qsl, torch.int32), as_device(ctx, torch.int32), as_device(last), self.kv_caches)
-        return tokens[:num_requests].tolist()
-
-    def _compiled_step(self, max_chunks: int) -> Callable:
-        if max_chunks not in self._compiled:
+    def _graphs(self, max_blocks_per_request: int) -> PrefillGraphs:
+        """The step runner of ``compile=True``: ``PrefillGraphs`` over the model (mode ``"cuda_graph"``
+        on CUDA, ``"compile"`` elsewhere), sized for this call and kept while its cache and sizes hold."""
+        runner, sizes = self._runner, self._call_sizes
+        fits = runner is not None and self._runner_caches is self.kv_caches and \
+            runner.buckets.tokens[-1] >= sizes[0] and runner.buckets.requests[-1] >= sizes[1] and \
+            runner.max_blocks_per_request >= max_blocks_per_request
+        if not fits:
             from ..lowering import enable
 
             enable()
-            model, block_size, workspace = self.model, self.block_size, self.workspace_size
-
-            def step(ids, positions, slots, table, qsl, ctx, last, kv_caches):
-                plan = plan_prefill(qsl, ctx, table, block_size, workspace, max_chunks=max_chunks)
-                hidden = model.model(ids, positions, kv_caches, slots, table, plan)  # [T, H]
-                return model.lm_head(hidden.index_select(0, last)).argmax(-1)  # [B]
-
-            self._compiled[max_chunks] = torch.compile(step, fullgraph=True, dynamic=True)
-        torch._dynamo.mark_static(self.kv_caches)  # the cache buffer is fixed: not a dynamic shape
-        return self._compiled[max_chunks]
+            mode = "cuda_graph" if self.kv_caches.device.type == "cuda" else "compile"
+            self._runner = PrefillGraphs(
+                self.model.model, max_tokens=sizes[0], max_requests=sizes[1],
+                max_blocks_per_request=max_blocks_per_request, block_size=self.options.block_size,
+                workspace_size=self.options.workspace_size, mode=mode)
+            self._runner_caches = self.kv_caches
+        return self._runner
 
     # ---- a call --------------------------------------------------------------------------------
 
@@ -255,12 +244,14 @@ class Generator:
         if max_new_tokens == 0:
             return outputs
         bs = self.block_size
-        seqs = [_Sequence(list(p), len(p), block_hashes(p, bs)) for p in prompts]
+        seqs = [_RunningRequest(list(p), len(p), block_hashes(p, bs)) for p in prompts]
         start = time.perf_counter()
         try:
             self._check_weights()
             self._reserve(seqs, max_new_tokens)
             table_width = _next_pow2(math.ceil((max(map(len, prompts)) + max_new_tokens) / bs))
+            # The first step runs every prompt (less its cached prefix), the others a token a sequence.
+            self._call_sizes = (max(16, _next_pow2(stats.prompt_tokens)), _next_pow2(len(prompts)))
             while not all(seq.done for seq in seqs):
                 pending: set[bytes] = set()
                 order = [i for i, seq in enumerate(seqs) if not seq.done and (seq.admitted or self._admit(seq, pending))]

@@ -45,6 +45,7 @@ import torch
 from .. import _checks as checks
 from ..ops.backends import BACKENDS
 from ..planning.options import PlanOptions
+from ..planning.plan import check_inputs
 from ..prefill import plan_with_options
 from .buckets import Bucket, Buckets, padded_lengths
 
@@ -340,15 +341,8 @@ class PrefillGraphs:
 
     def _host_lengths(self, input_ids, positions, slot_mapping, block_table, query_start_loc, context_lens):
         """The step's lengths as host arrays, checked (argument names in every error)."""
-        checks.check_int32(query_start_loc, "query_start_loc", 1, "[B+1]")
-        checks.check_int32(context_lens, "context_lens", 1, "[B]")
-        checks.check_int32(block_table, "block_table", 2, "[B, max_blocks]")
+        check_inputs(query_start_loc, context_lens, block_table)
         requests = context_lens.shape[0]
-        if query_start_loc.shape[0] != requests + 1:
-            raise ValueError(f"query_start_loc must be [B+1] = [{requests + 1}] for B={requests} context_lens, "
-                             f"got {list(query_start_loc.shape)}")
-        if block_table.shape[0] < requests:
-            raise ValueError(f"block_table must have a row per request (B={requests}), got {block_table.shape[0]} rows")
         if query_start_loc.device.type == "cpu" and context_lens.device.type == "cpu":
             qsl, ctx = query_start_loc.numpy(), context_lens.numpy()
         else:  # one device-to-host read of both

@@ -3,7 +3,5 @@ is defined, so ``TRITON_INTERPRET=1`` is set here, before the test modules impor
 """
 
 import os
-import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/ helpers

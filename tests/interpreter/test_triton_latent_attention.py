@@ -18,19 +18,20 @@ import torch  # noqa: E402
 
 from mla_ops.ops.absorbed import latent_attention_reference  # noqa: E402
 from mla_ops.triton.absorbed import latent_context_attention as latent_attention_triton  # noqa: E402
-from test_absorbed import SMALL, make_batch, written_rows  # noqa: E402
+from tests.support.batches import context_batch, written_rows  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.float16: 1e-2}
+SMALL = dict(N=3, L=32, R=8, P=8, V=8)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("fp8_scale", [None, 0.5])
 def test_matches_reference(dtype, fp8_scale):
-    batch = make_batch([5, 0, 19, 3, 40, 1], [1, 3, 17, 0, 2, 1], block_size=4, dtype=dtype, fp8_scale=fp8_scale,
-                       **dict(SMALL, num_heads=5))
-    tokens, heads, latent = batch.q.shape[0], 5, SMALL["latent"]
+    batch = context_batch([5, 0, 19, 3, 40, 1], [1, 3, 17, 0, 2, 1], block_size=4, dtype=dtype, fp8_scale=fp8_scale,
+                          **dict(SMALL, N=5))
+    tokens, heads, latent = batch.q.shape[0], 5, SMALL["L"]
     g = torch.Generator().manual_seed(1)
-    q_abs = torch.randn(tokens, heads, latent + SMALL["rope"], generator=g).to(dtype)  # [T, H, L+R]
+    q_abs = torch.randn(tokens, heads, latent + SMALL["R"], generator=g).to(dtype)  # [T, H, L+R]
     args = (q_abs, batch.kv_cache, batch.block_table, batch.query_start_loc, batch.context_lens, batch.softmax_scale,
             batch.k_scale)
     got = torch.full((tokens, heads, latent), float("nan"))

@@ -9,9 +9,8 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("run with TRITON_INTERPRET=1 (make test does)", allow_module_level=True)
 pytest.importorskip("triton")
 
-from test_prefill import dense_reference, make_batch  # noqa: E402
-
 import mla_ops  # noqa: E402
+from tests.support.batches import dense_reference, make_batch  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.float16: 1e-2}
 

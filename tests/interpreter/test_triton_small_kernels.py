@@ -23,6 +23,7 @@ from mla_ops.triton.gather import gather_context  # noqa: E402
 from mla_ops.triton.merge import merge_attn_states  # noqa: E402
 from mla_ops.triton.rows_gemm import up_project  # noqa: E402
 from mla_ops.ops.up_projection import up_project_reference  # noqa: E402
+from tests.support.batches import paged_block_table  # noqa: E402
 
 WIDTH = 24  # L + R stand-in: not a power of two, so column tiles are masked
 NAN = float("nan")
@@ -34,15 +35,14 @@ def int32(values):
 
 
 def paged_batch(block_size, context_lens, *, seed=0, extra_blocks=3):
-    """A cache holding every request's context in shuffled blocks, and a non-contiguous table."""
+    """A cache holding every request's context in shuffled blocks, and a table with column stride 2."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per_request = max(-(-c // block_size) for c in context_lens) + 1
-    num_blocks = len(context_lens) * blocks_per_request + extra_blocks
+    num_blocks, table = paged_block_table([blocks_per_request] * len(context_lens), gen, spare_blocks=extra_blocks)
     cache = torch.randn(num_blocks, block_size, WIDTH, generator=gen)
-    order = torch.randperm(num_blocks, generator=gen)[: len(context_lens) * blocks_per_request].int()
-    table = torch.zeros(len(context_lens), 2 * blocks_per_request, dtype=torch.int32)
-    table[:, ::2] = order.view(len(context_lens), blocks_per_request)
-    return cache, table[:, ::2]  # column stride 2
+    wide = torch.zeros(len(context_lens), 2 * table.shape[1], dtype=torch.int32)
+    wide[:, ::2] = table
+    return cache, wide[:, ::2]  # column stride 2
 
 
 def run_gather(cache, table, cu, starts, k_scale, dtype, capacity):

@@ -1,0 +1,74 @@
+"""PlanOptions: every planning option checked once, its default resolved once (mla_ops.planning.options)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+import mla_ops
+from mla_ops.planning.routing import DEFAULT_ABSORB_MAX_QUERY_LEN
+
+
+def test_defaults_resolve_in_one_place():
+    host = mla_ops.PlanOptions()
+    assert (host.block_size, host.workspace_size, host.policy, host.split_alignment) == (16, 65536, "packed", 1)
+    assert not host.device_form and host.absorb_threshold == DEFAULT_ABSORB_MAX_QUERY_LEN
+    assert host.absorbed_capacity is None  # host form: no cap
+    device = dataclasses.replace(host, max_chunks=4)
+    assert device.device_form and device.absorbed_capacity == 65536 // 4  # a static scratch
+    assert mla_ops.PlanOptions(absorb_max_query_len=0).absorb_threshold == 0
+
+
+def test_numpy_ints_become_ints():
+    options = mla_ops.PlanOptions(np.int64(4), np.int32(64), max_chunks=np.int64(2))
+    assert type(options.block_size) is int and type(options.workspace_size) is int and type(options.max_chunks) is int
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(block_size=0), ValueError, "block_size must be a positive int"),
+    (dict(workspace_size=2.0), TypeError, "workspace_size must be an int"),
+    (dict(split_alignment=True), TypeError, "split_alignment must be an int"),
+    (dict(policy="even"), ValueError, "policy"),
+    (dict(workspace_size=8, split_alignment=16), ValueError, "workspace_size must hold at least one split_alignment"),
+    (dict(max_chunks=0), ValueError, "max_chunks must be a positive int"),
+    (dict(max_chunks=2, policy="whole_requests"), ValueError, "cannot be combined with policy='whole_requests'"),
+    (dict(max_chunks=2, split_alignment=4), ValueError, "cannot be combined"),
+    (dict(absorb_max_query_len=-1), ValueError, "absorb_max_query_len must be an int >= 0"),
+    (dict(max_absorbed_tokens=-1), ValueError, "max_absorbed_tokens must be an int >= 0"),
+])
+def test_each_option_is_checked(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        mla_ops.PlanOptions(**kwargs)
+
+
+def test_plan_prefill_and_mla_prefill_check_through_the_options():
+    qsl, ctx = torch.tensor([0, 2], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="max_absorbed_tokens must be an int >= 0"):
+        mla_ops.plan_prefill(qsl, ctx, table, 4, max_absorbed_tokens=-1)
+    plan = mla_ops.plan_prefill(qsl, ctx, table, 4, workspace_size=8)
+    q, kv_c, k_pe = torch.zeros(2, 1, 6), torch.zeros(2, 4), torch.zeros(2, 2)
+    cache, weight = torch.zeros(2, 4, 6), torch.zeros(9, 4)
+    with pytest.raises(ValueError, match="workspace_size is part of the plan"):
+        mla_ops.mla_prefill(q, kv_c, k_pe, cache, table, qsl, ctx, weight, 0.5, workspace_size=8, plan=plan)
+    out = mla_ops.mla_prefill(q, kv_c, k_pe, cache, table, qsl, ctx, weight, 0.5, plan=plan)
+    assert out.shape == (2, 1, 5)
+
+
+def test_plan_prefill_host_form_on_meta_tensors_points_to_the_device_form():
+    meta = lambda *v: torch.tensor(v, dtype=torch.int32).to("meta")  # noqa: E731
+    with pytest.raises(ValueError, match="max_chunks=K"):
+        mla_ops.plan_prefill(meta(0, 2), meta(3), torch.zeros(1, 1, dtype=torch.int32, device="meta"), 4)
+
+
+def test_dense_schedule_matches_the_device_form():
+    """``ContextSchedule.dense`` lays the host chunks out as the device planner does ([K, B])."""
+    context_lens = [5, 0, 13, 2, 0, 9]
+    host = mla_ops.plan_context_chunks(context_lens, [1] * 6, 8)
+    starts, seq_lens = host.dense(len(context_lens))
+    device = mla_ops.plan_context_chunks_device(torch.tensor(context_lens, dtype=torch.int32), 8, host.num_chunks)
+    assert starts.shape == (host.num_chunks, 6)
+    assert torch.equal(torch.from_numpy(seq_lens).int(), device.seq_lens)
+    live = seq_lens > 0
+    assert torch.equal(torch.from_numpy(starts[live]).int(), device.starts[torch.from_numpy(live)])

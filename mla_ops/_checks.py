@@ -99,7 +99,7 @@ def check_lengths(query_start_loc: np.ndarray, context_lens: np.ndarray, block_t
         if query_start_loc[0] == 0 and all(a <= b for a, b in zip(query_start_loc, query_start_loc[1:])) and (
             not blocks or (min(context_lens) >= 0 and max(blocks) <= block_table.shape[1])
         ):
-            return _check_block_ids(block_table, np.array(blocks)) if blocks else -1
+            return check_block_ids(block_table, np.array(blocks)) if blocks else -1
         query_start_loc, context_lens = np.array(query_start_loc), np.array(context_lens)  # which check fails
     if query_start_loc[0] != 0:
         raise ValueError(f"query_start_loc must start at 0, got {int(query_start_loc[0])}")
@@ -122,10 +122,10 @@ def check_lengths(query_start_loc: np.ndarray, context_lens: np.ndarray, block_t
             f"block_table row {r} has {block_table.shape[1]} blocks, too short for context "
             f"{int(context_lens[r])} at block_size {block_size} (needs {int(blocks[r])})"
         )
-    return _check_block_ids(block_table, blocks)
+    return check_block_ids(block_table, blocks)
 
 
-def _check_block_ids(block_table: np.ndarray, blocks: np.ndarray) -> int:
+def check_block_ids(block_table: np.ndarray, blocks: np.ndarray) -> int:
     """Block ids in row r's first ``blocks[r]`` columns must be >= 0; returns their maximum (-1 if
     none). One reduction per row segment over the flat table: work in proportion to the ids used."""
     rows = np.flatnonzero(blocks)
@@ -147,6 +147,19 @@ def _check_block_ids(block_table: np.ndarray, blocks: np.ndarray) -> int:
         col = int(np.argmin(block_table[r, : blocks[r]]))
         raise ValueError(f"block_table[{r}, {col}] is {int(block_table[r, col])}: block ids must be >= 0")
     return int(np.maximum.reduceat(flat, bounds)[0::2].max())
+
+
+def check_ids_below(x: torch.Tensor, name: str, limit: int, what: str) -> None:
+    """Integer ids in ``[0, limit)``: checked on the host where readable, else (debug) on the device."""
+    if x.numel() == 0:
+        return
+    if values_readable(x):
+        low, high = int(x.min()), int(x.max())
+        if low < 0 or high >= limit:
+            bad = int(torch.nonzero((x < 0) | (x >= limit))[0, 0])
+            raise ValueError(f"{name}[{bad}] is {int(x[bad])}: {name} must lie in [0, {limit}) ({what})")
+    elif debug_enabled():
+        torch._assert_async(((x >= 0) & (x < limit)).all(), f"mla_ops debug: {name} must lie in [0, {limit})")
 
 
 def assert_lengths_async(query_start_loc: torch.Tensor, context_lens: torch.Tensor, block_table: torch.Tensor,

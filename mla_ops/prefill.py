@@ -139,9 +139,10 @@ def check_run(q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, plan, k_
         raise ValueError(f"plan was made for T={plan.num_tokens} tokens (its query_start_loc[-1]), but q has {num_tokens}")
     if plan.block_size != kv_cache.shape[1]:
         raise ValueError(f"plan was made for block_size {plan.block_size}, but kv_cache has {kv_cache.shape[1]}")
-    if plan.max_block_id >= kv_cache.shape[0]:
+    max_block_id = planning.current_max_block_id(plan)
+    if max_block_id >= kv_cache.shape[0]:
         raise ValueError(
-            f"plan.block_table uses block {plan.max_block_id}, past the {kv_cache.shape[0]} blocks of kv_cache"
+            f"plan.block_table uses block {max_block_id}, past the {kv_cache.shape[0]} blocks of kv_cache"
         )
     if plan.max_chunks is None and torch.compiler.is_compiling():
         raise ValueError(
@@ -231,11 +232,11 @@ def mla_prefill(
         for name, x, planned in (("block_table", block_table, plan.block_table),
                                  ("query_start_loc", query_start_loc, plan.query_start_loc),
                                  ("context_lens", context_lens, plan.context_lens)):
-            if not isinstance(x, torch.Tensor) or x.shape != planned.shape:
-                raise ValueError(
-                    f"{name} does not fit plan: shape {tuple(getattr(x, 'shape', ()))}, the plan's is "
-                    f"{tuple(planned.shape)}"
-                )
+            if x.shape != planned.shape:
+                raise ValueError(f"{name} does not fit plan: shape {tuple(x.shape)}, the plan's is {tuple(planned.shape)}")
+        planning.check_inputs(query_start_loc, context_lens, block_table)
+        planning.check_step_tensors(plan, block_table=block_table, query_start_loc=query_start_loc,
+                                    context_lens=context_lens)
     return run_prefill(q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, plan, k_scale, backend)
 
 

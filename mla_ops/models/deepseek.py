@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from ..ops.cache import check_write, write_checked
-from ..planning.plan import PrefillPlan
+from .. import _checks
+from ..planning.plan import PrefillPlan, check_step_tensors
 from ..prefill import check_run, run_checked
 from .config import MLAConfig
 from .moe import FeedForward, MoE, linear
@@ -116,6 +117,33 @@ def check_plan_block_table(block_table: torch.Tensor, plan: PrefillPlan) -> None
             f"block_table does not fit plan: shape {tuple(getattr(block_table, 'shape', ()))}, the plan's "
             f"block table is {tuple(plan.block_table.shape)} on {plan.block_table.device}"
         )
+    check_step_tensors(plan, block_table=block_table)
+
+
+def check_step_inputs(input_ids: torch.Tensor, positions: torch.Tensor, plan: PrefillPlan, vocab_size: int) -> None:
+    """What a model step can check for free, once per step (CPU tensors; the debug switch adds
+    device-side asserts of the token ids elsewhere): token ids inside the vocabulary, and each
+    request's first new position equal to its context length (DESIGN §2)."""
+    _checks.check_tensor(input_ids, "input_ids", 1, "[T]")
+    _checks.check_tensor(positions, "positions", 1, "[T]")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+    _checks.check_ids_below(input_ids, "input_ids", vocab_size, "the vocabulary")
+    if not isinstance(plan, PrefillPlan) or not _checks.values_readable(positions, plan.query_start_loc,
+                                                                        plan.context_lens):
+        return
+    if positions.shape[0] != input_ids.shape[0]:
+        raise ValueError(f"positions must have one entry per token ({input_ids.shape[0]}), got {positions.shape[0]}")
+    starts, context = plan.query_start_loc[:-1].long(), plan.context_lens.long()
+    has_tokens = (plan.query_start_loc[1:] > plan.query_start_loc[:-1]) & (starts < positions.shape[0])
+    first = positions.index_select(0, starts[has_tokens])
+    wrong = torch.nonzero(first != context[has_tokens])
+    if wrong.numel():
+        r = int(torch.nonzero(has_tokens)[int(wrong[0, 0]), 0])
+        raise ValueError(
+            f"positions[{int(starts[r])}] is {int(positions[starts[r]])}, but request {r} has {int(context[r])} "
+            "context tokens: a request's first new token sits at position context_lens[r]"
+        )
 
 
 class DecoderLayer(nn.Module):
@@ -173,6 +201,8 @@ class MLAModel(nn.Module):
                 f"kv_caches must be [num_hidden_layers={len(self.layers)}, num_blocks, block_size, L+R], "
                 f"got shape {tuple(kv_caches.shape)} (see allocate_kv_caches)"
             )
+        check_plan_block_table(block_table, plan)
+        check_step_inputs(input_ids, positions, plan, self.embed_tokens.num_embeddings)
         x = self.embed_tokens(input_ids)  # [T, H]
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, kv_caches[i], slot_mapping, block_table, plan, k_scale=k_scale, backend=backend)

@@ -104,6 +104,35 @@ def check_inputs(query_start_loc, context_lens, block_table) -> None:
         raise ValueError(f"block_table must have a row per request (B={batch}), got {block_table.shape[0]} rows")
 
 
+def check_step_tensors(plan: PrefillPlan, **given: torch.Tensor) -> None:
+    """Lengths or a block table passed beside a plan (``block_table=``, ``query_start_loc=``,
+    ``context_lens=``) must be the plan's own tensors, or, on the CPU where reading is free, equal to
+    them: a plan is made for one step, and a plan of another step with the same shapes would
+    attend the wrong keys. On a GPU (or under tracing) only the plan's own tensors pass."""
+    for name, x in given.items():
+        planned = getattr(plan, name)
+        if x is planned:
+            continue
+        if isinstance(x, torch.Tensor) and _checks.values_readable(x, planned) and x.dtype == planned.dtype \
+                and x.shape == planned.shape and torch.equal(x, planned):
+            continue
+        where = "its values differ" if isinstance(x, torch.Tensor) and _checks.values_readable(x, planned) else \
+            "not the plan's tensor, and its values cannot be compared for free (not both CPU tensors)"
+        raise ValueError(f"{name} is not the one plan was made for ({where}): plan each step with plan_prefill "
+                         "and pass that step's tensors")
+
+
+def current_max_block_id(plan: PrefillPlan) -> int:
+    """The largest block id the plan's contexts use in its block table as the table is now: on CPU
+    tables read again (in proportion to the ids used), so an id edited after planning is caught;
+    elsewhere the value read at planning (-1: none read)."""
+    lens = plan.context_lens if plan.context_parallel is None else plan.context_parallel.local_context_lens
+    if not _checks.values_readable(plan.block_table, lens):
+        return plan.max_block_id
+    blocks = -(-lens.numpy().astype(np.int64) // plan.block_size)
+    return _checks.check_block_ids(plan.block_table.numpy(), blocks)
+
+
 def check_on_plan_device(query_start_loc, context_lens, block_table) -> None:
     """A device plan reads its lengths where its kernels run: on the block table's device."""
     for name, x in (("query_start_loc", query_start_loc), ("context_lens", context_lens)):

@@ -114,6 +114,10 @@ class PrefillGraphs:
                 "or 'eager' elsewhere"
             )
         checks.check_choice(backend, "backend", BACKENDS)
+        if mode == "compile" and not callable(compile_backend) and \
+                compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
+            raise ValueError(f"compile_backend must be a torch.compile backend (a callable or one of "
+                             f"torch._dynamo.list_backends()), got {compile_backend!r}")
         self.model, self.mode, self.backend, self.compile_backend = model, mode, backend, compile_backend
         self.k_scale = self._device_k_scale(k_scale)
 
@@ -196,7 +200,7 @@ class PrefillGraphs:
         Mode ``"cuda_graph"``: a view of the graph's static output, overwritten by the next call
         (clone it to keep it).
         """
-        qsl, ctx = self._host_lengths(input_ids, positions, slot_mapping, block_table, query_start_loc,
+        qsl, ctx = self._host_lengths(input_ids, positions, kv_caches, slot_mapping, block_table, query_start_loc,
                                       context_lens)
         variant = self._variant_for(qsl, ctx)
         if variant is None:
@@ -231,8 +235,10 @@ class PrefillGraphs:
         self._input_ids[:tokens].copy_(input_ids)
         self._positions[:tokens].copy_(positions)
         self._slot_mapping[:tokens].copy_(slot_mapping)
-        if tokens < variant.tokens:
-            self._slot_mapping[tokens : variant.tokens].fill_(-1)  # padding tokens write nothing
+        if tokens < variant.tokens:  # the padding request's tokens: id 0 at position 0, writing nothing
+            self._input_ids[tokens : variant.tokens].zero_()
+            self._positions[tokens : variant.tokens].zero_()
+            self._slot_mapping[tokens : variant.tokens].fill_(-1)
         width = min(block_table.shape[1], self.max_blocks_per_request)  # the contexts fit (checked)
         self._block_table[:requests, :width].copy_(block_table[:requests, :width])
         self._load_lengths(variant, qsl, ctx)
@@ -246,6 +252,8 @@ class PrefillGraphs:
 
     def _load_empty(self, variant: Bucket) -> None:
         """A step of padding only (reads and writes no cache row): what a build runs."""
+        self._input_ids[: variant.tokens].zero_()
+        self._positions[: variant.tokens].zero_()
         self._slot_mapping[: variant.tokens].fill_(-1)
         self._load_lengths(variant, np.zeros(1, np.int32), np.zeros(0, np.int32))
 
@@ -339,8 +347,11 @@ class PrefillGraphs:
                 "use one runner per cache"
             )
 
-    def _host_lengths(self, input_ids, positions, slot_mapping, block_table, query_start_loc, context_lens):
-        """The step's lengths as host arrays, checked (argument names in every error)."""
+    def _host_lengths(self, input_ids, positions, kv_caches, slot_mapping, block_table, query_start_loc,
+                      context_lens):
+        """The step's lengths as host arrays, checked (argument names in every error), with what can be
+        read for free against the cache and the vocabulary: a compiled or captured step checks nothing
+        of the values it reads, so a bad id would index out of bounds there."""
         check_inputs(query_start_loc, context_lens, block_table)
         requests = context_lens.shape[0]
         if query_start_loc.device.type == "cpu" and context_lens.device.type == "cpu":
@@ -350,7 +361,7 @@ class PrefillGraphs:
             qsl, ctx = both[: requests + 1], both[requests + 1 :]
         table = block_table.numpy() if block_table.device.type == "cpu" else \
             np.zeros((requests, block_table.shape[1]), np.int32)
-        checks.check_lengths(qsl, ctx, table, self.block_size)
+        max_block_id = checks.check_lengths(qsl, ctx, table, self.block_size)
         tokens = int(qsl[-1])
         for name, x in (("input_ids", input_ids), ("positions", positions), ("slot_mapping", slot_mapping)):
             checks.check_tensor(x, name, 1, "[T]")
@@ -358,4 +369,14 @@ class PrefillGraphs:
                 raise TypeError(f"{name} must be an integer tensor, got {x.dtype}")
             if x.shape[0] != tokens:
                 raise ValueError(f"{name} must have T = query_start_loc[-1] = {tokens} entries, got {x.shape[0]}")
+        if isinstance(kv_caches, torch.Tensor) and kv_caches.dim() >= 3:
+            num_blocks = kv_caches.shape[-3]
+            if block_table.device.type == "cpu" and max_block_id >= num_blocks:
+                raise ValueError(f"block_table uses block {max_block_id}, past the {num_blocks} blocks of kv_caches")
+            if checks.values_readable(slot_mapping) and tokens and int(slot_mapping.max()) >= num_blocks * self.block_size:
+                raise ValueError(f"slot_mapping holds slot {int(slot_mapping.max())}, past the {num_blocks} x "
+                                 f"{self.block_size} slots of kv_caches")
+        embedding = getattr(self.model, "embed_tokens", None)
+        if isinstance(embedding, torch.nn.Embedding):
+            checks.check_ids_below(input_ids, "input_ids", embedding.num_embeddings, "the vocabulary")
         return qsl, ctx

@@ -15,6 +15,8 @@ import hashlib
 from collections import OrderedDict, deque
 from typing import Sequence
 
+from .. import _checks as checks
+
 
 def chain_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
     """The name of a full block: sha256 over its parent's name and its token ids."""
@@ -36,9 +38,10 @@ class BlockManager:
     """Blocks 0 .. num_blocks-1 of a cache: allocation, reference counts, the prefix-cache index."""
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
-        self.block_size = block_size
+        num_blocks = checks.check_positive_int(num_blocks, "num_blocks")
+        self.block_size = checks.check_positive_int(block_size, "block_size")
+        if not isinstance(prefix_caching, bool):
+            raise TypeError(f"prefix_caching must be a bool, got {type(prefix_caching).__name__}")
         self.prefix_caching = prefix_caching
         self.num_blocks = 0
         self._free: deque[int] = deque()
@@ -50,6 +53,7 @@ class BlockManager:
 
     def grow(self, extra: int) -> None:
         """Add ``extra`` blocks (ids continue after the current ones; a cache tensor grows the same way)."""
+        extra = checks.check_nonnegative_int(extra, "extra")
         self._free.extend(range(self.num_blocks, self.num_blocks + extra))
         self._refs.extend([0] * extra)
         self.num_blocks += extra
@@ -74,7 +78,18 @@ class BlockManager:
                 blocks.append(block)
         return blocks
 
+    def ref_count(self, block: int) -> int:
+        """Sequences using ``block`` now (0: free, or cached and evictable)."""
+        self._check_block(block)
+        return self._refs[block]
+
+    def _check_block(self, block: int) -> None:
+        # A negative id would silently index from the end of the Python lists.
+        if not 0 <= block < self.num_blocks:
+            raise ValueError(f"block id {block} is outside the cache's blocks 0..{self.num_blocks - 1}")
+
     def acquire(self, block: int) -> None:
+        self._check_block(block)
         if self._refs[block] == 0:
             self._evictable.pop(block, None)
         self._refs[block] += 1
@@ -92,6 +107,7 @@ class BlockManager:
         return block
 
     def release(self, block: int) -> None:
+        self._check_block(block)
         if self._refs[block] <= 0:
             raise RuntimeError(f"block {block} released more often than acquired")
         self._refs[block] -= 1
@@ -103,6 +119,7 @@ class BlockManager:
 
     def register(self, block: int, block_hash: bytes) -> None:
         """Name a full, written block. If another block already has that name, this one stays private."""
+        self._check_block(block)
         if self.prefix_caching and block_hash not in self._block_of and block not in self._hash_of:
             self._block_of[block_hash] = block
             self._hash_of[block] = block_hash

@@ -1,4 +1,5 @@
-"""Generation on a GPU against the CPU, eager and compiled. (The block bookkeeping:
+"""Generation: on a GPU against the CPU, eager and compiled; with prefix caching against a full
+recompute on the CPU (across calls, eviction and weight edits). (The block bookkeeping:
 test_paged_cache.py; greedy tokens against transformers: tests/models/test_hf.py.)"""
 
 import copy
@@ -36,3 +37,84 @@ def test_generation_on_cuda_equals_cpu_eager_and_compiled():
     assert mla_ops.Generator(gpu, block_size=4).generate(prompts, 6) == expect
     torch._dynamo.reset()
     assert mla_ops.Generator(gpu, block_size=4, compile=True).generate(prompts, 6) == expect
+
+
+# ---- prefix caching gives the tokens of a full recompute (CPU, the tiny model) --------------------
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny matrices: one thread is fastest, and on a shared, busy CPU far faster than spinning two."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@torch.no_grad()
+def tiny_model(seed: int = 0) -> mla_ops.MLAForCausalLM:
+    """The "tiny" config with weights at ~1.5/sqrt(fan_in): greedy tokens vary (the default init's
+    flat softmaxes would repeat one token)."""
+    torch.manual_seed(seed)
+    model = mla_ops.MLAForCausalLM(MLAConfig.from_name("tiny")).eval()
+    for p in model.parameters():
+        p.copy_(torch.randn(p.shape) * p.shape[-1] ** -0.5 * 1.5 if p.dim() >= 2 else 1 + 0.3 * torch.randn(p.shape))
+    return model
+
+
+def shared_prompts(seed: int = 1):
+    """Three prompts for block size 4: two share 2 full blocks, one shares none; and two others."""
+    g = torch.Generator().manual_seed(seed)
+    draw = lambda n: torch.randint(0, 256, (n,), generator=g).tolist()  # noqa: E731
+    base = draw(12)
+    return [base + [1, 2], base[:9] + [7], draw(10)], [draw(13), draw(11)]
+
+
+def recompute(model, prompts, n):
+    """The reference: a fresh Generator, nothing cached, nothing shared."""
+    return mla_ops.Generator(model, block_size=4, prefix_caching=False).generate(prompts, n)
+
+
+def test_prefix_caching_equals_recompute_across_calls_and_eviction(one_thread):
+    model = tiny_model()
+    a, b = shared_prompts()
+    expect_a, expect_b = recompute(model, a, 5), recompute(model, b, 5)
+    assert len({tuple(t) for t in expect_a + expect_b}) == 5  # distinct outputs: a mix-up would show
+
+    roomy = mla_ops.Generator(model, block_size=4, num_blocks=64)  # room for everything: no eviction
+    uncached = mla_ops.Generator(model, block_size=4, prefix_caching=False)
+    hits = []
+    for prompts, expect in ((a, expect_a), (a, expect_a), (b, expect_b), (a, expect_a)):
+        assert roomy.generate(prompts, 5) == expect
+        assert uncached.generate(prompts, 5) == expect and uncached.stats.cached_tokens == 0
+        hits.append(roomy.stats.cached_tokens)
+    # First call: prompt 1 reuses prompt 0's 2 blocks; later: every full block but the last token's.
+    assert hits == [8, 12 + 8 + 8, 0, 28]
+
+    # 12 blocks: a call of a takes 11, the b call between evicts part of what a left cached.
+    small = mla_ops.Generator(model, block_size=4, num_blocks=12)
+    hits = []
+    for prompts, expect in ((a, expect_a), (b, expect_b), (a, expect_a), (a, expect_a)):
+        assert small.generate(prompts, 5) == expect
+        assert small.manager.num_available == 12  # every block released after the call
+        hits.append(small.stats.cached_tokens)
+    assert hits[:2] == [8, 0] and 0 < hits[2] < 28 and hits[3] == 28  # evicted prefixes recomputed, then cached
+
+
+def test_prefix_caching_equals_recompute_after_an_in_place_weight_edit(one_thread):
+    model = tiny_model()
+    a, _ = shared_prompts()
+    generator = mla_ops.Generator(model, block_size=4)
+    before = generator.generate(a, 5)
+    assert generator.generate(a, 5) == before and generator.stats.cached_tokens > 0
+    with torch.no_grad():
+        model.model.layers[0].self_attn.kv_a_proj_with_mqa.weight.mul_(1.5)  # the cached rows are stale now
+    expect = recompute(model, a, 5)
+    assert expect != before  # the edit changes the tokens: stale rows could not pass unnoticed
+    assert generator.generate(a, 5) == expect
+    assert generator.stats.cached_tokens == 8  # the index was cleared: only this call's own sharing
+    assert generator.generate(a, 5) == expect and generator.stats.cached_tokens == 28
+    assert mla_ops.generate(model, a, 5, block_size=4) == expect  # the per-model Generator of generate()
+    with torch.no_grad():
+        model.lm_head.weight.add_(0.0)  # a write without a change still clears it (the version moved)
+    assert mla_ops.generate(model, a, 5, block_size=4) == expect

@@ -5,6 +5,8 @@ Every planner gets CPU int32 tensors and builds what its kernels read, and nothi
 * ``vllm``: ``benchmarks.vllm_planner.build_chunked_context`` (vLLM PR #50613's planner and its
   per-chunk metadata: flat ``starts``, ``seq_lens``, ``cu_seq_lens``, ``cu_seqlens_q`` and
   ``token_to_seq`` tensors and one ``ContextChunk`` of slices per chunk);
+* ``vllm_upstream``: the same with vLLM's newer upstream planner, which splits a request's tail
+  at ``split_alignment`` multiples (``build_chunked_context(..., planner="upstream")``);
 * ``packed`` / ``whole_requests``: ``mla_ops.plan_context_chunks(...).to(device)``, then every
   chunk's ``starts``, ``seq_lens``, ``cu_seq_lens`` and ``query_start_loc`` read;
 * ``plan_prefill``: ``mla_ops.plan_prefill`` (packed, no absorbed routing, so that it plans the
@@ -12,8 +14,9 @@ Every planner gets CPU int32 tensors and builds what its kernels read, and nothi
 
 All use ``split_alignment = block_size = 16``, vLLM's alignment of a split to cache blocks. For
 each batch the planners run round-robin, the order rotated every round, and each one's median
-time (thread CPU time, see ``time_batches``) is kept; a ratio is a planner's median over vLLM's
-on the same batches. Cases: random batches of B requests (contexts 0 or 16..4,096, 1..512 new
+time (thread CPU time, see ``time_batches``) is kept; ``ratio`` is a planner's median over vLLM
+#50613's (``vllm``) on the same batches, ``ratio_upstream`` over vLLM upstream's
+(``vllm_upstream``); the plot shows the latter. Cases: random batches of B requests (contexts 0 or 16..4,096, 1..512 new
 tokens, W = 65,536), batches sized to need 1 to 1,000 chunks (64 requests, W = 1,024), the PR's
 headline batch, and every prefill step of the Mooncake trace replay (W = 65,536).
 
@@ -75,7 +78,14 @@ def planners(workspace_size: int) -> dict[str, Callable[[Batch], int]]:
 
         return plan
 
-    result = {"vllm": vllm, "packed": library("packed"), "whole_requests": library("whole_requests")}
+    def vllm_upstream(b: Batch) -> int:
+        meta = build_chunked_context(
+            b.context_lens, b.query_start_loc, workspace_size, BLOCK_SIZE, "cpu", planner="upstream"
+        )
+        return 0 if meta is None else len(meta.chunks)
+
+    result = {"vllm": vllm, "vllm_upstream": vllm_upstream, "packed": library("packed"),
+              "whole_requests": library("whole_requests")}
     if hasattr(mla_ops, "plan_prefill"):
 
         def plan_prefill(b: Batch) -> int:
@@ -111,6 +121,7 @@ def time_batches(batches: Sequence[Batch], workspace_size: int, rounds: int) -> 
     return {
         "us": {n: round(v, 2) for n, v in us.items()},
         "ratio": {n: round(us[n] / us["vllm"], 3) for n in names if n != "vllm"},
+        "ratio_upstream": {n: round(us[n] / us["vllm_upstream"], 3) for n in names if n != "vllm_upstream"},
         "chunks": {n: int(np.median(chunks[n])) for n in names},
     }
 
@@ -163,6 +174,16 @@ def run(trace: str | Path, *, rounds: int = 15, trace_rounds: int = 5, limit: in
             for n in names if n != "vllm"
         },
         "step_ratios": {n: [s["ratio"][n] for s in per_step] for n in names if n != "vllm"},
+        "ratio_median_upstream": {
+            n: round(statistics.median(s["ratio_upstream"][n] for s in per_step), 3)
+            for n in names if n != "vllm_upstream"
+        },
+        "ratio_max_upstream": {
+            n: round(max(s["ratio_upstream"][n] for s in per_step), 3) for n in names if n != "vllm_upstream"
+        },
+        "step_ratios_upstream": {
+            n: [s["ratio_upstream"][n] for s in per_step] for n in names if n != "vllm_upstream"
+        },
     }
     t = result["trace"]
     print(f"trace ({t['steps']} steps): median {t['us_median']}  ratio {t['ratio_median']}  "
@@ -172,19 +193,20 @@ def run(trace: str | Path, *, rounds: int = 15, trace_rounds: int = 5, limit: in
 
 def plot(result: dict, path: str | Path) -> None:
     plt = plotting.pyplot()
-    ours = [n for n in result["planners"] if n != "vllm"]
+    ours = [n for n in result["planners"] if n != "vllm_upstream"]  # vllm: #50613 against upstream
     fig, axes = plt.subplots(1, 3, figsize=(17, 5))
     for ax, family, key, label in ((axes[0], "batch_size", "B", "requests B (W = 65,536)"),
-                                   (axes[1], "chunk_count", "vllm", "vLLM's chunk count (B = 64, W = 1,024)")):
+                                   (axes[1], "chunk_count", "vllm", "vLLM PR #50613's chunk count (B = 64, W = 1,024)")):
         rows = result[family]
         x = [r[key] if key == "B" else r["chunks"]["vllm"] for r in rows]
         for n in ours:
-            ax.plot(x, [r["ratio"][n] for r in rows], marker="o", label=n)
+            ax.plot(x, [r["ratio_upstream"][n] for r in rows], marker="o",
+                    label="vLLM PR #50613" if n == "vllm" else n, ls="--" if n == "vllm" else "-")
         ax.axhline(0.5, color="k", ls="--", lw=1, label="goal 0.5")
         ax.axhline(1.0, color="gray", ls=":", lw=1)
         ax.set_xscale("log")
         ax.set_xlabel(label)
-        ax.set_ylabel("time / vLLM planner time")
+        ax.set_ylabel("time / vLLM upstream planner time")
         ax.grid(alpha=0.3)
         ax.legend()
     axes[0].set_title("Median planner time ratio by batch size")
@@ -192,25 +214,28 @@ def plot(result: dict, path: str | Path) -> None:
     trace = result["trace"]
     bins = np.linspace(0, 2, 41)  # the last bin also counts the steps past 2
     for n in ours:
-        axes[2].hist(np.minimum(trace["step_ratios"][n], 2), bins=bins, histtype="step", lw=1.5,
-                     label=f"{n} (median {trace['ratio_median'][n]})")
+        axes[2].hist(np.minimum(trace["step_ratios_upstream"][n], 2), bins=bins, histtype="step", lw=1.5,
+                     label=f"{'vLLM PR #50613' if n == 'vllm' else n} (median {trace['ratio_median_upstream'][n]})")
     axes[2].axvline(0.5, color="k", ls="--", lw=1)
     axes[2].set_yscale("log")
-    axes[2].set_xlabel("time / vLLM planner time, per step (2: 2 or more)")
+    axes[2].set_xlabel("time / vLLM upstream planner time, per step (2: 2 or more)")
     axes[2].set_ylabel("trace steps (log)")
     axes[2].set_title(f"Mooncake replay: {trace['steps']:,} steps, median B = {trace['median_B']:g}")
     axes[2].legend()
     head = result["headline"]
-    fig.suptitle(f"Host planner vs vLLM PR #50613's (with its per-chunk metadata); headline batch: "
-                 f"vLLM {head['us']['vllm']} µs, packed {head['us']['packed']} µs", fontsize=10)
+    fig.suptitle(f"Host planner vs vLLM upstream's (tail split; with its per-chunk metadata); headline batch: "
+                 f"vLLM upstream {head['us']['vllm_upstream']} µs, PR #50613 {head['us']['vllm']} µs, "
+                 f"packed {head['us']['packed']} µs", fontsize=10)
     plotting.save(fig, path, dpi=110)
 
 
 def write_json(result: dict, path: str | Path) -> None:
     """Indented, except the per-step ratios: ``trace_step_ratios``, last, one line per planner."""
-    trace = {k: v for k, v in result["trace"].items() if k != "step_ratios"}
-    write_json_atomic(path, dict(result, trace=trace, trace_step_ratios=result["trace"]["step_ratios"]),
-                      one_line=("trace_step_ratios",))
+    per_step = ("step_ratios", "step_ratios_upstream")
+    trace = {k: v for k, v in result["trace"].items() if k not in per_step}
+    write_json_atomic(path, dict(result, trace=trace, trace_step_ratios=result["trace"]["step_ratios"],
+                                 trace_step_ratios_upstream=result["trace"]["step_ratios_upstream"]),
+                      one_line=("trace_step_ratios", "trace_step_ratios_upstream"))
 
 
 def main(argv: Sequence[str] | None = None) -> dict:

@@ -4,8 +4,11 @@ count the context chunks each step needs under every chunk-schedule policy.
 The trace format and the scheduler model are those of ``benchmarks/_lib/trace.py`` (``load_trace``,
 ``simulate``; the flags below set its parameters). For every step with at least one prefill, the
 batch ``(context_lens, query_lens)`` (in the scheduler's order) is planned for each workspace size
-with the old vLLM batch-column schedule (``benchmarks.batch_column``) and with
-``mla_ops.plan_context_chunks`` under ``whole_requests`` and ``packed``. A routing sweep costs the
+with the old vLLM batch-column schedule (``benchmarks.batch_column``), with
+``mla_ops.plan_context_chunks`` under ``whole_requests`` (= vLLM PR #50613) and ``packed``, and
+with vLLM's newer upstream planner, which splits a request's tail at ``split_alignment`` multiples
+(``vllm_upstream``: ``benchmarks.vllm_planner.plan_mla_context_chunks_upstream``, its plan only).
+Per-step arrays in the JSON follow ``chunks_by_workspace_order``. A routing sweep costs the
 steps at DeepSeek-V2-Lite dims for several ``absorb_max_query_len`` (modeled FLOPs, no timing).
 Planner time is ``planner_bench``'s question, not this script's.
 
@@ -31,9 +34,12 @@ from benchmarks._lib.costs import modeled_flops
 from benchmarks._lib.report import write_json_atomic
 from benchmarks._lib.trace import DEFAULT_TRACE, Request, load_trace, repo_path, simulate
 from benchmarks.batch_column import batch_column_chunks
+from benchmarks.vllm_planner import plan_mla_context_chunks_upstream
 
-POLICIES = ("batch_column", "whole_requests", "packed")
+# vllm_upstream is last so that the first three columns of the per-step arrays keep their order.
+POLICIES = ("batch_column", "whole_requests", "packed", "vllm_upstream")
 PLANNER_POLICIES = ("whole_requests", "packed")
+PLOT_ORDER = ("batch_column", "whole_requests", "vllm_upstream", "packed")  # most chunks to fewest
 # DeepSeek-V2-Lite's attention dims for the routing cost model (N, L, P, R, V).
 MLA_DIMS = V2_LITE._asdict()
 
@@ -53,7 +59,17 @@ def count_chunks(
             context_lens, query_lens, workspace_size, policy=policy, split_alignment=split_alignment
         )
         counts[policy] = sched.num_chunks
+    # vLLM's upstream planner as its metadata builder calls it without DCP (row budget W, pieces
+    # of at most round_down(W, alignment) rows, identity row cost).
+    counts["vllm_upstream"] = len(plan_mla_context_chunks_upstream(
+        context_lens.tolist(), workspace_size, workspace_size // split_alignment * split_alignment,
+        split_alignment, _same_rows,
+    ))
     return counts
+
+
+def _same_rows(rows: int) -> int:
+    return rows
 
 
 def routing_summary(batches, thresholds: Sequence[int], workspace_size: int) -> list[dict]:
@@ -178,22 +194,23 @@ def plot(result: dict, path: str | Path) -> None:
     """Totals per policy and workspace size, and per-step chunk-count histograms."""
     plt = plotting.pyplot()
 
-    colors = {"batch_column": "tab:red", "whole_requests": "tab:orange", "packed": "tab:green"}
+    colors = {"batch_column": "tab:red", "whole_requests": "tab:orange", "packed": "tab:green",
+              "vllm_upstream": "tab:blue"}
     names = {"batch_column": "batch column (old vLLM)", "whole_requests": "whole_requests (vLLM PR #50613)",
-             "packed": "packed"}
+             "packed": "packed", "vllm_upstream": "vLLM upstream (tail split)"}
     sizes = result["workspace_sizes"]
     hist_sizes = list(dict.fromkeys([sizes[0], min(sizes)]))  # primary and smallest
-    fig, axes = plt.subplots(1, 1 + len(hist_sizes), figsize=(7 + 6 * len(hist_sizes), 5.5))
+    fig, axes = plt.subplots(1, 1 + len(hist_sizes), figsize=(8 + 6 * len(hist_sizes), 5.5))
     ax_bar = axes[0]
     width = 0.8 / len(POLICIES)
 
     x = np.arange(len(sizes))
-    for i, p in enumerate(POLICIES):
+    for i, p in enumerate(PLOT_ORDER):
         totals = [result["by_workspace"][str(w)]["totals"][p] for w in sizes]
         packed = [result["by_workspace"][str(w)]["totals"]["packed"] for w in sizes]
         labels = [f"{t:,}" + (f"\n{t / b:.2f}x" if b and p != "packed" else "") for t, b in zip(totals, packed)]
         bars = ax_bar.bar(x + (i - (len(POLICIES) - 1) / 2) * width, totals, width, label=names[p], color=colors[p])
-        ax_bar.bar_label(bars, labels=labels, fontsize=8, padding=2)
+        ax_bar.bar_label(bars, labels=labels, fontsize=7, padding=2)
     ax_bar.set_xticks(x, [f"W = {w:,} rows" for w in sizes])
     ax_bar.set_yscale("log")
     all_totals = [v for w in sizes for v in result["by_workspace"][str(w)]["totals"].values() if v]
@@ -214,7 +231,7 @@ def plot(result: dict, path: str | Path) -> None:
         }
         edges, labels = _chunk_bins(max(int(c.max(initial=0)) for c in per_policy.values()))
         hx = np.arange(len(labels))
-        for i, p in enumerate(POLICIES):
+        for i, p in enumerate(PLOT_ORDER):
             steps_in_bin = np.histogram(per_policy[p], bins=edges)[0]
             ax.bar(hx + (i - (len(POLICIES) - 1) / 2) * width, steps_in_bin, width, label=names[p], color=colors[p])
         ax.set_xticks(hx, labels, rotation=30 if len(labels) > 9 else 0)

@@ -1,5 +1,8 @@
-"""vLLM's per-request MLA context-chunk planner, re-expressed here as the reference for
-``policy="whole_requests"`` and the baseline of the planner benchmark. Not part of the library.
+"""vLLM's per-request MLA context-chunk planners, re-expressed here as the reference for
+``policy="whole_requests"`` and the baselines of the planner benchmark. Not part of the library.
+Two versions: vLLM PR #50613's (``plan_mla_context_chunks``, ``planner="pr50613"``) and vLLM's
+newer upstream one that splits a request's tail at ``split_alignment`` multiples
+(``plan_mla_context_chunks_upstream``, ``planner="upstream"``; see its docstring for the source).
 
 Source: vLLM PR #50613 (vllm-project/vllm@27ff206f), ``plan_mla_context_chunks`` and
 ``build_mla_chunked_context_metadata`` in ``vllm/model_executor/layers/attention/mla_attention.py``.
@@ -32,7 +35,12 @@ from typing import Callable
 import numpy as np
 import torch
 
-__all__ = ["ChunkPlan", "VllmContextChunk", "ChunkedContext", "plan_mla_context_chunks", "build_chunked_context"]
+__all__ = [
+    "ChunkPlan", "VllmContextChunk", "ChunkedContext", "VLLM_PLANNERS", "plan_mla_context_chunks",
+    "plan_mla_context_chunks_upstream", "build_chunked_context",
+]
+
+VLLM_PLANNERS = ("pr50613", "upstream")
 
 
 @dataclass
@@ -79,6 +87,76 @@ def plan_mla_context_chunks(
     return plans
 
 
+def plan_mla_context_chunks_upstream(
+    context_lens: list[int],
+    row_budget: int,
+    max_context_chunk: int,
+    split_alignment: int,
+    padded_rows: Callable[[int], int],
+) -> list[ChunkPlan]:
+    """vLLM's newer planner: pack requests in order and split the one that does not fit.
+
+    Source read: ``plan_mla_context_chunks`` in vLLM's
+    ``vllm/model_executor/layers/attention/mla_attention.py``, the stored copy in this project's
+    search index (file id 57350781372; the index does not name the commit, and the only
+    vllm-project/vllm version of that path it names, 90b0a26e, predates PR #50613). Its tests:
+    ``tests/v1/attention/test_mla_context_chunks.py`` (index file id 57629942696, which adds
+    ``test_tail_splitting_minimizes_chunks`` to the 27ff206f version). Written by us from it:
+
+    * A chunk starts at the first request with rows left (a zero-context request is skipped
+      and, like in #50613, ends the chunk that reaches it).
+    * Requests join the chunk whole, in order, while their rows fit ``row_budget``.
+    * The first that does not fit gets the longest piece that is a multiple of
+      ``split_alignment``, at most ``max_context_chunk`` rows, shorter than what it has left, and
+      fits the budget still free (with DCP, ``padded_rows`` makes the cost non-linear, so the
+      multiple is found by bisection); its remainder starts the next chunk, which other requests
+      may join. A piece of length 0 (less than one alignment step free) just closes the chunk.
+    """
+    if max_context_chunk <= 0:
+        raise ValueError(f"max_context_chunk must be positive, got {max_context_chunk}")
+    if split_alignment <= 0:
+        raise ValueError(f"split_alignment must be positive, got {split_alignment}")
+
+    def split_len(start: int, remaining: int, free: int) -> int:
+        """Longest aligned piece of ``remaining`` rows from ``start`` costing at most ``free``."""
+        lo, hi = 0, min(max_context_chunk, (remaining - 1) // split_alignment * split_alignment) // split_alignment
+        base = padded_rows(start)
+        while lo < hi:  # the largest step count whose rows fit
+            mid = (lo + hi + 1) // 2
+            if padded_rows(start + mid * split_alignment) - base <= free:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo * split_alignment
+
+    plans: list[ChunkPlan] = []
+    request, start, num_requests = 0, 0, len(context_lens)
+    while request < num_requests:
+        if context_lens[request] == 0:
+            request += 1
+            continue
+        first, rows, starts, seq_lens = request, 0, [], []
+        while request < num_requests and context_lens[request] > 0:
+            remaining = context_lens[request] - start
+            cost = padded_rows(start + remaining) - padded_rows(start)
+            if rows + cost > row_budget:
+                piece = split_len(start, remaining, row_budget - rows)
+                if piece:
+                    starts.append(start)
+                    seq_lens.append(piece)
+                    rows += padded_rows(start + piece) - padded_rows(start)
+                    start += piece
+                break
+            rows += cost
+            starts.append(start)
+            seq_lens.append(remaining)
+            request, start = request + 1, 0
+        if not seq_lens:  # cannot happen with max_context_chunk <= row_budget
+            raise ValueError("a request's first aligned piece does not fit the row budget")
+        plans.append(ChunkPlan(first, first + len(seq_lens), starts, seq_lens, starts[0] > 0))
+    return plans
+
+
 @dataclass
 class VllmContextChunk:
     """vLLM's ``MLACommonPrefillMetadata.ContextChunk``; the DCP fields keep their defaults."""
@@ -118,7 +196,9 @@ class ChunkedContext:
     chunks: list[VllmContextChunk]
     context_lens_list: list[int]
     prefill_tokens_with_context: int
-    empty_token_ranges: list[tuple[int, int]]  # zero-context requests before the last with context
+    # Zero-context requests' query ranges: #50613 lists those before the last request with
+    # context, upstream lists every one.
+    empty_token_ranges: list[tuple[int, int]]
 
 
 def _same_rows(rows: int) -> int:
@@ -139,19 +219,30 @@ def build_chunked_context(
     block_size: int,
     device: torch.device | str = "cpu",
     align_chunk_to_block: bool = True,
+    planner: str = "pr50613",
 ) -> ChunkedContext | None:
-    """Plan the chunks and build every per-chunk tensor vLLM's kernels read, as vLLM does."""
+    """Plan the chunks and build every per-chunk tensor vLLM's kernels read, as vLLM does.
+
+    ``planner``: ``"pr50613"`` (``plan_mla_context_chunks``) or ``"upstream"``
+    (``plan_mla_context_chunks_upstream``); the per-chunk metadata is built the same way.
+    """
+    if planner not in VLLM_PLANNERS:
+        raise ValueError(f"planner must be one of {VLLM_PLANNERS}, got {planner!r}")
     context_lens = context_lens_cpu.tolist()
     if max(context_lens, default=0) <= 0:
         return None
     alignment = block_size if align_chunk_to_block else 1
     max_context_chunk = workspace_size // alignment * alignment
-    plans = plan_mla_context_chunks(context_lens, workspace_size, max_context_chunk, _same_rows)
+    if planner == "upstream":
+        plans = plan_mla_context_chunks_upstream(context_lens, workspace_size, max_context_chunk, alignment, _same_rows)
+    else:
+        plans = plan_mla_context_chunks(context_lens, workspace_size, max_context_chunk, _same_rows)
 
     query_start_loc = query_start_loc_cpu.tolist()
     last_with_context = [i for i, length in enumerate(context_lens) if length > 0][-1]
+    listed = len(context_lens) if planner == "upstream" else last_with_context
     empty_token_ranges = [
-        (query_start_loc[i], query_start_loc[i + 1]) for i in range(last_with_context) if context_lens[i] == 0
+        (query_start_loc[i], query_start_loc[i + 1]) for i in range(listed) if context_lens[i] == 0
     ]
 
     # Each field concatenated over the chunks, so that each costs one host-to-device copy.

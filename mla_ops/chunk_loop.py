@@ -35,6 +35,7 @@ class Step(NamedTuple):
     softmax_scale: float
     k_scale: torch.Tensor | None
     plan: PrefillPlan
+    truncated_tokens: torch.Tensor | None  # [T] bool (``truncated_tokens``); None: no token can be
 
     def suffix(self, kv_c: torch.Tensor, k_pe: torch.Tensor):
         """The suffix partial ``(out [T, N, V], lse [N, T])``: every token over its own request's new
@@ -52,7 +53,7 @@ class Step(NamedTuple):
         p = self.plan
         self.kernels.absorbed_context_attention(
             self.q, self.kv_cache, p.block_table, p.query_start_loc, p.absorbed_context_lens, self.weight,
-            self.softmax_scale, self.k_scale, context_out, context_lse, p.max_absorbed_tokens,
+            self.softmax_scale, self.k_scale, context_out, context_lse, p.max_absorbed_tokens, p.absorbed_token_loc,
         )
 
 
@@ -76,14 +77,21 @@ def attend_chunks(step: Step, num_chunks: int, chunk_rows: Callable[..., torch.T
                                   step.softmax_scale, context_out, context_lse)
 
 
-def mark_truncated(out: torch.Tensor, plan: PrefillPlan) -> torch.Tensor:
-    """Requests whose chunked context runs past the device plan's capacity were not fully attended:
-    their tokens become NaN, never silently wrong."""
+def truncated_tokens(plan: PrefillPlan, num_tokens: int) -> torch.Tensor | None:
+    """[T] bool: the tokens of requests whose chunked context runs past the device plan's capacity
+    (None where no request can be); it depends only on the step, so a model computes it once."""
     if plan.truncated is None:
-        return out
-    token = torch.arange(out.shape[0], device=out.device, dtype=plan.query_start_loc.dtype)
+        return None
+    token = torch.arange(num_tokens, device=plan.device, dtype=plan.query_start_loc.dtype)
     request = torch.searchsorted(plan.query_start_loc, token, right=True) - 1  # [T]
-    truncated = plan.truncated.index_select(0, request.clamp(0, max(plan.num_requests - 1, 0)))
+    return plan.truncated.index_select(0, request.clamp(0, max(plan.num_requests - 1, 0)))
+
+
+def mark_truncated(out: torch.Tensor, truncated: torch.Tensor | None) -> torch.Tensor:
+    """Requests whose chunked context runs past the device plan's capacity were not fully attended:
+    their tokens (``truncated_tokens``) become NaN, never silently wrong."""
+    if truncated is None:
+        return out
     return torch.where(truncated.view(-1, 1, 1), torch.full_like(out, float("nan")), out)
 
 
@@ -104,7 +112,7 @@ def device_context(step: Step, suffix_out: torch.Tensor, suffix_lse: torch.Tenso
     attend_chunks(step, schedule.max_chunks, gathered, schedule.cu_seq_lens, schedule.starts, kv, context_out,
                   context_lse)
     out, _ = step.kernels.merge_attn_states(context_out, context_lse, suffix_out, suffix_lse)
-    return mark_truncated(out, plan)
+    return mark_truncated(out, step.truncated_tokens)
 
 
 def host_context(step: Step, suffix_out: torch.Tensor, suffix_lse: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 
 from . import _checks as checks
 from ._mla import MLADims
-from .chunk_loop import Step, device_context, host_context
+from .chunk_loop import Step, device_context, host_context, truncated_tokens
 from .ops import backends
 from .ops.backends import BACKENDS
 from .parallel.plan import plan_context_parallel
@@ -245,15 +245,19 @@ def _block_size(kv_cache) -> int:
     return kv_cache.shape[1]
 
 
-def run_checked(q, kv_c, k_pe, kv_cache, weight, softmax_scale, plan, k_scale, backend, dims) -> torch.Tensor:
-    """``run_prefill`` after ``check_run`` (for callers that check everything first)."""
+def run_checked(q, kv_c, k_pe, kv_cache, weight, softmax_scale, plan, k_scale, backend, dims,
+                truncated: torch.Tensor | None = None) -> torch.Tensor:
+    """``run_prefill`` after ``check_run`` (for callers that check everything first). ``truncated``:
+    the step's ``chunk_loop.truncated_tokens``, when the caller made it once for every layer."""
     softmax_scale = float(softmax_scale)  # a compile-time constant: kernels take it as a float
     kernels = backends.select(backend, q.device, plan.absorb_max_query_len)
     if kv_cache.dtype != torch.float8_e4m3fn:
         k_scale = None
     elif not isinstance(k_scale, torch.Tensor):
         k_scale = torch.tensor([float(k_scale)], device=q.device)
-    step = Step(kernels, dims, q, kv_cache, weight, softmax_scale, k_scale, plan)
+    if truncated is None:
+        truncated = truncated_tokens(plan, q.shape[0])
+    step = Step(kernels, dims, q, kv_cache, weight, softmax_scale, k_scale, plan, truncated)
     suffix_out, suffix_lse = step.suffix(kv_c, k_pe)
     if plan.context_parallel is not None:  # a sharded cache
         return run_context_parallel(step, suffix_out, suffix_lse)

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..ops.cache import check_write, write_checked
 from .. import _checks
+from ..chunk_loop import truncated_tokens
 from ..planning.plan import PrefillPlan, check_step_tensors
 from ..prefill import check_run, run_checked
 from .config import MLAConfig
@@ -79,7 +80,12 @@ class MLAAttention(nn.Module):
         *,
         k_scale: float | torch.Tensor | None = None,
         backend: str = "auto",
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        truncated: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``rotary`` (the step's ``(cos, sin)`` [T, R], ``rotary_cos_sin``) and ``truncated``
+        (``chunk_loop.truncated_tokens``) depend only on the step: ``MLAModel`` computes them once for
+        every layer; None computes them here."""
         num_tokens = hidden.shape[0]
         N, L, P, R, V = self.num_heads, self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
 
@@ -91,7 +97,7 @@ class MLAAttention(nn.Module):
         kv_c, k_pe = self.kv_a_proj_with_mqa(hidden).split([L, R], dim=-1)  # [T, L], [T, R]
         kv_c = self.kv_a_layernorm(kv_c)
 
-        cos, sin = rotary_cos_sin(positions, R, self.rope_theta, q.dtype, self.rope_scaling)  # [T, R] each
+        cos, sin = rotary or rotary_cos_sin(positions, R, self.rope_theta, q.dtype, self.rope_scaling)  # [T, R]
         q_pe = apply_rotary_emb(q_pe, cos[:, None, :], sin[:, None, :])
         k_pe = apply_rotary_emb(k_pe, cos, sin)
         q = torch.cat([q_nope, q_pe], dim=-1)  # [T, N, P+R]
@@ -102,8 +108,8 @@ class MLAAttention(nn.Module):
         dims = check_run(q, kv_c, k_pe, kv_cache, weight, self.softmax_scale, plan, k_scale, backend, None)
         check_write(kv_c, k_pe, slot_mapping, kv_cache, k_scale)
         write_checked(kv_c, k_pe, slot_mapping, kv_cache, k_scale)
-        out = run_checked(q, kv_c, k_pe, kv_cache, weight, self.softmax_scale, plan, k_scale, backend,
-                          dims)  # [T, N, V]
+        out = run_checked(q, kv_c, k_pe, kv_cache, weight, self.softmax_scale, plan, k_scale, backend, dims,
+                          truncated)  # [T, N, V]
         return self.o_proj(out.reshape(num_tokens, N * V))  # [T, H]
 
 
@@ -157,9 +163,10 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = FeedForward(config.hidden_size, config.intermediate_size, config.initializer_range)
 
-    def forward(self, x, positions, kv_cache, slot_mapping, block_table, plan, *, k_scale, backend) -> torch.Tensor:
+    def forward(self, x, positions, kv_cache, slot_mapping, block_table, plan, *, k_scale, backend,
+                rotary=None, truncated=None) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, slot_mapping, block_table, plan,
-                               k_scale=k_scale, backend=backend)
+                               k_scale=k_scale, backend=backend, rotary=rotary, truncated=truncated)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -204,8 +211,16 @@ class MLAModel(nn.Module):
         check_plan_block_table(block_table, plan)
         check_step_inputs(input_ids, positions, plan, self.embed_tokens.num_embeddings)
         x = self.embed_tokens(input_ids)  # [T, H]
+        # What depends only on the step is computed once, not in every layer.
+        c = self.config
+        rotary = rotary_cos_sin(positions, c.qk_rope_head_dim, c.rope_theta, x.dtype, c.rope_scaling)
+        if kv_caches.dtype == torch.float8_e4m3fn and k_scale is not None and not isinstance(k_scale, torch.Tensor):
+            _checks.check_k_scale(k_scale, kv_caches[0], kv_caches.device)
+            k_scale = torch.tensor([float(k_scale)], dtype=torch.float32, device=kv_caches.device)
+        truncated = truncated_tokens(plan, input_ids.shape[0])
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, kv_caches[i], slot_mapping, block_table, plan, k_scale=k_scale, backend=backend)
+            x = layer(x, positions, kv_caches[i], slot_mapping, block_table, plan, k_scale=k_scale, backend=backend,
+                      rotary=rotary, truncated=truncated)
         return self.norm(x)  # [T, H]
 
 

@@ -8,6 +8,8 @@ k_scale          [1] float32 or None     dequantized = stored * k_scale (float8_
 max_absorbed_tokens  int, -1: T         a static bound of the tokens of the requests with context:
                                          the GPU kernels pack those tokens (``routed_token_loc``) into
                                          a scratch of this many rows (tokens past it get no partial)
+routed_token_loc [B+1] int32 or None    ``_mla.routed_token_loc(query_start_loc, context_lens)``, made
+                                         once per step by the plan (None: the kernels make it)
 
 Dimensions come from shapes: ``L = weight.shape[1]``, ``R = kv_cache.shape[2] - L``,
 ``P = q.shape[2] - R``, ``V = weight.shape[0] // N - P``.
@@ -85,9 +87,9 @@ def latent_partial(qr, kv_cache, block_table, request: int, context: int, latent
 
 def absorbed_reference(
     q, kv_cache, block_table, query_start_loc, context_lens, kv_b_proj_weight, softmax_scale, k_scale, out, lse,
-    max_absorbed_tokens=-1,
+    max_absorbed_tokens=-1, routed_token_loc=None,
 ) -> None:
-    del max_absorbed_tokens  # the reference packs nothing
+    del max_absorbed_tokens, routed_token_loc  # the reference packs nothing
     acc = lse_dtype(q.dtype)
     num_heads, latent, nope, _, _ = MLADims.from_shapes(q, kv_cache, kv_b_proj_weight)
     w_uk, w_uv = (w.to(acc) for w in split_kv_b_proj(kv_b_proj_weight, num_heads, nope))
@@ -117,16 +119,17 @@ def _absorbed_context_attention(
     out: torch.Tensor,
     lse: torch.Tensor,
     max_absorbed_tokens: int = -1,
+    routed_token_loc: torch.Tensor | None = None,
 ) -> None:
     absorbed_reference(
         q, kv_cache, block_table, query_start_loc, context_lens, kv_b_proj_weight, softmax_scale, k_scale, out, lse,
-        max_absorbed_tokens,
+        max_absorbed_tokens, routed_token_loc,
     )
 
 
 @_absorbed_context_attention.register_fake
 def _(q, kv_cache, block_table, query_start_loc, context_lens, kv_b_proj_weight, softmax_scale, k_scale, out, lse,
-      max_absorbed_tokens=-1):
+      max_absorbed_tokens=-1, routed_token_loc=None):
     return None
 
 

@@ -11,6 +11,10 @@ kv_cache      [num_blocks, block_size, L+R]   slot s is ``kv_cache[s // block_si
 Two real tokens must not share a slot (which of them lands is then unspecified, as in vLLM);
 slots past the end of the cache are rejected where the slots are readable (CPU), not on a GPU
 (that would read device values).
+
+Implementations: on CPU the torch reference below (the oracle); on CUDA the Triton kernel of
+``mla_ops/triton/cache.py`` (one launch, slot arithmetic and fp8 quantization in the kernel),
+falling back to the reference where Triton is not installed or for float64, which it doesn't take.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import FLOAT_DTYPES, check_k_scale, check_tensor, values_readable
+from .._env import triton_available
 
 _CACHE_DTYPES = FLOAT_DTYPES + (torch.float8_e4m3fn,)
 _SLOT_DTYPES = (torch.int64, torch.int32)
@@ -64,6 +69,18 @@ def _write_latent_cache(
 def _(kv_c, k_pe, slot_mapping, k_scale, kv_cache) -> None:
     return None
 
+
+def _write_latent_cache_cuda(kv_c, k_pe, slot_mapping, k_scale, kv_cache) -> None:
+    """The op's CUDA kernel: Triton (imported on first use), else the reference (as backends._cuda_kernel)."""
+    if not triton_available() or torch.float64 in (kv_c.dtype, k_pe.dtype, kv_cache.dtype):
+        write_latent_cache_reference(kv_c, k_pe, slot_mapping, k_scale, kv_cache)
+        return
+    from ..triton.cache import write_latent_cache as triton_write_latent_cache
+
+    triton_write_latent_cache(kv_c, k_pe, slot_mapping, k_scale, kv_cache)
+
+
+torch.library.register_kernel("mla_ops::write_latent_cache", "cuda", _write_latent_cache_cuda)
 
 _write_latent_cache_op = torch.ops.mla_ops.write_latent_cache.default
 

@@ -149,10 +149,11 @@ def _lse_to_tokens_first(lse: torch.Tensor, token_slots: torch.Tensor) -> torch.
 
 def absorbed_context_attention(
     q, kv_cache, block_table, query_start_loc, context_lens, kv_b_proj_weight, softmax_scale, k_scale, out, lse,
-    max_absorbed_tokens=-1, *, max_query_len: int | None = None, metadata=None,
+    max_absorbed_tokens=-1, routed_token_loc=None, *, max_query_len: int | None = None, metadata=None,
 ) -> None:
     """The absorbed context partial on FlashMLA (module docstring); ``k_scale`` is unused (no fp8),
-    and so is ``max_absorbed_tokens`` (FlashMLA's buffers are padded per request, see below).
+    and so are ``max_absorbed_tokens`` and ``routed_token_loc`` (FlashMLA's buffers are padded per
+    request, see below).
 
     ``max_query_len``: static bound of the query length of requests with context (default T).
     ``metadata``: from ``new_metadata()``, shared by calls with identical schedules; default: a

@@ -20,7 +20,7 @@ def run_context_parallel(step: Step, suffix_out: torch.Tensor, suffix_lse: torch
     if cp_plan.num_absorbed_tokens:
         context_out, context_lse = _absorbed_queries_path(step, cp_plan, context_out, context_lse)
     out, _ = step.kernels.merge_attn_states(context_out, context_lse, suffix_out, suffix_lse)
-    return mark_truncated(out, step.plan)
+    return mark_truncated(out, step.truncated_tokens)
 
 
 def _all_gather_path(step: Step, cp_plan: ContextParallelPlan, context_out, context_lse) -> None:

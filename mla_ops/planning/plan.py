@@ -17,6 +17,7 @@ frozen dataclass and a pytree: tensors are its leaves, the sizes it was planned 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .. import _checks
+from .._mla import routed_token_loc
 from .device_schedule import DeviceSchedule, plan_context_chunks_device
 from .options import PlanOptions
 from .routing import route_context
@@ -57,6 +59,9 @@ class PrefillPlan:
     # node whose tensors are leaves and whose ContextParallel config and sizes are static context.
     # Its plans keep ``schedule`` / ``device_schedule`` in stripes of interleave * world_size rows.
     context_parallel: ContextParallelPlan | None = None
+    # [B+1] int32: rows of each absorbed request's tokens in the absorbed path's packed scratch
+    # (``_mla.routed_token_loc``), made once per step; None without an absorbed path.
+    absorbed_token_loc: torch.Tensor | None = None
 
     @property
     def num_requests(self) -> int:
@@ -166,11 +171,19 @@ def plan_host(query_start_loc, context_lens, block_table, options: PlanOptions) 
                                    split_alignment=options.split_alignment)
     if device.type != "cpu":
         schedule = schedule.to(device, non_blocking=True)
-    absorbed = None
+    absorbed = token_loc = None
     routed = [q for q, a in zip(query_lens, absorbed_lens) if a] if isinstance(qsl, list) else \
         query_lens[absorbed_lens > 0].tolist()
     if routed:
-        absorbed = torch.tensor(absorbed_lens, dtype=torch.int32).to(device, non_blocking=True)
+        # The absorbed lengths and each request's rows in the packed scratch, moved in one copy.
+        if isinstance(qsl, list):
+            packed = [q if a else 0 for q, a in zip(query_lens, absorbed_lens)]
+            values = [*absorbed_lens, 0, *itertools.accumulate(packed)]
+        else:
+            values = np.concatenate([absorbed_lens, [0], np.cumsum(np.where(absorbed_lens > 0, query_lens, 0))])
+        batch = len(absorbed_lens)
+        lens_and_loc = torch.as_tensor(values, dtype=torch.int32).to(device, non_blocking=True)
+        absorbed, token_loc = lens_and_loc.split([batch, batch + 1])
         absorb_max_query_len = max(routed)  # a tighter static bound
     else:
         absorb_max_query_len = 0
@@ -182,7 +195,7 @@ def plan_host(query_start_loc, context_lens, block_table, options: PlanOptions) 
         block_table=block_table, absorbed_context_lens=absorbed, schedule=schedule, device_schedule=None,
         truncated=None, block_size=block_size, workspace_size=options.workspace_size,
         absorb_max_query_len=absorb_max_query_len, num_tokens=int(qsl[-1]), max_block_id=max_block_id,
-        max_absorbed_tokens=sum(routed),
+        max_absorbed_tokens=sum(routed), absorbed_token_loc=token_loc,
     )
 
 
@@ -218,4 +231,5 @@ def plan_device(query_start_loc, context_lens, block_table, options: PlanOptions
         absorbed_context_lens=absorbed, schedule=None, device_schedule=schedule, truncated=truncated,
         block_size=block_size, workspace_size=workspace_size, absorb_max_query_len=absorb_max_query_len,
         num_tokens=num_tokens, max_block_id=max_block_id, max_absorbed_tokens=max_absorbed_tokens,
+        absorbed_token_loc=None if absorbed is None else routed_token_loc(query_start_loc, absorbed),
     )

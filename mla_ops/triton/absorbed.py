@@ -47,7 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._mla import MLADims, routed_token_loc, split_kv_b_proj
+from .._mla import MLADims, split_kv_b_proj
+from .._mla import routed_token_loc as packed_token_loc
 from ._common import (
     LN2, LOG2E, device_guard, dot_dtype, dot_precision, e4m3fn_to_float32, find_request, online_softmax_step,
     persistent_grid, persistent_programs,
@@ -349,7 +350,7 @@ def latent_attention(q_lat, q_pe, kv_cache, block_table, query_start_loc, contex
 
 def absorbed_context_attention(
     q, kv_cache, block_table, query_start_loc, context_lens, kv_b_proj_weight, softmax_scale, k_scale, out, lse,
-    max_absorbed_tokens=-1,
+    max_absorbed_tokens=-1, routed_token_loc=None,
 ) -> None:
     """Same contract as ``torch.ops.mla_ops.absorbed_context_attention`` (module docstring)."""
     num_tokens = q.shape[0]
@@ -362,7 +363,9 @@ def absorbed_context_attention(
         rows = num_tokens if max_absorbed_tokens < 0 else min(max_absorbed_tokens, num_tokens)
         q_lat, o_lat = q.new_empty(2, rows, num_heads, latent).unbind(0)  # the routed tokens' rows, packed
         w_uk, w_uv = split_kv_b_proj(kv_b_proj_weight, num_heads, nope)  # [N, P, L], [N, V, L]
-        loc = routed_token_loc(query_start_loc, context_lens)  # [B+1] packed offsets, on the device
+        loc = routed_token_loc  # [B+1] packed offsets, on the device: the plan's, or made here
+        if loc is None:
+            loc = packed_token_loc(query_start_loc, context_lens)
         rows_gemm(q, w_uk.transpose(1, 2), q_lat, loc, query_start_loc, map_a=True)  # fold: q_nope @ W_UK
         latent_attention(q_lat, q[..., nope:], kv_cache, block_table, query_start_loc, context_lens,
                          softmax_scale, k_scale, o_lat, lse, latent_loc=loc)

@@ -150,7 +150,8 @@ def test_simulated_scheduler_max_running_and_decodes(tmp_path):
 
 
 def _check_replay_json(result, workspace_sizes):
-    policies = ("batch_column", "whole_requests", "packed")
+    policies = ("batch_column", "whole_requests", "packed", "vllm_upstream")
+    assert result["chunks_by_workspace_order"] == list(policies)
     for key in ("trace", "workspace_size", "token_budget", "max_running", "totals", "by_workspace", "routing",
                 "steps"):
         assert key in result, key
@@ -170,10 +171,12 @@ def _check_replay_json(result, workspace_sizes):
         assert min(step["query_lens"]) >= 1
         assert step["chunks"] == dict(zip(policies, step["chunks_by_workspace"][str(workspace_sizes[0])]))
         for w in workspace_sizes:
-            bc, wr, pk = step["chunks_by_workspace"][str(w)]
+            bc, wr, pk, up = step["chunks_by_workspace"][str(w)]
             # With split_alignment 1, packed reaches the lower bound: it is never worse.
             assert pk == -(-sum(step["context_lens"]) // w)
             assert pk <= wr and pk <= bc
+            # vLLM upstream's tail split: between packed and vLLM PR #50613 (= whole_requests).
+            assert pk <= up <= wr
 
 
 def test_replay_cli_on_a_synthetic_trace(tmp_path):

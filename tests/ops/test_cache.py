@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import mla_ops  # noqa: F401  (registers torch.ops.mla_ops)
-from mla_ops.ops.cache import write_latent_cache
+from mla_ops.ops.cache import write_latent_cache, write_latent_cache_reference
+from tests.support.gpu import needs_cuda
 
 FP8 = torch.float8_e4m3fn
 OPCHECK_UTILS = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
@@ -140,3 +141,56 @@ def test_write_latent_cache_rejects_bad_input(case):
         write_latent_cache(**args)
     after = bits(args["kv_cache"]) if args["kv_cache"].dtype == FP8 else args["kv_cache"]
     assert torch.equal(after, before)
+
+
+# ---- GPU: the Triton kernel (the op's CUDA kernel) against the reference on CPU, bit for bit -------
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("src_dtype,cache_dtype,L,R,block_size", [  # few cases: each compiles kernels
+    (torch.bfloat16, torch.bfloat16, 512, 64, 64),  # DeepSeek's
+    (torch.bfloat16, FP8, 512, 64, 64),
+    (torch.float16, FP8, 12, 4, 4),
+    (torch.float16, torch.float16, 12, 4, 4),
+    (torch.float32, torch.bfloat16, 12, 4, 4),  # rounded to bf16 (the interpreter can't check it)
+    (torch.float32, torch.float32, 12, 4, 4),  # and float64 rows, on the reference
+])
+def test_cuda_write_latent_cache_kernel(src_dtype, cache_dtype, L, R, block_size, monkeypatch):
+    """torch.ops.mla_ops.write_latent_cache on CUDA runs the Triton kernel, one call per write:
+    rows scattered over shuffled blocks, padding tokens, kv_c / k_pe column slices of one buffer,
+    int32 and int64 slots, T = 0, and float64 falling back to the reference."""
+    from mla_ops.triton import cache as triton_cache
+
+    calls = []
+    kernel = triton_cache.write_latent_cache
+    monkeypatch.setattr(triton_cache, "write_latent_cache", lambda *a: (calls.append(1), kernel(*a)))
+    g = torch.Generator().manual_seed(L + block_size)
+    num_blocks = 8
+    slots = (torch.randperm(num_blocks, generator=g)[:, None] * block_size  # shuffled blocks and offsets
+             + torch.randperm(block_size, generator=g)[None, :]).flatten()
+    slots = slots[torch.randperm(slots.numel(), generator=g)][:150]
+    slots[torch.randperm(slots.numel(), generator=g)[: slots.numel() // 4]] = -1  # padding
+    T = slots.numel()
+    buf = (torch.randn(T, L + R + 8, generator=g) * 3).to(src_dtype)
+    kv_c, k_pe = buf[:, :L], buf[:, L + 8:]
+    kv_cache = torch.randn(num_blocks, block_size, L + R, generator=g).to(cache_dtype)
+    k_scale = torch.tensor([0.05]) if cache_dtype == FP8 else None
+    for slot_dtype in (torch.int64, torch.int32):
+        want = kv_cache.clone()
+        write_latent_cache_reference(kv_c, k_pe, slots.to(slot_dtype), k_scale, want)
+        args = [x.cuda() if isinstance(x, torch.Tensor) else x
+                for x in (kv_c, k_pe, slots.to(slot_dtype), k_scale, kv_cache)]
+        torch.ops.mla_ops.write_latent_cache(*args)
+        assert torch.equal(bits(args[-1].cpu()), bits(want))
+    assert len(calls) == 2
+    got = kv_cache.cuda()
+    torch.ops.mla_ops.write_latent_cache(kv_c[:0].cuda(), k_pe[:0].cuda(), slots[:0].cuda(),
+                                         None if k_scale is None else k_scale.cuda(), got)  # T = 0
+    assert torch.equal(bits(got.cpu()), bits(kv_cache)) and len(calls) == 3
+    if cache_dtype == torch.float32:  # float64 rows: the reference, on the GPU
+        want = kv_cache.clone()
+        write_latent_cache_reference(kv_c.double(), k_pe.double(), slots, None, want)
+        got = kv_cache.cuda()
+        torch.ops.mla_ops.write_latent_cache(kv_c.double().cuda(), k_pe.double().cuda(), slots.cuda(), None, got)
+        assert torch.equal(got.cpu(), want) and len(calls) == 3

@@ -154,6 +154,21 @@ def forward(self, arg0_1: "Sym(s85)", arg1_1: "f32[s85, 2, 10]", arg2_1: "Sym(s3
     gt_1: "b8[s37]" = torch.ops.aten.gt.Scalar(cumsum_1, 16);  cumsum_1 = None
     gt_2: "b8[s37]" = torch.ops.aten.gt.Scalar(sub_15, 0);  sub_15 = None
     bitwise_and_2: "b8[s37]" = torch.ops.aten.bitwise_and.Tensor(gt_1, gt_2);  gt_1 = gt_2 = None
+    gt_3: "b8[s37]" = torch.ops.aten.gt.Scalar(where_1, 0)
+    slice_3: "i32[s37]" = torch.ops.aten.slice.Tensor(arg4_1, 0, 1, 9223372036854775807)
+    slice_4: "i32[s37]" = torch.ops.aten.slice.Tensor(arg4_1, 0, 0, -1)
+    sub_27: "i32[s37]" = torch.ops.aten.sub.Tensor(slice_3, slice_4);  slice_3 = slice_4 = None
+    scalar_tensor_1: "i32[]" = torch.ops.aten.scalar_tensor.default(0, dtype = torch.int32, layout = torch.strided, device = device(type='cpu'))
+    where_2: "i32[s37]" = torch.ops.aten.where.self(gt_3, sub_27, scalar_tensor_1);  gt_3 = sub_27 = scalar_tensor_1 = None
+    new_zeros: "i32[1]" = torch.ops.aten.new_zeros.default(where_2, [1], pin_memory = False)
+    cumsum_2: "i32[s37]" = torch.ops.aten.cumsum.default(where_2, 0, dtype = torch.int32);  where_2 = None
+    cat: "i32[s37 + 1]" = torch.ops.aten.cat.default([new_zeros, cumsum_2]);  new_zeros = cumsum_2 = None
+    arange: "i32[s85]" = torch.ops.aten.arange.default(arg0_1, dtype = torch.int32, device = device(type='cpu'), pin_memory = False)
+    searchsorted: "i64[s85]" = torch.ops.aten.searchsorted.Tensor(arg4_1, arange, right = True);  arange = None
+    sub_34: "i64[s85]" = torch.ops.aten.sub.Tensor(searchsorted, 1);  searchsorted = None
+    sub_36: "Sym(s37 - 1)" = arg2_1 - 1;  arg2_1 = None
+    clamp: "i64[s85]" = torch.ops.aten.clamp.default(sub_34, 0, sub_36);  sub_34 = sub_36 = None
+    index_select: "b8[s85]" = torch.ops.aten.index_select.default(bitwise_and_2, 0, clamp);  bitwise_and_2 = clamp = None
     t: "f32[12, 22]" = torch.ops.aten.t.default(arg11_1)
     mm: "f32[s85, 22]" = torch.ops.aten.mm.default(arg9_1, t);  arg9_1 = t = None
     view: "f32[s85, 2, 11]" = torch.ops.aten.view.default(mm, [-1, 2, 11]);  mm = None
@@ -161,13 +176,13 @@ def forward(self, arg0_1: "Sym(s85)", arg1_1: "f32[s85, 2, 10]", arg2_1: "Sym(s3
     getitem_4: "f32[s85, 2, 6]" = split_with_sizes[0]
     getitem_5: "f32[s85, 2, 5]" = split_with_sizes[1];  split_with_sizes = None
     new_empty: "f32[s85, 2, 5]" = torch.ops.aten.new_empty.default(arg1_1, [arg0_1, 2, 5], pin_memory = False)
-    new_empty_1: "f32[2, s85]" = torch.ops.aten.new_empty.default(arg1_1, [2, arg0_1], dtype = torch.float32, pin_memory = False)
+    new_empty_1: "f32[2, s85]" = torch.ops.aten.new_empty.default(arg1_1, [2, arg0_1], dtype = torch.float32, pin_memory = False);  arg0_1 = None
     auto_functionalized_v2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.mla_ops.suffix_attention.default, q = arg1_1, k_nope = getitem_4, k_pe = arg10_1, v = getitem_5, query_start_loc = arg4_1, softmax_scale = 0.25, _out_base_index = 0, _lse_base_index = 1, _all_bases = [new_empty, new_empty_1]);  getitem_4 = arg10_1 = getitem_5 = new_empty = new_empty_1 = None
     getitem_7: "f32[s85, 2, 5]" = auto_functionalized_v2[1]
     getitem_8: "f32[2, s85]" = auto_functionalized_v2[2];  auto_functionalized_v2 = None
     zeros_like_1: "f32[s85, 2, 5]" = torch.ops.aten.zeros_like.default(getitem_7, pin_memory = False)
     full_like: "f32[2, s85]" = torch.ops.aten.full_like.default(getitem_8, -inf, pin_memory = False)
-    auto_functionalized_v2_1 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.mla_ops.absorbed_context_attention.default, q = arg1_1, kv_cache = arg6_1, block_table = arg3_1, query_start_loc = arg4_1, context_lens = where_1, kv_b_proj_weight = arg11_1, softmax_scale = 0.25, k_scale = None, max_absorbed_tokens = 4, _out_base_index = 0, _lse_base_index = 1, _all_bases = [zeros_like_1, full_like]);  where_1 = zeros_like_1 = full_like = None
+    auto_functionalized_v2_1 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.mla_ops.absorbed_context_attention.default, q = arg1_1, kv_cache = arg6_1, block_table = arg3_1, query_start_loc = arg4_1, context_lens = where_1, kv_b_proj_weight = arg11_1, softmax_scale = 0.25, k_scale = None, max_absorbed_tokens = 4, routed_token_loc = cat, _out_base_index = 0, _lse_base_index = 1, _all_bases = [zeros_like_1, full_like]);  where_1 = cat = zeros_like_1 = full_like = None
     getitem_10: "f32[s85, 2, 5]" = auto_functionalized_v2_1[1]
     getitem_11: "f32[2, s85]" = auto_functionalized_v2_1[2];  auto_functionalized_v2_1 = None
     new_empty_2: "f32[16, 16]" = torch.ops.aten.new_empty.default(arg1_1, [16, 16], pin_memory = False)
@@ -188,21 +203,15 @@ def forward(self, arg0_1: "Sym(s85)", arg1_1: "f32[s85, 2, 10]", arg2_1: "Sym(s3
     view_3: "f32[16, 2, 11]" = torch.ops.aten.view.default(getitem_21, [-1, 2, 11]);  getitem_21 = None
     split_with_sizes_6 = torch.ops.aten.split_with_sizes.default(view_3, [6, 5], -1);  view_3 = None
     getitem_27: "f32[16, 2, 5]" = split_with_sizes_6[1];  split_with_sizes_6 = None
-    auto_functionalized_v2_4 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.mla_ops.context_attention.default, q = arg1_1, k_nope = getitem_22, k_pe = getitem_25, v = getitem_27, query_start_loc = arg4_1, cu_seq_lens = select, starts = select_1, softmax_scale = 0.25, _out_base_index = 0, _lse_base_index = 1, _all_bases = [getitem_10, getitem_11]);  arg1_1 = getitem_22 = getitem_25 = getitem_27 = select = select_1 = getitem_10 = getitem_11 = None
+    auto_functionalized_v2_4 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.mla_ops.context_attention.default, q = arg1_1, k_nope = getitem_22, k_pe = getitem_25, v = getitem_27, query_start_loc = arg4_1, cu_seq_lens = select, starts = select_1, softmax_scale = 0.25, _out_base_index = 0, _lse_base_index = 1, _all_bases = [getitem_10, getitem_11]);  arg1_1 = getitem_22 = getitem_25 = getitem_27 = arg4_1 = select = select_1 = getitem_10 = getitem_11 = None
     getitem_29: "f32[s85, 2, 5]" = auto_functionalized_v2_4[1]
     getitem_30: "f32[2, s85]" = auto_functionalized_v2_4[2];  auto_functionalized_v2_4 = None
     merge_attn_states = torch.ops.mla_ops.merge_attn_states.default(getitem_29, getitem_30, getitem_7, getitem_8);  getitem_29 = getitem_30 = getitem_7 = getitem_8 = None
     getitem_31: "f32[s85, 2, 5]" = merge_attn_states[0];  merge_attn_states = None
-    arange: "i32[s85]" = torch.ops.aten.arange.default(arg0_1, dtype = torch.int32, device = device(type='cpu'), pin_memory = False);  arg0_1 = None
-    searchsorted: "i64[s85]" = torch.ops.aten.searchsorted.Tensor(arg4_1, arange, right = True);  arg4_1 = arange = None
-    sub_38: "i64[s85]" = torch.ops.aten.sub.Tensor(searchsorted, 1);  searchsorted = None
-    sub_40: "Sym(s37 - 1)" = arg2_1 - 1;  arg2_1 = None
-    clamp: "i64[s85]" = torch.ops.aten.clamp.default(sub_38, 0, sub_40);  sub_38 = sub_40 = None
-    index_select: "b8[s85]" = torch.ops.aten.index_select.default(bitwise_and_2, 0, clamp);  bitwise_and_2 = clamp = None
     view_4: "b8[s85, 1, 1]" = torch.ops.aten.view.default(index_select, [-1, 1, 1]);  index_select = None
     full_like_1: "f32[s85, 2, 5]" = torch.ops.aten.full_like.default(getitem_31, nan, pin_memory = False)
-    where_2: "f32[s85, 2, 5]" = torch.ops.aten.where.self(view_4, full_like_1, getitem_31);  view_4 = full_like_1 = getitem_31 = None
-    return (where_2,)""")
+    where_3: "f32[s85, 2, 5]" = torch.ops.aten.where.self(view_4, full_like_1, getitem_31);  view_4 = full_like_1 = getitem_31 = None
+    return (where_3,)""")
 
     def test_fused_merge(self):
         from torch._inductor.decomposition import select_decomp_table

@@ -1,0 +1,138 @@
+"""Per-layer op census of a model step: what each decoder layer dispatches, and how much of it
+depends only on the step (its lengths, positions, slot mapping and options), i.e. work that every
+layer repeats and that could be done once per step.
+
+A ``TorchDispatchMode`` records every op an ``MLAModel.forward`` dispatches (a ``torch.ops.mla_ops``
+op counts as one: its own work is not recorded), split by decoder layer with forward hooks. An op
+depends on the layer when one of its inputs derives from the layer's data (its weights, its cache,
+the hidden states it receives); the others, views aside, depend only on the step. Counted, not
+timed: the torch backend on CPU, host and device plans, B = 4 and 32, float32 and float8 caches.
+On the CPU the count includes the host reads of the free checks (a cache write's slot range:
+``max`` and ``_local_scalar_dense``), which a GPU step skips.
+
+    python -m benchmarks.step_census --json benchmarks/results/step_census.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import weakref
+from collections import Counter
+
+import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import mla_ops
+from benchmarks._lib.batches import model_step
+from benchmarks._lib.report import write_json_atomic
+
+PRESET = "tiny"
+
+
+class LayerCensus(TorchDispatchMode):
+    """Ops dispatched inside each decoder layer: ``ops[i]`` and ``step_only[i]`` (Counters by op name)."""
+
+    def __init__(self, model: mla_ops.MLAModel):
+        super().__init__()
+        self.layer: int | None = None
+        self.ops: list[Counter] = [Counter() for _ in model.layers]
+        self.step_only: list[Counter] = [Counter() for _ in model.layers]
+        self.layer_data: dict[int, weakref.ref] = {}  # by identity (a tensor's == is elementwise)
+        for p in model.parameters():
+            self._mark(p)
+        self.hooks = []
+        for i, layer in enumerate(model.layers):
+            self.hooks.append(layer.register_forward_pre_hook(self._enter(i)))
+            self.hooks.append(layer.register_forward_hook(self._leave))
+
+    def _enter(self, index: int):
+        def hook(module, args):
+            self.layer = index
+            for x in (args[0], args[2]):  # the hidden states and the layer's cache
+                self._mark(x)
+        return hook
+
+    def _leave(self, module, args, output):
+        self.layer = None
+
+    def _mark(self, t: torch.Tensor) -> None:
+        self.layer_data[id(t)] = weakref.ref(t)
+
+    def _is_layer_data(self, t: torch.Tensor) -> bool:
+        ref = self.layer_data.get(id(t))
+        return ref is not None and ref() is t
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.layer is None or func is torch.ops.aten.promote_types.default:  # a dtype, computed on the host
+            return out
+        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        depends_on_layer = any(self._is_layer_data(t) for t in inputs)
+        if depends_on_layer:
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self._mark(t)
+            for t, argument in zip(args, func._schema.arguments):  # written in place: now layer data too
+                if isinstance(t, torch.Tensor) and argument.alias_info is not None and argument.alias_info.is_write:
+                    self._mark(t)
+        name = func.overloadpacket.__name__ if func.namespace == "aten" else f"{func.namespace}.{func._opname}"
+        self.ops[self.layer][name] += 1
+        if not depends_on_layer and not func.is_view:
+            self.step_only[self.layer][name] += 1
+        return out
+
+
+def census(batch: int, device_plan: bool, fp8: bool, layers: int = 3, seed: int = 0) -> dict:
+    config = mla_ops.MLAConfig(**{**mla_ops.models.config.mla_configs[PRESET], "num_hidden_layers": layers})
+    torch.manual_seed(seed)
+    model = mla_ops.MLAModel(config).eval()
+    g = torch.Generator().manual_seed(seed)
+    context_lens = torch.randint(0, 40, (batch,), generator=g).tolist()
+    query_lens = torch.randint(1, 6, (batch,), generator=g).tolist()
+    step = model_step(config, context_lens, query_lens, block_size=4, device="cpu", seed=seed)
+    caches = model.allocate_kv_caches(step["num_blocks"], 4, dtype=torch.float8_e4m3fn if fp8 else None)
+    k_scale = 0.05 if fp8 else None
+    table = step["block_table"]
+    plan = mla_ops.plan_prefill(step["query_start_loc"], step["context_lens"], table, 4, workspace_size=64,
+                                max_chunks=4 if device_plan else None)
+    recorder = LayerCensus(model)
+    try:
+        with torch.no_grad(), recorder:
+            model(step["input_ids"], step["positions"], caches, step["slot_mapping"], table, plan, k_scale=k_scale,
+                  backend="torch")
+    finally:
+        recorder.remove()
+    per_layer = [sum(c.values()) for c in recorder.ops]
+    step_only = [sum(c.values()) for c in recorder.step_only]
+    return dict(batch=batch, plan="device" if device_plan else "host", cache="float8_e4m3fn" if fp8 else "float32",
+                layers=layers, ops_per_layer=per_layer, step_only_per_layer=step_only,
+                step_only_ops=dict(sorted(recorder.step_only[-1].items())),
+                ops=dict(sorted(recorder.ops[-1].items())))
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.step_census", description=__doc__.split("\n")[0])
+    parser.add_argument("--json", default=None, help="write the rows here")
+    parser.add_argument("--batches", type=int, nargs="+", default=[4, 32])
+    args = parser.parse_args(argv)
+    rows = []
+    for device_plan in (False, True):
+        for fp8 in (False, True):
+            for batch in args.batches:
+                row = census(batch, device_plan, fp8)
+                rows.append(row)
+                print(f"{row['plan']:6} {row['cache']:13} B={batch:3}: {row['ops_per_layer'][-1]:4} ops per layer, "
+                      f"{row['step_only_per_layer'][-1]:3} of them step-only", flush=True)
+    if args.json:
+        write_json_atomic(args.json, dict(benchmark="step_census", preset=PRESET, backend="torch", results=rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""benchmarks/step_census.py: what every decoder layer dispatches, and what of it depends only on the step."""
+
+import pytest
+
+from benchmarks import step_census
+
+pytestmark = pytest.mark.bench
+
+# The cache write's slot-range check reads slot_mapping on the CPU (free there, skipped on a GPU).
+CPU_CHECK = {"max": 1, "_local_scalar_dense": 1}
+
+
+@pytest.mark.parametrize("device_plan", [False, True])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_no_layer_recomputes_the_step(device_plan, fp8):
+    rows = [step_census.census(batch, device_plan, fp8) for batch in (4, 32)]
+    for row in rows:
+        assert len(set(row["ops_per_layer"])) == 1, row["ops_per_layer"]  # every layer dispatches the same
+        assert row["step_only_ops"] == CPU_CHECK  # rotary, k_scale, the token map: once per step
+        assert row["step_only_per_layer"] == [sum(CPU_CHECK.values())] * row["layers"]
+        assert row["ops"]["mla_ops.write_latent_cache"] == 1
+    if device_plan:  # the device form's launches do not depend on the batch
+        assert rows[0]["ops_per_layer"] == rows[1]["ops_per_layer"]
+
+
+def test_main_writes_the_report(tmp_path):
+    out = tmp_path / "census.json"
+    rows = step_census.main(["--batches", "2", "--json", str(out)])
+    assert len(rows) == 4 and out.read_text().startswith("{")

@@ -177,6 +177,16 @@ def assert_lengths_async(query_start_loc: torch.Tensor, context_lens: torch.Tens
     torch._assert_async((~in_context | (used >= 0)).all(), "mla_ops debug: block ids must be >= 0")
 
 
+def k_scale_tensor(k_scale, kv_cache: torch.Tensor) -> torch.Tensor | None:
+    """A checked ``k_scale`` as the kernels take it: a one-element float32 tensor for a float8_e4m3fn
+    cache (a float becomes one on the cache's device: make it once per step), None otherwise."""
+    if kv_cache.dtype != torch.float8_e4m3fn:
+        return None
+    if isinstance(k_scale, torch.Tensor):
+        return k_scale.reshape(1)
+    return torch.tensor([float(k_scale)], dtype=torch.float32, device=kv_cache.device)
+
+
 def check_k_scale(k_scale, kv_cache: torch.Tensor, device: torch.device) -> None:
     """``k_scale``: required for a float8_e4m3fn cache; a positive float or a one-element float32
     tensor on ``device``; ignored for other cache dtypes."""

@@ -251,10 +251,7 @@ def run_checked(q, kv_c, k_pe, kv_cache, weight, softmax_scale, plan, k_scale, b
     the step's ``chunk_loop.truncated_tokens``, when the caller made it once for every layer."""
     softmax_scale = float(softmax_scale)  # a compile-time constant: kernels take it as a float
     kernels = backends.select(backend, q.device, plan.absorb_max_query_len)
-    if kv_cache.dtype != torch.float8_e4m3fn:
-        k_scale = None
-    elif not isinstance(k_scale, torch.Tensor):
-        k_scale = torch.tensor([float(k_scale)], device=q.device)
+    k_scale = checks.k_scale_tensor(k_scale, kv_cache)
     if truncated is None:
         truncated = truncated_tokens(plan, q.shape[0])
     step = Step(kernels, dims, q, kv_cache, weight, softmax_scale, k_scale, plan, truncated)

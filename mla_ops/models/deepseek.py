@@ -19,6 +19,8 @@ and compiles to one graph, the planner running once however many layers there ar
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -30,6 +32,21 @@ from ..prefill import check_run, run_checked
 from .config import MLAConfig
 from .moe import FeedForward, MoE, linear
 from .rope import acc_dtype, apply_rotary_emb, rotary_cos_sin
+
+
+class StepTensors(NamedTuple):
+    """What the layers use that depends only on the step: made once per step, shared by every layer."""
+
+    cos: torch.Tensor  # [T, R] rotary cos / sin of the step's positions
+    sin: torch.Tensor
+    truncated: torch.Tensor | None  # [T] bool: ``chunk_loop.truncated_tokens``
+    k_scale: torch.Tensor | None  # the cache's scale as a tensor (float8_e4m3fn caches)
+
+    @classmethod
+    def of(cls, config: MLAConfig, positions, plan, kv_cache, k_scale, dtype) -> StepTensors:
+        cos, sin = rotary_cos_sin(positions, config.qk_rope_head_dim, config.rope_theta, dtype, config.rope_scaling)
+        _checks.check_k_scale(k_scale, kv_cache, kv_cache.device)
+        return cls(cos, sin, truncated_tokens(plan, positions.shape[0]), _checks.k_scale_tensor(k_scale, kv_cache))
 
 
 class RMSNorm(nn.Module):
@@ -53,8 +70,7 @@ class MLAAttention(nn.Module):
         self.qk_nope_head_dim = c.qk_nope_head_dim
         self.qk_rope_head_dim = c.qk_rope_head_dim
         self.v_head_dim = c.v_head_dim
-        self.rope_theta = c.rope_theta
-        self.rope_scaling = c.rope_scaling  # YaRN frequencies (None: plain RoPE)
+        self.config = config  # rotary frequencies (YaRN or plain RoPE): StepTensors.of
         self.softmax_scale = c.softmax_scale  # 1/sqrt(P+R), times YaRN's mscale correction
 
         self.q_lora_rank = c.q_lora_rank
@@ -80,12 +96,10 @@ class MLAAttention(nn.Module):
         *,
         k_scale: float | torch.Tensor | None = None,
         backend: str = "auto",
-        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-        truncated: torch.Tensor | None = None,
+        step: StepTensors | None = None,
     ) -> torch.Tensor:
-        """``rotary`` (the step's ``(cos, sin)`` [T, R], ``rotary_cos_sin``) and ``truncated``
-        (``chunk_loop.truncated_tokens``) depend only on the step: ``MLAModel`` computes them once for
-        every layer; None computes them here."""
+        """``step``: what depends only on the step, made once by ``MLAModel`` for every layer; None
+        makes it here."""
         num_tokens = hidden.shape[0]
         N, L, P, R, V = self.num_heads, self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
 
@@ -97,19 +111,22 @@ class MLAAttention(nn.Module):
         kv_c, k_pe = self.kv_a_proj_with_mqa(hidden).split([L, R], dim=-1)  # [T, L], [T, R]
         kv_c = self.kv_a_layernorm(kv_c)
 
-        cos, sin = rotary or rotary_cos_sin(positions, R, self.rope_theta, q.dtype, self.rope_scaling)  # [T, R]
+        check_plan_block_table(block_table, plan)
+        if step is None:
+            step = StepTensors.of(self.config, positions, plan, kv_cache, k_scale, q.dtype)
+        cos, sin = step.cos, step.sin  # [T, R] each
         q_pe = apply_rotary_emb(q_pe, cos[:, None, :], sin[:, None, :])
         k_pe = apply_rotary_emb(k_pe, cos, sin)
         q = torch.cat([q_nope, q_pe], dim=-1)  # [T, N, P+R]
 
         # Everything is checked before the cache is written: a rejected call writes nothing.
-        check_plan_block_table(block_table, plan)
         weight = self.kv_b_proj.weight
+        k_scale = step.k_scale
         dims = check_run(q, kv_c, k_pe, kv_cache, weight, self.softmax_scale, plan, k_scale, backend, None)
         check_write(kv_c, k_pe, slot_mapping, kv_cache, k_scale)
         write_checked(kv_c, k_pe, slot_mapping, kv_cache, k_scale)
         out = run_checked(q, kv_c, k_pe, kv_cache, weight, self.softmax_scale, plan, k_scale, backend, dims,
-                          truncated)  # [T, N, V]
+                          step.truncated)  # [T, N, V]
         return self.o_proj(out.reshape(num_tokens, N * V))  # [T, H]
 
 
@@ -164,9 +181,9 @@ class DecoderLayer(nn.Module):
             self.mlp = FeedForward(config.hidden_size, config.intermediate_size, config.initializer_range)
 
     def forward(self, x, positions, kv_cache, slot_mapping, block_table, plan, *, k_scale, backend,
-                rotary=None, truncated=None) -> torch.Tensor:
+                step=None) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, slot_mapping, block_table, plan,
-                               k_scale=k_scale, backend=backend, rotary=rotary, truncated=truncated)
+                               k_scale=k_scale, backend=backend, step=step)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -211,16 +228,10 @@ class MLAModel(nn.Module):
         check_plan_block_table(block_table, plan)
         check_step_inputs(input_ids, positions, plan, self.embed_tokens.num_embeddings)
         x = self.embed_tokens(input_ids)  # [T, H]
-        # What depends only on the step is computed once, not in every layer.
-        c = self.config
-        rotary = rotary_cos_sin(positions, c.qk_rope_head_dim, c.rope_theta, x.dtype, c.rope_scaling)
-        if kv_caches.dtype == torch.float8_e4m3fn and k_scale is not None and not isinstance(k_scale, torch.Tensor):
-            _checks.check_k_scale(k_scale, kv_caches[0], kv_caches.device)
-            k_scale = torch.tensor([float(k_scale)], dtype=torch.float32, device=kv_caches.device)
-        truncated = truncated_tokens(plan, input_ids.shape[0])
+        step = StepTensors.of(self.config, positions, plan, kv_caches, k_scale, x.dtype)  # once, not per layer
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, kv_caches[i], slot_mapping, block_table, plan, k_scale=k_scale, backend=backend,
-                      rotary=rotary, truncated=truncated)
+                      step=step)
         return self.norm(x)  # [T, H]
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import FLOAT_DTYPES, check_k_scale, check_tensor, values_readable
+from .._checks import FLOAT_DTYPES, check_k_scale, check_tensor, k_scale_tensor, values_readable
 from .._env import triton_available
 
 _CACHE_DTYPES = FLOAT_DTYPES + (torch.float8_e4m3fn,)
@@ -144,8 +144,4 @@ def write_latent_cache(
 
 def write_checked(kv_c, k_pe, slot_mapping, kv_cache, k_scale) -> None:
     """``write_latent_cache`` after ``check_write`` (for callers that check everything first)."""
-    scale = None
-    if kv_cache.dtype == torch.float8_e4m3fn:
-        scale = k_scale if isinstance(k_scale, torch.Tensor) else torch.tensor([float(k_scale)], device=kv_cache.device)
-        scale = scale.reshape(1)
-    _write_latent_cache_op(kv_c, k_pe, slot_mapping, scale, kv_cache)
+    _write_latent_cache_op(kv_c, k_pe, slot_mapping, k_scale_tensor(k_scale, kv_cache), kv_cache)

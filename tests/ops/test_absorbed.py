@@ -117,6 +117,10 @@ def test_opcheck():
     # A static bound of the tokens of requests with context (5 here), as a plan passes it.
     torch.library.opcheck(ops.absorbed_context_attention, (*batch.absorbed_args(), out, lse, 5),
                           test_utils=OPCHECK_UTILS)
+    # ... and the packed token offsets the plan makes once per step.
+    loc = torch.tensor([0, 2, 2, 5], dtype=torch.int32)
+    torch.library.opcheck(ops.absorbed_context_attention, (*batch.absorbed_args(), out, lse, 5, loc),
+                          test_utils=OPCHECK_UTILS)
     # SchemaCheckMode compares inputs with arithmetic that CPU float8 lacks: skip test_schema there.
     batch = context_batch([4, 0, 9], [2, 1, 3], block_size=4, dtype=torch.float32, fp8_scale=0.5, **SMALL)
     torch.library.opcheck(ops.absorbed_context_attention, (*batch.absorbed_args(), out, lse),

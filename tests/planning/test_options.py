@@ -72,3 +72,19 @@ def test_dense_schedule_matches_the_device_form():
     assert torch.equal(torch.from_numpy(seq_lens).int(), device.seq_lens)
     live = seq_lens > 0
     assert torch.equal(torch.from_numpy(starts[live]).int(), device.starts[torch.from_numpy(live)])
+
+
+@pytest.mark.parametrize("max_chunks", [None, 4])
+def test_the_plan_carries_the_absorbed_tokens_packed_offsets(max_chunks):
+    from mla_ops._mla import routed_token_loc
+
+    qsl = torch.tensor([0, 2, 9, 10, 13], dtype=torch.int32)  # query lens 2, 7, 1, 3
+    ctx = torch.tensor([5, 8, 0, 4], dtype=torch.int32)
+    table = torch.arange(16, dtype=torch.int32).view(4, 4)
+    plan = mla_ops.plan_prefill(qsl, ctx, table, 4, workspace_size=8, max_chunks=max_chunks, absorb_max_query_len=3,
+                                max_absorbed_tokens=8)
+    assert plan.absorbed_context_lens.tolist() == [5, 0, 0, 4]
+    assert plan.absorbed_token_loc.tolist() == routed_token_loc(qsl, plan.absorbed_context_lens).tolist() == \
+        [0, 2, 2, 2, 5]
+    off = mla_ops.plan_prefill(qsl, ctx, table, 4, workspace_size=8, max_chunks=max_chunks, absorb_max_query_len=0)
+    assert off.absorbed_token_loc is None

@@ -21,6 +21,8 @@ import mla_ops
 from mla_ops.__main__ import main as package_main
 from tests.serving.test_generation import tiny_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 PROG = "python -m mla_ops generate"
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = dict(hidden_size=64, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
@@ -28,13 +30,6 @@ CONFIG = dict(hidden_size=64, num_attention_heads=4, q_lora_rank=32, kv_lora_ran
               num_hidden_layers=2, vocab_size=256, rope_interleave=False,  # the halves layout, as written here
               eos_token_id=100001)  # as tiny test models keep their tokenizer's: past the vocabulary
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def write_checkpoint(path: Path, config: dict = CONFIG, weights: bool = True) -> str:

@@ -17,6 +17,8 @@ import mla_ops
 from mla_ops.serving import generation
 from tests.serving.test_generation import tiny_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 PROMPTS = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 1]]
 N = 3
 
@@ -98,14 +100,6 @@ def assert_same(a, b):
     else:
         assert a == b
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: one thread is fastest, and on a shared, busy CPU far faster than spinning two."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 import mla_ops
 from mla_ops.__main__ import main as package_main
-from tests.serving.test_generation import tiny_model
+from tests.support.batches import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

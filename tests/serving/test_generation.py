@@ -9,6 +9,7 @@ import torch
 
 import mla_ops
 from mla_ops.models.config import MLAConfig
+from tests.support.batches import tiny_model
 from tests.support.gpu import needs_cuda
 
 
@@ -40,26 +41,6 @@ def test_generation_on_cuda_equals_cpu_eager_and_compiled():
 
 
 # ---- prefix caching gives the tokens of a full recompute (CPU, the tiny model) --------------------
-
-
-@pytest.fixture
-def one_thread():
-    """Tiny matrices: one thread is fastest, and on a shared, busy CPU far faster than spinning two."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@torch.no_grad()
-def tiny_model(seed: int = 0) -> mla_ops.MLAForCausalLM:
-    """The "tiny" config with weights at ~1.5/sqrt(fan_in): greedy tokens vary (the default init's
-    flat softmaxes would repeat one token)."""
-    torch.manual_seed(seed)
-    model = mla_ops.MLAForCausalLM(MLAConfig.from_name("tiny")).eval()
-    for p in model.parameters():
-        p.copy_(torch.randn(p.shape) * p.shape[-1] ** -0.5 * 1.5 if p.dim() >= 2 else 1 + 0.3 * torch.randn(p.shape))
-    return model
 
 
 def shared_prompts(seed: int = 1):

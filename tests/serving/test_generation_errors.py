@@ -15,7 +15,7 @@ import torch
 
 import mla_ops
 from mla_ops.serving import generation
-from tests.serving.test_generation import tiny_model
+from tests.support.batches import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

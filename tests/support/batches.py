@@ -393,3 +393,14 @@ def spread_weights(module, seed):
             else:
                 p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g, dtype=torch.float64))
     return module
+
+
+@torch.no_grad()
+def tiny_model(seed: int = 0) -> mla_ops.MLAForCausalLM:
+    """The "tiny" config with weights at ~1.5/sqrt(fan_in): greedy tokens vary (the default init's
+    flat softmaxes would repeat one token)."""
+    torch.manual_seed(seed)
+    model = mla_ops.MLAForCausalLM(mla_ops.MLAConfig.from_name("tiny")).eval()
+    for p in model.parameters():
+        p.copy_(torch.randn(p.shape) * p.shape[-1] ** -0.5 * 1.5 if p.dim() >= 2 else 1 + 0.3 * torch.randn(p.shape))
+    return model

@@ -5,17 +5,22 @@ layer repeats and that could be done once per step.
 A ``TorchDispatchMode`` records every op an ``MLAModel.forward`` dispatches (a ``torch.ops.mla_ops``
 op counts as one: its own work is not recorded), split by decoder layer with forward hooks. An op
 depends on the layer when one of its inputs derives from the layer's data (its weights, its cache,
-the hidden states it receives); the others, views aside, depend only on the step. Counted, not
-timed: the torch backend on CPU, host and device plans, B = 4 and 32, float32 and float8 caches.
-On the CPU the count includes the host reads of the free checks (a cache write's slot range:
-``max`` and ``_local_scalar_dense``), which a GPU step skips.
+the hidden states it receives); the others, views and uninitialized allocations aside, depend only
+on the step. Counted, not timed: host and device plans, B = 4 and 32, float32 and float8 caches, the
+torch backend and (under ``TRITON_INTERPRET=1``) the Triton one, where a kernel launch counts as one
+op and the torch glue around it as what it is (on a GPU, every op is a launch). On the CPU the count
+includes the host reads of the free checks (a cache write's slot range: ``max`` and
+``_local_scalar_dense``), which a GPU step skips.
 
     python -m benchmarks.step_census --json benchmarks/results/step_census.json
+    TRITON_INTERPRET=1 python -m benchmarks.step_census --backend triton \
+        --json benchmarks/results/step_census_triton.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import weakref
 from collections import Counter
 
@@ -26,8 +31,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import mla_ops
 from benchmarks._lib.batches import model_step
 from benchmarks._lib.report import write_json_atomic
+from mla_ops._env import interpreting
 
 PRESET = "tiny"
+# Uninitialized allocations (a layer's scratch): no work and, on a GPU, no launch; like views, never
+# counted as step-only.
+ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+               torch.ops.aten.new_empty.default}
 
 
 class LayerCensus(TorchDispatchMode):
@@ -82,13 +92,44 @@ class LayerCensus(TorchDispatchMode):
                 if isinstance(t, torch.Tensor) and argument.alias_info is not None and argument.alias_info.is_write:
                     self._mark(t)
         name = func.overloadpacket.__name__ if func.namespace == "aten" else f"{func.namespace}.{func._opname}"
-        self.ops[self.layer][name] += 1
-        if not depends_on_layer and not func.is_view:
-            self.step_only[self.layer][name] += 1
+        self._count(name, depends_on_layer or func.is_view or func in ALLOCATIONS)
         return out
 
+    def _count(self, name: str, per_layer: bool) -> None:
+        self.ops[self.layer][name] += 1
+        if not per_layer:
+            self.step_only[self.layer][name] += 1
 
-def census(batch: int, device_plan: bool, fp8: bool, layers: int = 3, seed: int = 0) -> dict:
+    @contextlib.contextmanager
+    def triton_launches(self):
+        """Count each Triton launch (interpreter) as one op, ``triton.<kernel>``, and not the torch
+        ops the interpreter itself runs to execute it. A launch writes its tensor arguments, so
+        one that reads layer data makes them all layer data."""
+        from triton.runtime.interpreter import InterpretedFunction
+
+        run = InterpretedFunction.run
+        census = self
+
+        def counted_run(kernel, *args, **kwargs):
+            if census.layer is None:
+                return run(kernel, *args, **kwargs)
+            tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+            depends_on_layer = any(census._is_layer_data(t) for t in tensors)
+            if depends_on_layer:
+                for t in tensors:
+                    census._mark(t)
+            census._count(f"triton.{kernel.__name__}", depends_on_layer)
+            with torch.utils._python_dispatch._disable_current_modes():
+                return run(kernel, *args, **kwargs)
+
+        InterpretedFunction.run = counted_run
+        try:
+            yield
+        finally:
+            InterpretedFunction.run = run
+
+
+def census(batch: int, device_plan: bool, fp8: bool, layers: int = 3, seed: int = 0, backend: str = "torch") -> dict:
     config = mla_ops.MLAConfig(**{**mla_ops.models.config.mla_configs[PRESET], "num_hidden_layers": layers})
     torch.manual_seed(seed)
     model = mla_ops.MLAModel(config).eval()
@@ -102,15 +143,16 @@ def census(batch: int, device_plan: bool, fp8: bool, layers: int = 3, seed: int 
     plan = mla_ops.plan_prefill(step["query_start_loc"], step["context_lens"], table, 4, workspace_size=64,
                                 max_chunks=4 if device_plan else None)
     recorder = LayerCensus(model)
+    launches = recorder.triton_launches() if backend == "triton" else contextlib.nullcontext()
     try:
-        with torch.no_grad(), recorder:
+        with torch.no_grad(), launches, recorder:
             model(step["input_ids"], step["positions"], caches, step["slot_mapping"], table, plan, k_scale=k_scale,
-                  backend="torch")
+                  backend=backend)
     finally:
         recorder.remove()
     per_layer = [sum(c.values()) for c in recorder.ops]
     step_only = [sum(c.values()) for c in recorder.step_only]
-    return dict(batch=batch, plan="device" if device_plan else "host", cache="float8_e4m3fn" if fp8 else "float32",
+    return dict(backend=backend, batch=batch, plan="device" if device_plan else "host", cache="float8_e4m3fn" if fp8 else "float32",
                 layers=layers, ops_per_layer=per_layer, step_only_per_layer=step_only,
                 step_only_ops=dict(sorted(recorder.step_only[-1].items())),
                 ops=dict(sorted(recorder.ops[-1].items())))
@@ -120,17 +162,21 @@ def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.step_census", description=__doc__.split("\n")[0])
     parser.add_argument("--json", default=None, help="write the rows here")
     parser.add_argument("--batches", type=int, nargs="+", default=[4, 32])
+    parser.add_argument("--backend", choices=("torch", "triton"), default="torch",
+                        help="triton: Triton's interpreter, which needs TRITON_INTERPRET=1")
     args = parser.parse_args(argv)
+    if args.backend == "triton" and not interpreting():
+        parser.error("--backend triton runs Triton's interpreter on CPU: set TRITON_INTERPRET=1")
     rows = []
     for device_plan in (False, True):
         for fp8 in (False, True):
             for batch in args.batches:
-                row = census(batch, device_plan, fp8)
+                row = census(batch, device_plan, fp8, backend=args.backend)
                 rows.append(row)
                 print(f"{row['plan']:6} {row['cache']:13} B={batch:3}: {row['ops_per_layer'][-1]:4} ops per layer, "
                       f"{row['step_only_per_layer'][-1]:3} of them step-only", flush=True)
     if args.json:
-        write_json_atomic(args.json, dict(benchmark="step_census", preset=PRESET, backend="torch", results=rows))
+        write_json_atomic(args.json, dict(benchmark="step_census", preset=PRESET, backend=args.backend, results=rows))
     return rows
 
 

@@ -99,7 +99,7 @@ def check_lengths(query_start_loc: np.ndarray, context_lens: np.ndarray, block_t
         if query_start_loc[0] == 0 and all(a <= b for a, b in zip(query_start_loc, query_start_loc[1:])) and (
             not blocks or (min(context_lens) >= 0 and max(blocks) <= block_table.shape[1])
         ):
-            return check_block_ids(block_table, np.array(blocks)) if blocks else -1
+            return check_block_ids(block_table, blocks)
         query_start_loc, context_lens = np.array(query_start_loc), np.array(context_lens)  # which check fails
     if query_start_loc[0] != 0:
         raise ValueError(f"query_start_loc must start at 0, got {int(query_start_loc[0])}")
@@ -125,28 +125,35 @@ def check_lengths(query_start_loc: np.ndarray, context_lens: np.ndarray, block_t
     return check_block_ids(block_table, blocks)
 
 
-def check_block_ids(block_table: np.ndarray, blocks: np.ndarray) -> int:
-    """Block ids in row r's first ``blocks[r]`` columns must be >= 0; returns their maximum (-1 if
-    none). One reduction per row segment over the flat table: work in proportion to the ids used."""
-    rows = np.flatnonzero(blocks)
-    if rows.size == 0:
+def check_block_ids(block_table: np.ndarray, blocks) -> int:
+    """Block ids in row r's first ``blocks[r]`` columns (a list or an int array) must be >= 0;
+    returns their maximum (-1 if none). Work in proportion to the ids used: one maximum per row
+    segment of the flat table, taken over its bits as uint32, where a negative id is >= 2**31."""
+    small = isinstance(blocks, list)
+    rows = [r for r, n in enumerate(blocks) if n] if small else np.flatnonzero(blocks)
+    if len(rows) == 0:
         return -1
-    width = block_table.shape[1]
-    if not block_table.flags.c_contiguous:
-        block_table = np.ascontiguousarray(block_table[: blocks.size, : int(blocks.max())])
-        width = block_table.shape[1]
-    flat = block_table.reshape(-1)
-    bounds = np.empty(2 * rows.size, dtype=np.int64)
-    bounds[0::2] = rows * width
-    bounds[1::2] = rows * width + blocks[rows]
-    if bounds[-1] == flat.size:  # reduceat's last segment runs to the end anyway
-        bounds = bounds[:-1]
-    lowest = np.minimum.reduceat(flat, bounds)[0::2]
-    if lowest.min() < 0:
-        r = int(rows[np.argmin(lowest)])
+    ids = block_table.view(np.uint32)
+    if len(rows) == 1:
+        top = int(ids[rows[0], : blocks[rows[0]]].max())
+    else:
+        if not ids.flags.c_contiguous:
+            ids = np.ascontiguousarray(ids[: len(blocks), : max(blocks) if small else int(blocks.max())])
+        width = ids.shape[1]
+        if small:  # a few rows: Python lists beat numpy's per-call cost
+            bounds = [b for r in rows for b in (r * width, r * width + blocks[r])]
+        else:
+            bounds = np.empty(2 * rows.size, dtype=np.int64)
+            bounds[0::2] = rows * width
+            bounds[1::2] = rows * width + blocks[rows]
+        if bounds[-1] == ids.size:  # reduceat's last segment runs to the end anyway
+            bounds = bounds[:-1]
+        top = int(np.maximum.reduceat(ids.reshape(-1), bounds)[0::2].max())
+    if top >= 2**31:
+        r = next(r for r in rows if block_table[r, : blocks[r]].min() < 0)
         col = int(np.argmin(block_table[r, : blocks[r]]))
         raise ValueError(f"block_table[{r}, {col}] is {int(block_table[r, col])}: block ids must be >= 0")
-    return int(np.maximum.reduceat(flat, bounds)[0::2].max())
+    return top
 
 
 def check_ids_below(x: torch.Tensor, name: str, limit: int, what: str) -> None:

@@ -27,7 +27,7 @@ from .ops.backends import BACKENDS
 from .parallel.plan import plan_context_parallel
 from .parallel.run import run_context_parallel
 from .planning import plan as planning
-from .planning.options import PlanOptions
+from .planning.options import PlanOptions, plan_options
 from .planning.plan import PrefillPlan
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ def plan_prefill(
     wherever they are readable for free (CPU tensors, not traced). Raises before anything runs.
     """
     planning.check_inputs(query_start_loc, context_lens, block_table)
-    options = PlanOptions(block_size, workspace_size, policy, split_alignment, max_chunks, absorb_max_query_len,
+    options = plan_options(block_size, workspace_size, policy, split_alignment, max_chunks, absorb_max_query_len,
                           max_absorbed_tokens)
     return plan_with_options(query_start_loc, context_lens, block_table, options, context_parallel)
 
@@ -218,7 +218,7 @@ def mla_prefill(
     for name, x, ndim, doc in (("block_table", block_table, 2, "[B, max_blocks]"),
                                ("query_start_loc", query_start_loc, 1, "[B+1]"), ("context_lens", context_lens, 1, "[B]")):
         checks.check_tensor(x, name, ndim, doc, q.device, "q")
-    options = PlanOptions(_block_size(kv_cache), workspace_size, policy, split_alignment, max_chunks,
+    options = plan_options(_block_size(kv_cache), workspace_size, policy, split_alignment, max_chunks,
                           absorb_max_query_len, max_absorbed_tokens)
     if plan is None:
         planning.check_inputs(query_start_loc, context_lens, block_table)
@@ -250,7 +250,7 @@ def run_checked(q, kv_c, k_pe, kv_cache, weight, softmax_scale, plan, k_scale, b
     """``run_prefill`` after ``check_run`` (for callers that check everything first). ``truncated``:
     the step's ``chunk_loop.truncated_tokens``, when the caller made it once for every layer."""
     softmax_scale = float(softmax_scale)  # a compile-time constant: kernels take it as a float
-    kernels = backends.select(backend, q.device, plan.absorb_max_query_len)
+    kernels = backends.select(backend, q.device, plan.absorb_max_query_len, dims.num_heads, plan.kernel_state)
     k_scale = checks.k_scale_tensor(k_scale, kv_cache)
     if truncated is None:
         truncated = truncated_tokens(plan, q.shape[0])

@@ -68,10 +68,13 @@ def triton_kernels() -> Kernels:
     )
 
 
-def select(backend: str, device: torch.device, absorbed_query_bound: int = 0) -> Kernels:
+def select(backend: str, device: torch.device, absorbed_query_bound: int = 0, num_heads: int = 0,
+           step_state: dict | None = None) -> Kernels:
     """The kernels ``run_prefill`` calls for ``backend`` on ``device`` (validated names only).
 
-    ``absorbed_query_bound``: the longest query of an absorbed request (FlashMLA's static ``s_q``).
+    For ``"flashmla"``: ``absorbed_query_bound``, the longest query of an absorbed request (FlashMLA's
+    static ``s_q``: the plan's packed bound); ``step_state``, the plan's ``kernel_state``, where the
+    step's scheduler metadata for ``num_heads`` heads is made once and shared by every layer.
     """
     if backend == "flashmla":
         from . import flashmla
@@ -81,8 +84,13 @@ def select(backend: str, device: torch.device, absorbed_query_bound: int = 0) ->
             raise ValueError(f"backend='flashmla' is unavailable: {reason}")
         if torch.compiler.is_compiling():
             raise ValueError("backend='flashmla' runs eagerly; under torch.compile use 'auto' (Triton)")
-        # One s_q per FlashMLA call: requests are padded to the routing bound, a static size.
-        absorbed = functools.partial(flashmla.absorbed_context_attention, max_query_len=absorbed_query_bound or None)
+        s_q = absorbed_query_bound or None  # one s_q per FlashMLA call: requests padded to the bound
+        metadata, key = None, ("flashmla", num_heads, s_q)
+        if step_state is not None:
+            if key not in step_state:
+                step_state[key] = flashmla.new_metadata()
+            metadata = step_state[key]
+        absorbed = functools.partial(flashmla.absorbed_context_attention, max_query_len=s_q, metadata=metadata)
         return select("auto", device)._replace(absorbed_context_attention=absorbed)
     if backend == "triton" and not triton_available():
         raise ValueError("backend='triton' needs the triton package (pip install 'mla-ops[triton]')")

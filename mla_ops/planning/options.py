@@ -7,6 +7,7 @@ here, once, whatever path (host or device form, one device or context parallel) 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from .. import _checks
@@ -83,3 +84,18 @@ class PlanOptions:
         if self.max_absorbed_tokens is None and self.device_form:
             return self.workspace_size // 4
         return self.max_absorbed_tokens
+
+
+def plan_options(*args) -> PlanOptions:
+    """``PlanOptions(*args)``, checked once per distinct arguments: a server plans every step with
+    the same options, and their checks would otherwise be a tenth of a small step's plan."""
+    try:
+        hash(args)
+    except TypeError:
+        return PlanOptions(*args)  # an unhashable argument: its check names it
+    return _cached_options(*args)
+
+
+@functools.lru_cache(maxsize=64, typed=True)  # typed: 16.0 or True must not pass as 16 or 1
+def _cached_options(*args) -> PlanOptions:
+    return PlanOptions(*args)

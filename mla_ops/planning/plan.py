@@ -18,7 +18,7 @@ frozen dataclass and a pytree: tensors are its leaves, the sizes it was planned 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -30,7 +30,7 @@ from .._mla import routed_token_loc
 from .device_schedule import DeviceSchedule, plan_context_chunks_device
 from .options import PlanOptions
 from .routing import route_context
-from .schedule import SMALL_BATCH, ContextSchedule, plan_context_chunks
+from .schedule import SMALL_BATCH, ContextSchedule, frozen_instance, schedule_checked
 
 if TYPE_CHECKING:  # a type only: mla_ops.parallel builds on this module
     from ..parallel.plan import ContextParallelPlan
@@ -62,6 +62,9 @@ class PrefillPlan:
     # [B+1] int32: rows of each absorbed request's tokens in the absorbed path's packed scratch
     # (``_mla.routed_token_loc``), made once per step; None without an absorbed path.
     absorbed_token_loc: torch.Tensor | None = None
+    # What an eager kernel schedules once per step, filled by the step's first layer and reused by
+    # the others: FlashMLA's scheduler metadata, by (heads, s_q). Not part of the pytree.
+    kernel_state: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_requests(self) -> int:
@@ -78,7 +81,7 @@ class PrefillPlan:
 
 
 def register_plan_pytree(cls, static: tuple[str, ...]) -> None:
-    children = tuple(f.name for f in fields(cls) if f.name not in static)
+    children = tuple(f.name for f in fields(cls) if f.name not in static and f.name != "kernel_state")
 
     def flatten(obj):
         return [getattr(obj, n) for n in children], tuple(getattr(obj, n) for n in static)
@@ -149,12 +152,13 @@ def check_on_plan_device(query_start_loc, context_lens, block_table) -> None:
 
 
 def host_values(query_start_loc, context_lens, block_table, block_size):
-    """The lengths on the host, checked: lists for a small batch, arrays for a large one (as the host
-    planner takes them); ``(qsl, ctx, max_block_id)``."""
-    small = context_lens.shape[0] <= SMALL_BATCH
-    qsl, ctx = (t.cpu().numpy() for t in (query_start_loc, context_lens))  # a GPU tensor: a sync
-    if small:
+    """The lengths on the host, checked: lists for a small batch, int64 arrays for a large one (as
+    the host planner takes them); ``(qsl, ctx, max_block_id)``."""
+    qsl, ctx = query_start_loc.cpu().numpy(), context_lens.cpu().numpy()  # a GPU tensor: a sync
+    if context_lens.shape[0] <= SMALL_BATCH:
         qsl, ctx = qsl.tolist(), ctx.tolist()  # (numpy's tolist: several times quicker than a tensor's)
+    else:
+        qsl, ctx = qsl.astype(np.int64), ctx.astype(np.int64)
     readable_table = block_table.device.type == "cpu"
     table = block_table.numpy() if readable_table else np.zeros((len(ctx), block_table.shape[1]), np.int32)
     max_block_id = _checks.check_lengths(qsl, ctx, table, block_size)
@@ -165,18 +169,20 @@ def plan_host(query_start_loc, context_lens, block_table, options: PlanOptions) 
     """The host form (module doc): checked inputs, options and lengths read on the host."""
     device, block_size = block_table.device, options.block_size
     qsl, ctx, max_block_id = host_values(query_start_loc, context_lens, block_table, block_size)
-    query_lens = [b - a for a, b in zip(qsl, qsl[1:])] if isinstance(qsl, list) else np.diff(qsl)
-    mha_lens, absorbed_lens = route_context(ctx, query_lens, options.absorb_threshold, options.absorbed_capacity)
-    schedule = plan_context_chunks(mha_lens, query_lens, options.workspace_size, policy=options.policy,
-                                   split_alignment=options.split_alignment)
+    small = isinstance(qsl, list)
+    query_lens = [b - a for a, b in zip(qsl, qsl[1:])] if small else np.diff(qsl)
+    mha_lens, absorbed_lens = ctx, None
+    if options.absorb_threshold:
+        mha_lens, absorbed_lens = route_context(ctx, query_lens, options.absorb_threshold, options.absorbed_capacity)
+    schedule = schedule_checked(mha_lens, query_lens, options.workspace_size, options.policy, options.split_alignment)
     if device.type != "cpu":
         schedule = schedule.to(device, non_blocking=True)
     absorbed = token_loc = None
-    routed = [q for q, a in zip(query_lens, absorbed_lens) if a] if isinstance(qsl, list) else \
+    routed = [] if absorbed_lens is None else [q for q, a in zip(query_lens, absorbed_lens) if a] if small else \
         query_lens[absorbed_lens > 0].tolist()
     if routed:
         # The absorbed lengths and each request's rows in the packed scratch, moved in one copy.
-        if isinstance(qsl, list):
+        if small:
             packed = [q if a else 0 for q, a in zip(query_lens, absorbed_lens)]
             values = [*absorbed_lens, 0, *itertools.accumulate(packed)]
         else:
@@ -184,19 +190,17 @@ def plan_host(query_start_loc, context_lens, block_table, options: PlanOptions) 
         batch = len(absorbed_lens)
         lens_and_loc = torch.as_tensor(values, dtype=torch.int32).to(device, non_blocking=True)
         absorbed, token_loc = lens_and_loc.split([batch, batch + 1])
-        absorb_max_query_len = max(routed)  # a tighter static bound
-    else:
-        absorb_max_query_len = 0
     if query_start_loc.device != device:
         query_start_loc = query_start_loc.to(device, non_blocking=True)
         context_lens = context_lens.to(device, non_blocking=True)
-    return PrefillPlan(
+    return frozen_instance(PrefillPlan, dict(
         query_start_loc=query_start_loc, context_lens=context_lens,
         block_table=block_table, absorbed_context_lens=absorbed, schedule=schedule, device_schedule=None,
         truncated=None, block_size=block_size, workspace_size=options.workspace_size,
-        absorb_max_query_len=absorb_max_query_len, num_tokens=int(qsl[-1]), max_block_id=max_block_id,
-        max_absorbed_tokens=sum(routed), absorbed_token_loc=token_loc,
-    )
+        # the routed requests' longest query: a tighter static bound than the threshold
+        absorb_max_query_len=max(routed, default=0), num_tokens=int(qsl[-1]), max_block_id=max_block_id,
+        max_absorbed_tokens=sum(routed), context_parallel=None, absorbed_token_loc=token_loc, kernel_state={},
+    ))
 
 
 def plan_device(query_start_loc, context_lens, block_table, options: PlanOptions) -> PrefillPlan:

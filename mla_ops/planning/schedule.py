@@ -109,7 +109,7 @@ class ContextSchedule:
         k = len(self.chunks)
         views = _views(moved, [c.num_requests for c in self.chunks])
         chunks = tuple(
-            _frozen(ContextChunk, {
+            frozen_instance(ContextChunk, {
                 **c.__dict__,
                 "starts": views[i], "seq_lens": views[k + i],
                 "cu_seq_lens": views[2 * k + i], "query_start_loc": views[3 * k + i],
@@ -119,7 +119,7 @@ class ContextSchedule:
         return dataclasses.replace(self, chunks=chunks, _buffer=moved)
 
 
-def _frozen(cls, fields: dict):
+def frozen_instance(cls, fields: dict):
     """An instance of the frozen dataclass ``cls`` holding ``fields``, built without the generated
     ``__init__``: its one ``object.__setattr__`` per field is most of a chunk's planning cost."""
     instance = object.__new__(cls)
@@ -244,7 +244,13 @@ def plan_context_chunks(
             f"context_lens and query_lens must have one entry per request, got {len(context_lens)} "
             f"and {len(query_lens)}"
         )
+    return schedule_checked(context_lens, query_lens, workspace_size, policy, split_alignment)
 
+
+def schedule_checked(context_lens: list[int] | np.ndarray, query_lens: list[int] | np.ndarray, workspace_size: int,
+                     policy: str, split_alignment: int) -> ContextSchedule:
+    """``plan_context_chunks`` of arguments already checked (``plan_prefill``'s): non-negative
+    lengths as lists (up to ``SMALL_BATCH`` requests) or int64 arrays, one per request."""
     small = isinstance(context_lens, list)
     if small:
         cu_context = list(accumulate(context_lens, initial=0))
@@ -365,7 +371,7 @@ def _assemble(
     k = len(counts)
     views = _views(buffer, counts)
     chunks = tuple(
-        _frozen(ContextChunk, {
+        frozen_instance(ContextChunk, {
             "index": i,
             "request_start": first,
             "request_end": stop,
@@ -384,7 +390,7 @@ def _assemble(
         for i, (first, stop, num_rows, max_seq_len, token_start, token_end, max_query_len, is_continuation,
                 continuation_token_end) in enumerate(rows)
     )
-    return _frozen(ContextSchedule, {
+    return frozen_instance(ContextSchedule, {
         "chunks": chunks,
         "workspace_size": workspace_size,
         "num_context_tokens": num_context_tokens,

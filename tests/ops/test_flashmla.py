@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-import mla_ops  # noqa: F401  (registers the ops)
+import mla_ops
 from mla_ops.ops import absorbed, flashmla
 from tests.support.batches import assert_partial, context_batch, written_rows
 from tests.support.flashmla import StandInFlashMLA
@@ -96,6 +96,30 @@ def test_flashmla_metadata_per_call_or_from_the_caller(stand_in):
         torch.testing.assert_close(lse, results[0][1], equal_nan=True, rtol=0, atol=0)
 
 
+def test_run_prefill_makes_the_metadata_once_per_step(stand_in, monkeypatch):
+    """backend="flashmla": the plan holds the step's scheduler metadata, made by its first layer
+    and passed to FlashMLA by the others; s_q is the plan's packed bound, the longest routed query."""
+    monkeypatch.setattr(flashmla, "available", lambda *args: (True, ""))
+    batch = context_batch([9, 0, 4, 70], [2, 1, 1, 3], block_size=64, dtype=torch.float16, **FLASHMLA_DIMS)
+
+    def plan():
+        return mla_ops.plan_prefill(batch.query_start_loc, batch.context_lens, batch.block_table, 64,
+                                    absorb_max_query_len=8)
+
+    def layer(step_plan, backend="flashmla"):
+        return mla_ops.run_prefill(batch.q, batch.kv_c, batch.k_pe, batch.kv_cache, batch.kv_b_proj_weight,
+                                   batch.softmax_scale, step_plan, backend=backend)
+
+    step = plan()
+    outputs = [layer(step), layer(step), layer(plan())]  # two layers of one step, then a new step
+    metas = [call["metadata"] for call in stand_in.calls]
+    assert metas[0] is metas[1] and metas[2] is not metas[0]
+    assert [call["s_q"] for call in stand_in.calls] == [3, 3, 3]  # not the threshold, 8
+    expect = layer(step, backend="torch")
+    for out in outputs:
+        torch.testing.assert_close(out.float(), expect.float(), rtol=0, atol=ADAPTER_TOL[torch.float16])
+
+
 def test_flashmla_adapter_refuses_what_it_cannot_run(stand_in):
     fp8 = context_batch([3], [1], block_size=64, dtype=torch.float16, fp8_scale=0.5, **FLASHMLA_DIMS)
     with pytest.raises(TypeError, match="fp8"):
@@ -131,3 +155,25 @@ def test_flashmla_adapter_against_reference(dtype):
     check_absorbed(batch, bounded, dtype)
     check_absorbed(batch, bounded, dtype)  # the filled metadata reused for the same schedule
     assert metadata.tile_scheduler_metadata is not None
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_run_prefill_on_flashmla_shares_the_plans_metadata():
+    ok, reason = flashmla.available()
+    if not ok:
+        pytest.skip(reason)
+    batch = context_batch([300, 0, 70, 129], [2, 1, 1, 40], block_size=64, dtype=torch.float32, nan_fill=False,
+                          **FLASHMLA_DIMS).to("cuda", torch.bfloat16)
+    plan = mla_ops.plan_prefill(batch.query_start_loc, batch.context_lens, batch.block_table, 64,
+                                absorb_max_query_len=64)
+
+    def layer(backend):
+        return mla_ops.run_prefill(batch.q, batch.kv_c, batch.k_pe, batch.kv_cache, batch.kv_b_proj_weight,
+                                   batch.softmax_scale, plan, backend=backend)
+
+    first, second, expect = layer("flashmla"), layer("flashmla"), layer("torch")
+    (metadata,) = plan.kernel_state.values()  # made by the first layer, filled by its kernel call
+    assert metadata.tile_scheduler_metadata is not None
+    torch.testing.assert_close(second, first, rtol=0, atol=0)
+    torch.testing.assert_close(first.float(), expect.float(), rtol=0, atol=ADAPTER_TOL[torch.bfloat16])

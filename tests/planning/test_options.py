@@ -88,3 +88,16 @@ def test_the_plan_carries_the_absorbed_tokens_packed_offsets(max_chunks):
         [0, 2, 2, 2, 5]
     off = mla_ops.plan_prefill(qsl, ctx, table, 4, workspace_size=8, max_chunks=max_chunks, absorb_max_query_len=0)
     assert off.absorbed_token_loc is None
+
+
+def test_plan_prefill_checks_its_options_once_per_distinct_arguments():
+    from mla_ops.planning.options import plan_options
+
+    assert plan_options(16, 64) is plan_options(16, 64)  # a server's steps share one checked object
+    assert plan_options(np.int64(16), 64).block_size == 16
+    with pytest.raises(TypeError, match="block_size must be an int"):
+        plan_options(16.0, 64)  # equal to 16, and still refused
+    with pytest.raises(TypeError, match="split_alignment must be an int"):
+        plan_options(16, 64, "packed", True)  # True == 1
+    with pytest.raises(TypeError, match="workspace_size must be an int"):
+        plan_options(16, [64])  # unhashable: checked all the same

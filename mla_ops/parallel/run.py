@@ -25,19 +25,57 @@ def run_context_parallel(step: Step, suffix_out: torch.Tensor, suffix_lse: torch
 
 def _all_gather_path(step: Step, cp_plan: ContextParallelPlan, context_out, context_lse) -> None:
     """The chunk loop, each chunk's rows fetched from every rank: gather the local rows, all-gather
-    the parts, reorder to request order; then up-project and attend (own heads)."""
+    the parts, reorder to request order; then up-project and attend (own heads).
+
+    An fp8 cache's rows travel as stored (1 byte an element, ``local_part``) and are dequantized after
+    the reorder, exactly as ``gather_context`` dequantizes them on one device (``stored * k_scale`` in
+    float32, then the compute dtype). ``k_scale`` is one per-tensor scale that every rank passes to
+    ``run_prefill`` with its shard of the same cache, so it does not travel."""
     dims, group = step.dims, cp_plan.config.process_group
-    part = step.q.new_empty(cp_plan.part_rows, dims.latent + dims.rope)
+    fp8 = step.kv_cache.dtype == torch.float8_e4m3fn
+    part = None if fp8 else step.q.new_empty(cp_plan.part_rows, dims.latent + dims.rope)
     kv = step.q.new_empty(cp_plan.world_size * cp_plan.part_rows, step.weight.shape[0])
 
     def fetched(k: int, cu_seq_lens: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-        step.kernels.gather_context(step.kv_cache, step.plan.block_table, cp_plan.local_cu_seq_lens.select(0, k),
-                                    cp_plan.local_starts.select(0, k), step.k_scale, part)
-        rows = cp_plan.part_rows if cp_plan.chunk_part_rows is None else cp_plan.chunk_part_rows[k]
-        every_part = collectives.wait(collectives.all_gather(part.narrow(0, 0, rows), group))
-        return every_part.index_select(0, cp_plan.reorder.select(0, k))
+        every_part = collectives.wait(collectives.all_gather(local_part(step, cp_plan, k, part), group))
+        rows = every_part.index_select(0, cp_plan.reorder.select(0, k))
+        if fp8:
+            rows = (rows.view(torch.float8_e4m3fn).float() * step.k_scale.float()).to(step.q.dtype)
+        return rows
 
     attend_chunks(step, cp_plan.num_chunks, fetched, cp_plan.cu_seq_lens, cp_plan.starts, kv, context_out, context_lse)
+
+
+def local_part(step: Step, cp_plan: ContextParallelPlan, k: int, part: torch.Tensor | None = None) -> torch.Tensor:
+    """What this rank all-gathers for chunk ``k``: its rows of the chunk, ``[rows, L+R]`` (``rows``: the
+    chunk's part size, the same on every rank; rows past this rank's share are never read).
+
+    From an fp8 cache, the rows as stored, viewed as uint8 (gloo has no float8 collectives): 1 byte an
+    element. Otherwise ``gather_context`` writes them, dequantized, into ``part`` (the compute dtype)."""
+    rows = cp_plan.part_rows if cp_plan.chunk_part_rows is None else cp_plan.chunk_part_rows[k]
+    cu_seq_lens, starts = cp_plan.local_cu_seq_lens.select(0, k), cp_plan.local_starts.select(0, k)
+    if step.kv_cache.dtype == torch.float8_e4m3fn:
+        return _stored_rows(step.kv_cache, step.plan.block_table, cu_seq_lens, starts, rows)
+    step.kernels.gather_context(step.kv_cache, step.plan.block_table, cu_seq_lens, starts, step.k_scale, part)
+    return part.narrow(0, 0, rows)
+
+
+def _stored_rows(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_lens: torch.Tensor, starts: torch.Tensor,
+                 num_rows: int) -> torch.Tensor:
+    """``gather_context``'s rows ``[0, num_rows)`` without its dequantization: the cache's bytes, uint8
+    ``[num_rows, L+R]`` (tensor code, no host read). Row ``cu_seq_lens[i] + j`` is context position
+    ``starts[i] + j`` of request ``i``; rows past ``cu_seq_lens[-1]`` (a device count) take cache row 0."""
+    stored = kv_cache.view(torch.uint8)  # the same strides: no copy of the cache
+    if kv_cache.shape[0] == 0 or kv_cache.shape[1] == 0 or block_table.shape[1] == 0:  # no rows on this rank
+        return stored.new_zeros(num_rows, kv_cache.shape[2])
+    block_size = kv_cache.shape[1]
+    rows = torch.arange(num_rows, device=block_table.device)
+    live = rows < cu_seq_lens[-1]
+    request = torch.searchsorted(cu_seq_lens, rows.to(cu_seq_lens.dtype), right=True) - 1
+    request = request.clamp(0, starts.shape[0] - 1)
+    position = torch.where(live, starts.long()[request] + rows - cu_seq_lens.long()[request], 0)
+    block = torch.where(live, block_table.long()[request, position // block_size], 0)
+    return stored[block, position % block_size]
 
 
 def _absorbed_queries_path(step: Step, cp_plan: ContextParallelPlan, context_out, context_lse):

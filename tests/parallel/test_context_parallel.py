@@ -33,9 +33,9 @@ from tests.support.gpu import needs_cuda
 WORKER = "tests.support.cp_worker"  # run as a module from the repository root
 
 CASES_2 = ["all_gather", "absorbed", "mixed", "interleave_4", "interleave_4_all_gather", "cost_model",
-           "whole_requests", "fp8_cache", "device_form", "device_form_truncated", "no_context", "disagreement",
-           "compiled_aot_eager"]
-CASES_4 = ["mixed", "interleave_4", "fp8_cache", "device_form", "disagreement"]
+           "whole_requests", "fp8_cache", "fp8_all_gather", "fp8_device_form", "device_form",
+           "device_form_truncated", "no_context", "disagreement", "compiled_aot_eager", "compiled_aot_eager_fp8"]
+CASES_4 = ["mixed", "interleave_4", "fp8_cache", "fp8_all_gather", "fp8_device_form", "device_form", "disagreement"]
 
 
 # ---- multi-process runs (first: no process group exists in this process yet) ----------------------
@@ -127,10 +127,12 @@ def test_a_failing_rank_stops_the_run():
 @pytest.mark.skipif(os.environ.get("MLA_OPS_CP_INDUCTOR") != "1",
                     reason="Inductor's C++ build of the step takes minutes on 2 cores: set MLA_OPS_CP_INDUCTOR=1")
 def test_compiled_with_inductor():
-    run = launch(2, ["compiled_inductor"], timeout_s=900)
-    for rank in range(2):
-        result = run.results.get(("compiled_inductor", rank))
-        assert result is not None and "error" not in result, run.report("compiled_inductor", rank)
+    cases = ["compiled_inductor", "compiled_inductor_fp8"]
+    run = launch(2, cases, timeout_s=900)
+    for case in cases:
+        for rank in range(2):
+            result = run.results.get((case, rank))
+            assert result is not None and "error" not in result, run.report(case, rank)
 
 
 def test_context_parallel_needs_a_process_group():
@@ -179,6 +181,45 @@ def test_one_rank_equals_single_device(world_of_one, absorb_max_query_len, max_c
                                 context_parallel=cp)
     out = mla_ops.run_prefill(b["q"], b["kv_c"], b["k_pe"], b["cache"], b["weight"], b["scale"], plan)
     torch.testing.assert_close(out, expect, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("max_chunks", [None, 8])
+def test_fp8_rows_travel_as_fp8(world_of_one, max_chunks):
+    """An fp8 cache's rows are all-gathered as its bytes (uint8, 1 byte an element: ``local_part``)
+    and dequantized after the gather: the output equals one device's fp8 output, and bit for bit the
+    output from the cache dequantized beforehand (whose rows travel in float32)."""
+    from mla_ops.parallel import collectives
+
+    b = prefill_batch(dtype=torch.float32)
+    k_scale = torch.tensor([0.5])
+    cache = (b["cache"] / k_scale).to(torch.float8_e4m3fn)
+    plain_cache = cache.float() * k_scale  # what gather_context writes on one device
+    plan = mla_ops.plan_prefill(b["qsl"], b["ctx"], b["table"], 4, workspace_size=8, max_chunks=max_chunks,
+                                absorb_max_query_len=0, context_parallel=mla_ops.ContextParallel())
+    sent, original = [], collectives.all_gather
+
+    def record(x, group):
+        sent.append(x)
+        return original(x, group)
+
+    collectives.all_gather = record
+    try:
+        out = mla_ops.run_prefill(b["q"], b["kv_c"], b["k_pe"], cache, b["weight"], b["scale"], plan,
+                                  k_scale=k_scale)
+        sent_fp8, sent[:] = list(sent), []
+        out_plain = mla_ops.run_prefill(b["q"], b["kv_c"], b["k_pe"], plain_cache, b["weight"], b["scale"], plan)
+    finally:
+        collectives.all_gather = original
+    cpp, width = plan.context_parallel, b["cache"].shape[-1]
+    rows = list(cpp.chunk_part_rows) if max_chunks is None else [cpp.part_rows] * cpp.num_chunks
+    assert [tuple(x.shape) for x in sent_fp8] == [(r, width) for r in rows]
+    assert all(x.dtype == torch.uint8 and x.element_size() == 1 for x in sent_fp8)
+    assert all(x.dtype == torch.float32 for x in sent) and len(sent) == len(sent_fp8)
+    assert sum(x.nbytes for x in sent_fp8) * 4 == sum(x.nbytes for x in sent)  # a quarter of float32's bytes
+    assert torch.equal(out, out_plain)
+    single = mla_ops.mla_prefill(b["q"], b["kv_c"], b["k_pe"], cache, b["table"], b["qsl"], b["ctx"], b["weight"],
+                                 b["scale"], workspace_size=8, absorb_max_query_len=0, k_scale=k_scale)
+    torch.testing.assert_close(out, single, rtol=0, atol=1e-5)
 
 
 def test_plan_is_a_pytree_with_static_config(world_of_one):

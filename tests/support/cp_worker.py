@@ -7,6 +7,8 @@ global batch on every rank (seeded), computes the dense float64 reference of all
 cache with ``mla_ops.shard_context`` (and shuffles the local blocks), runs ``plan_prefill(...,
 context_parallel=...)`` + ``run_prefill`` for this rank's heads and compares. Prints one
 ``RESULT {json}`` line per case; the first failure exits non-zero (the launcher stops the others).
+Every all-gather of the all-gather path is recorded (``recorded_all_gathers``): its parts must have
+the planned rows and travel in the compute dtype, or as the fp8 cache's bytes (1 byte an element).
 
 Shapes: global heads N = D * H (H per rank), kv_b_proj_weight [N*(P+V), L] (rank r: rows of heads
 r*H .. r*H+H), q [T, N, P+R]; the reference is the tests' dense float64 one (tests/support/batches.py),
@@ -15,6 +17,7 @@ written from DESIGN §1, not from the library.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -28,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 import mla_ops
+from mla_ops.parallel import collectives
 from tests.support import batches
 
 H, L, P, R, V = 2, 16, 8, 8, 8  # per-rank heads and MLA dims (small)
@@ -71,6 +75,11 @@ def cases(world: int) -> dict[str, Case]:
         "whole_requests": Case(CONTEXTS, QUERIES, 16 * world, policy="whole_requests", absorb_max_query_len=2, seed=4),
         "fp8_cache": Case(CONTEXTS, QUERIES, 4 * world, absorb_max_query_len=3, dtype=torch.float32, fp8_scale=0.5,
                           tol=2e-5, min_chunks=2, seed=5),
+        "fp8_all_gather": Case(CONTEXTS, QUERIES, 4 * world, interleave=2, absorb_max_query_len=0, dtype=torch.float32,
+                               fp8_scale=0.25, tol=2e-5, expect="all_gather", min_chunks=4, seed=9),
+        "fp8_device_form": Case(CONTEXTS, QUERIES, 8 * world, absorb_max_query_len=3, max_chunks=6,
+                                max_absorbed_tokens=8, dtype=torch.float32, fp8_scale=0.5, tol=2e-5, min_chunks=6,
+                                seed=10),
         "device_form": Case(CONTEXTS, QUERIES, 8 * world, absorb_max_query_len=3, max_chunks=6, max_absorbed_tokens=8,
                             min_chunks=6, seed=6),
         "device_form_truncated": Case(CONTEXTS, QUERIES, 8 * world, absorb_max_query_len=0, max_chunks=3,
@@ -80,6 +89,12 @@ def cases(world: int) -> dict[str, Case]:
 
 
 # ---- the batch and its dense reference ---------------------------------------------------------
+
+
+def dequantized(b):
+    """The batch with its fp8 cache dequantized beforehand (float32 ``stored * k_scale``, cast to the
+    compute dtype: what ``gather_context`` writes on one device) and no ``k_scale``."""
+    return {**b, "cache": (b["cache"].float() * b["k_scale"]).to(b["q"].dtype), "k_scale": None}
 
 
 def make_batch(case: Case, world: int):
@@ -125,6 +140,35 @@ def shuffled_shard(b, rank: int, world: int, interleave: int, seed: int):
 # ---- running one rank ----------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def recorded_all_gathers():
+    """Every tensor handed to ``collectives.all_gather`` meanwhile, as ``(dtype, shape)``."""
+    sent, original = [], collectives.all_gather
+
+    def record(x, group):
+        sent.append((x.dtype, tuple(x.shape)))
+        return original(x, group)
+
+    collectives.all_gather = record
+    try:
+        yield sent
+    finally:
+        collectives.all_gather = original
+
+
+def check_parts_sent(name: str, plan, sent, fp8: bool, dtype: torch.dtype) -> int:
+    """The all-gather path's parts (2-D, L+R wide; the absorbed queries are 3-D, the agreement check's
+    checksum 1-D): one per chunk, of the planned rows, as the fp8 cache's bytes or in ``dtype``.
+    Returns the bytes this rank sent in them."""
+    cpp = plan.context_parallel
+    parts = [(t, shape) for t, shape in sent if len(shape) == 2 and shape[1] == L + R]
+    rows = list(cpp.chunk_part_rows) if cpp.chunk_part_rows is not None else [cpp.part_rows] * cpp.num_chunks
+    assert [shape[0] for _, shape in parts] == rows, f"{name}: parts of {parts}, planned rows {rows}"
+    want = torch.uint8 if fp8 else dtype
+    assert all(t == want for t, _ in parts), f"{name}: parts sent as {[t for t, _ in parts]}, expected {want}"
+    return sum(rows) * (L + R) * want.itemsize
+
+
 def rank_inputs(b, rank: int):
     heads = slice(rank * H, (rank + 1) * H)
     rows = slice(rank * H * (P + V), (rank + 1) * H * (P + V))
@@ -146,8 +190,11 @@ def check_case(name: str, case: Case, rank: int, world: int) -> dict:
     b = make_batch(case, world)
     reference = dense_reference(b)
     cache, table = shuffled_shard(b, rank, world, case.interleave, case.seed)
-    plan, out = run_rank(case, b, rank, world, cache, table)
+    with recorded_all_gathers() as sent:
+        plan, out = run_rank(case, b, rank, world, cache, table)
     cpp = plan.context_parallel
+    fp8 = case.fp8_scale is not None
+    part_bytes = check_parts_sent(name, plan, sent, fp8, case.dtype)
     _, _, heads = rank_inputs(b, rank)
     expect = reference[:, heads]
     qsl, stripe = b["qsl"].tolist(), case.interleave * world
@@ -170,12 +217,21 @@ def check_case(name: str, case: Case, rank: int, world: int) -> dict:
     assert ran[case.expect], f"{name}: expected the {case.expect} path(s); chunks {cpp.num_chunks}, absorbed {absorbed}"
     assert cpp.num_chunks >= case.min_chunks, f"{name}: {cpp.num_chunks} chunks, wanted >= {case.min_chunks}"
 
-    if case.max_chunks is None and case.fp8_scale is None:  # equal to one device, too
+    if case.max_chunks is None:  # equal to one device (one process, the same fp8 cache and k_scale), too
         single = mla_ops.mla_prefill(b["q"], b["kv_c"], b["k_pe"], b["cache"], b["table"], b["qsl"], b["ctx"],
-                                     b["weight"], b["scale"], workspace_size=8, absorb_max_query_len=0)
+                                     b["weight"], b["scale"], workspace_size=8, absorb_max_query_len=0,
+                                     k_scale=b["k_scale"])
         single_err = (out.double() - single[:, heads].double()).abs().max().item()
         assert single_err <= case.tol, f"{name}: differs from single-device mla_prefill by {single_err:.3e}"
-    return {"case": name, "err": err, "chunks": cpp.num_chunks, "absorbed_tokens": cpp.num_absorbed_tokens}
+    if fp8:  # the rows dequantized after the all-gather are those dequantized before it: the same bits out
+        plain = dequantized(b)
+        _, out_plain = run_rank(case, plain, rank, world, *shuffled_shard(plain, rank, world, case.interleave,
+                                                                          case.seed))
+        assert torch.equal(out.nan_to_num(), out_plain.nan_to_num()), (
+            f"{name}: fp8 rows sent as fp8 differ from rows dequantized before sending by "
+            f"{(out - out_plain).abs().max().item():.3e}")
+    return {"case": name, "err": err, "chunks": cpp.num_chunks, "absorbed_tokens": cpp.num_absorbed_tokens,
+            "part_bytes_sent": part_bytes}
 
 
 def check_disagreement(rank: int, world: int) -> dict:
@@ -199,13 +255,14 @@ def check_disagreement(rank: int, world: int) -> dict:
     return {"case": "disagreement", "message": message}
 
 
-def check_compiled(rank: int, world: int, backend: str) -> dict:
-    """torch.compile(fullgraph=True) of a device-form step, planning inside the graph, vs eager.
+def check_compiled(rank: int, world: int, backend: str, fp8: bool = False) -> dict:
+    """torch.compile(fullgraph=True) of a device-form step, planning inside the graph, vs eager
+    (``fp8``: from an fp8 cache, whose rows travel as its bytes).
 
     ``aot_eager`` traces the whole step (Dynamo, functional collectives, functionalization) into one
     graph without Inductor's C++ code generation, which takes minutes on a loaded 2-core machine.
     """
-    case = dataclasses.replace(cases(world)["device_form"], max_chunks=2)  # the chunks it needs at D=2
+    case = dataclasses.replace(cases(world)["fp8_device_form" if fp8 else "device_form"], max_chunks=2)  # D=2
     b = make_batch(case, world)
     cache, table = shuffled_shard(b, rank, world, case.interleave, case.seed)
     q, weight, heads = rank_inputs(b, rank)
@@ -215,7 +272,7 @@ def check_compiled(rank: int, world: int, backend: str) -> dict:
         plan = mla_ops.plan_prefill(qsl, ctx, table, BLOCK_SIZE, workspace_size=case.workspace_size,
                                     max_chunks=case.max_chunks, absorb_max_query_len=case.absorb_max_query_len,
                                     max_absorbed_tokens=case.max_absorbed_tokens, context_parallel=cp)
-        return mla_ops.run_prefill(q, kv_c, k_pe, cache, weight, b["scale"], plan)
+        return mla_ops.run_prefill(q, kv_c, k_pe, cache, weight, b["scale"], plan, k_scale=b["k_scale"])
 
     args = (q, b["kv_c"], b["k_pe"], cache, weight, b["qsl"], b["ctx"], table)
     t0 = time.perf_counter()
@@ -224,8 +281,8 @@ def check_compiled(rank: int, world: int, backend: str) -> dict:
     eager = step(*args)
     err = (compiled.double() - eager.double()).abs().max().item()
     ref_err = (compiled.double() - dense_reference(b)[:, heads]).abs().max().item()
-    assert err <= 1e-10 and ref_err <= 1e-10, f"compiled vs eager {err:.3e}, vs dense reference {ref_err:.3e}"
-    return {"case": f"compiled_{backend}", "err": ref_err, "compile_s": round(seconds, 1)}
+    assert err <= case.tol and ref_err <= case.tol, f"compiled vs eager {err:.3e}, vs dense reference {ref_err:.3e}"
+    return {"case": f"compiled_{backend}{'_fp8' if fp8 else ''}", "err": ref_err, "compile_s": round(seconds, 1)}
 
 
 def main(argv: list[str]) -> int:
@@ -245,7 +302,8 @@ def main(argv: list[str]) -> int:
                 elif name == "disagreement":
                     result = check_disagreement(rank, world)
                 elif name.startswith("compiled_"):
-                    result = check_compiled(rank, world, name.removeprefix("compiled_"))
+                    backend = name.removeprefix("compiled_").removesuffix("_fp8")
+                    result = check_compiled(rank, world, backend, fp8=name.endswith("_fp8"))
                 else:
                     result = check_case(name, cases(world)[name], rank, world)
             except Exception:

@@ -19,13 +19,14 @@ and compiles to one graph, the planner running once however many layers there ar
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
 
 from ..ops.cache import check_write, write_checked
 from .. import _checks
+from .._env import own_code
 from ..chunk_loop import truncated_tokens
 from ..planning.plan import PrefillPlan, check_step_tensors
 from ..prefill import check_run, run_checked
@@ -47,6 +48,19 @@ class StepTensors(NamedTuple):
         cos, sin = rotary_cos_sin(positions, config.qk_rope_head_dim, config.rope_theta, dtype, config.rope_scaling)
         _checks.check_k_scale(k_scale, kv_cache, kv_cache.device)
         return cls(cos, sin, truncated_tokens(plan, positions.shape[0]), _checks.k_scale_tensor(k_scale, kv_cache))
+
+
+def _tokens_dynamic(region: Callable) -> Callable:
+    """``region(layer, *tensors)`` with the tensors' first dim (the tokens) dynamic, and nothing else:
+    ``dynamic=True`` would make every dim symbolic, and duck sizing then ties a token count to an
+    equal head count. A one-token step gets a graph of its own (0/1 specialise)."""
+    def run(layer, *tensors):
+        if tensors[0].shape[0] >= 2 and not torch.compiler.is_compiling():
+            for t in tensors:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        return region(layer, *tensors)
+
+    return run
 
 
 class RMSNorm(nn.Module):
@@ -100,34 +114,39 @@ class MLAAttention(nn.Module):
     ) -> torch.Tensor:
         """``step``: what depends only on the step, made once by ``MLAModel`` for every layer; None
         makes it here."""
-        num_tokens = hidden.shape[0]
-        N, L, P, R, V = self.num_heads, self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+        if step is None:
+            check_plan_block_table(block_table, plan)
+            step = StepTensors.of(self.config, positions, plan, kv_cache, k_scale, hidden.dtype)
+        q, kv_c, k_pe = self.project(hidden, step.cos, step.sin)
+        out = self.attend(q, kv_c, k_pe, kv_cache, slot_mapping, block_table, plan, step, backend)
+        return self.o_proj(out.flatten(1))
 
+    def project(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """The dense part before attention: rotated queries ``q`` [T, N, P+R] and the new tokens'
+        latent rows ``kv_c`` [T, L] and rotated ``k_pe`` [T, R]."""
+        num_tokens = hidden.shape[0]
+        N, L, P, R = self.num_heads, self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim
         if self.q_lora_rank is None:
             q = self.q_proj(hidden)  # [T, N*(P+R)]
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))  # [T, q_lora_rank] -> [T, N*(P+R)]
         q_nope, q_pe = q.view(num_tokens, N, P + R).split([P, R], dim=-1)  # [T, N, P], [T, N, R]
         kv_c, k_pe = self.kv_a_proj_with_mqa(hidden).split([L, R], dim=-1)  # [T, L], [T, R]
-        kv_c = self.kv_a_layernorm(kv_c)
-
-        check_plan_block_table(block_table, plan)
-        if step is None:
-            step = StepTensors.of(self.config, positions, plan, kv_cache, k_scale, q.dtype)
-        cos, sin = step.cos, step.sin  # [T, R] each
         q_pe = apply_rotary_emb(q_pe, cos[:, None, :], sin[:, None, :])
-        k_pe = apply_rotary_emb(k_pe, cos, sin)
         q = torch.cat([q_nope, q_pe], dim=-1)  # [T, N, P+R]
+        return q, self.kv_a_layernorm(kv_c), apply_rotary_emb(k_pe, cos, sin)
 
-        # Everything is checked before the cache is written: a rejected call writes nothing.
-        weight = self.kv_b_proj.weight
-        k_scale = step.k_scale
+    def attend(self, q, kv_c, k_pe, kv_cache, slot_mapping, block_table, plan, step: StepTensors,
+               backend: str) -> torch.Tensor:
+        """Write the new rows into the cache and attend: ``[T, N, V]``, before ``o_proj``. Everything
+        is checked before the cache is written: a rejected call writes nothing."""
+        check_plan_block_table(block_table, plan)
+        weight, k_scale = self.kv_b_proj.weight, step.k_scale
         dims = check_run(q, kv_c, k_pe, kv_cache, weight, self.softmax_scale, plan, k_scale, backend, None)
         check_write(kv_c, k_pe, slot_mapping, kv_cache, k_scale)
         write_checked(kv_c, k_pe, slot_mapping, kv_cache, k_scale)
-        out = run_checked(q, kv_c, k_pe, kv_cache, weight, self.softmax_scale, plan, k_scale, backend, dims,
-                          step.truncated)  # [T, N, V]
-        return self.o_proj(out.reshape(num_tokens, N * V))  # [T, H]
+        return run_checked(q, kv_c, k_pe, kv_cache, weight, self.softmax_scale, plan, k_scale, backend, dims,
+                           step.truncated)
 
 
 def check_plan_block_table(block_table: torch.Tensor, plan: PrefillPlan) -> None:
@@ -170,6 +189,10 @@ def check_step_inputs(input_ids: torch.Tensor, positions: torch.Tensor, plan: Pr
 
 
 class DecoderLayer(nn.Module):
+    """Attention and MLP with pre-norm residuals. Its dense parts, ``attention_inputs`` and
+    ``attention_output``, are the regions ``MLAModel.compile_layers`` compiles; the attention
+    between them (cache write, plan, chunk loop) runs the library's ops."""
+
     def __init__(self, config: MLAConfig, layer_idx: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -179,11 +202,25 @@ class DecoderLayer(nn.Module):
             self.mlp = MoE(config)
         else:
             self.mlp = FeedForward(config.hidden_size, config.intermediate_size, config.initializer_range)
+        self.regions: tuple[Callable, Callable] | None = None  # compiled by MLAModel.compile_layers
 
     def forward(self, x, positions, kv_cache, slot_mapping, block_table, plan, *, k_scale, backend,
                 step=None) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, slot_mapping, block_table, plan,
-                               k_scale=k_scale, backend=backend, step=step)
+        attn = self.self_attn
+        if step is None:
+            check_plan_block_table(block_table, plan)
+            step = StepTensors.of(attn.config, positions, plan, kv_cache, k_scale, x.dtype)
+        inputs, output = self.regions or (DecoderLayer.attention_inputs, DecoderLayer.attention_output)
+        q, kv_c, k_pe = inputs(self, x, step.cos, step.sin)
+        return output(self, x, attn.attend(q, kv_c, k_pe, kv_cache, slot_mapping, block_table, plan, step, backend))
+
+    def attention_inputs(self, x, cos, sin):
+        """``x`` [T, H] -> the attention's ``q``, ``kv_c``, ``k_pe`` (``MLAAttention.project``)."""
+        return self.self_attn.project(self.input_layernorm(x), cos, sin)
+
+    def attention_output(self, x, attention):
+        """The residual stream after the layer, from its input ``x`` and the attention's [T, N, V]."""
+        h = x + self.self_attn.o_proj(attention.flatten(1))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -195,6 +232,25 @@ class MLAModel(nn.Module):
         nn.init.normal_(self.embed_tokens.weight, std=config.initializer_range)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self._compile_options: dict | None = None  # compile_layers'
+
+    def compile_layers(self, **options) -> MLAModel:
+        """Regional compilation: the decoder layers' dense regions (``DecoderLayer.attention_inputs``
+        and ``attention_output``) compiled once and shared by every layer of this model, whatever its
+        depth: one graph per region (a second for MoE layers' output; a third for steps of one
+        token), the token count dynamic, so every step size, cache size and plan reuses them. The
+        attention between them runs the library's ops. ``options`` go to ``torch.compile`` (defaults
+        ``fullgraph=True``, ``backend="inductor"``); calling it again with the same options keeps
+        the compiled regions.
+        Returns the model."""
+        options = {"fullgraph": True, "backend": "inductor", **options}
+        if self._compile_options != options:
+            regions = tuple(_tokens_dynamic(torch.compile(own_code(fn, f"{fn.__name__}_{id(self):x}"), **options))
+                            for fn in (DecoderLayer.attention_inputs, DecoderLayer.attention_output))
+            for layer in self.layers:
+                layer.regions = regions
+            self._compile_options = options
+        return self
 
     def allocate_kv_caches(
         self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None, device=None
@@ -257,6 +313,11 @@ class MLAForCausalLM(nn.Module):
     def allocate_kv_caches(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
                            device=None) -> torch.Tensor:
         return self.model.allocate_kv_caches(num_blocks, block_size, dtype, device)
+
+    def compile_layers(self, **options) -> MLAForCausalLM:
+        """``MLAModel.compile_layers`` of the decoder; returns the model."""
+        self.model.compile_layers(**options)
+        return self
 
     def forward(
         self,

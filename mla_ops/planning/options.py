@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import torch
+
 from .. import _checks
 from .routing import DEFAULT_ABSORB_MAX_QUERY_LEN
 from .schedule import POLICIES
@@ -89,6 +91,8 @@ class PlanOptions:
 def plan_options(*args) -> PlanOptions:
     """``PlanOptions(*args)``, checked once per distinct arguments: a server plans every step with
     the same options, and their checks would otherwise be a tenth of a small step's plan."""
+    if torch.compiler.is_compiling():  # traced: checked once per compile anyway
+        return PlanOptions(*args)
     try:
         hash(args)
     except TypeError:

@@ -7,11 +7,12 @@ context). The cache is a ``BlockManager`` (``mla_ops.serving.paged_cache``): ful
 content hash between the prompts of a call and across calls (a prompt whose next block another
 prompt of the same step is computing waits one step and then reuses it), and freed when unused.
 
-``compile=True`` runs each step through ``PrefillGraphs`` (``mla_ops.serving.graphs``): CUDA graphs
-on a GPU, ``torch.compile`` per bucket elsewhere, each step padded to its bucket by the one padding
-contract of ``mla_ops.serving.buckets``, with a device plan made inside the graph; a step beyond
-the buckets runs eagerly. The runner is kept across calls while the cache tensor stays the same
-(pass ``num_blocks`` so that it never grows).
+``compile=True`` runs each step through ``PrefillGraphs`` (``mla_ops.serving.graphs``), each step
+padded to its bucket by the one padding contract of ``mla_ops.serving.buckets``, with a device plan;
+a step beyond the buckets runs eagerly. On a GPU the buckets are CUDA graphs, captured for one
+cache tensor (pass ``num_blocks`` so that it never grows and is never recaptured); elsewhere the
+model's layers are compiled regionally, once (``MLAModel.compile_layers``), and serve every bucket,
+call and cache size: the cache may grow without a recompile.
 
 Arguments are checked before anything is written: a refused call (a bad prompt, token id,
 ``max_new_tokens`` or ``eos_token_id``, or a fixed ``num_blocks`` too small for the call) raises
@@ -243,7 +244,7 @@ class Generator:
         """The step runner of ``compile=True``: ``PrefillGraphs`` over the model (mode ``"cuda_graph"``
         on CUDA, ``"compile"`` elsewhere), sized for this call and kept while its cache and sizes hold."""
         runner, sizes = self._runner, self._call_sizes
-        fits = runner is not None and self._runner_caches is self.kv_caches and \
+        fits = runner is not None and (runner.regional or self._runner_caches is self.kv_caches) and \
             runner.buckets.tokens[-1] >= sizes[0] and runner.buckets.requests[-1] >= sizes[1] and \
             runner.max_blocks_per_request >= max_blocks_per_request
         if not fits:

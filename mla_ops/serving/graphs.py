@@ -25,10 +25,13 @@ need more block-table columns than ``max_blocks_per_request``) runs the model ea
 host plan: still exact.
 
 Modes: ``"cuda_graph"`` captures the eager step of each bucket with ``torch.cuda.graph``, all
-graphs in one memory pool (they never run at once); ``"compile"`` compiles each bucket with
-``torch.compile(fullgraph=True, dynamic=False)``: static shapes, so each bucket is exactly one
-graph (under ``dynamic=True`` sizes 0 and 1 would specialise and recompile); ``"eager"`` runs the
-padded, device-planned step as is. The last two run on any device and test the bucketing on CPU.
+graphs in one memory pool (they never run at once); ``"compile"`` runs the padded step with the
+model's layers compiled regionally when the model offers it (``MLAModel.compile_layers``: one graph
+per dense region shared by every layer, bucket, plan and cache size, so a new bucket compiles
+nothing), else compiles each bucket's whole step with ``torch.compile(fullgraph=True,
+dynamic=False)``: static shapes, one graph per bucket (under ``dynamic=True`` sizes 0 and 1 would
+specialise and recompile); ``"eager"`` runs the padded, device-planned step as is. The last two run
+on any device and test the bucketing on CPU.
 """
 
 from __future__ import annotations
@@ -36,13 +39,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import numbers
-import types
 from typing import Callable
 
 import numpy as np
 import torch
 
 from .. import _checks as checks
+from .._env import own_code
 from ..ops.backends import BACKENDS
 from ..planning.options import PlanOptions
 from ..planning.plan import check_inputs
@@ -50,13 +53,6 @@ from ..prefill import plan_with_options
 from .buckets import Bucket, Buckets, padded_lengths
 
 MODES = ("cuda_graph", "compile", "eager")
-
-
-def _named_copy(fn: Callable, name: str) -> Callable:
-    """``fn`` with its own code object: torch.compile keeps its cache (and recompile limit) per code
-    object, so each bucket gets its own entry instead of piling recompiles onto one."""
-    code = fn.__code__.replace(co_name=name)
-    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
 class PrefillGraphs:
@@ -119,6 +115,8 @@ class PrefillGraphs:
             raise ValueError(f"compile_backend must be a torch.compile backend (a callable or one of "
                              f"torch._dynamo.list_backends()), got {compile_backend!r}")
         self.model, self.mode, self.backend, self.compile_backend = model, mode, backend, compile_backend
+        # Regional compilation: the model's layers compiled once, the step around them run as is.
+        self.regional = mode == "compile" and callable(getattr(model, "compile_layers", None))
         self.k_scale = self._device_k_scale(k_scale)
 
         # Static inputs, sized once for the largest bucket. Request rows: the slots, then the
@@ -268,13 +266,17 @@ class PrefillGraphs:
             return runner.model(input_ids, positions, kv_caches, slot_mapping, block_table, plan,
                                 k_scale=runner.k_scale, backend=runner.backend)
 
-        return _named_copy(prefill_step, name)
+        return own_code(prefill_step, name)
 
     def _build(self, variant: Bucket, kv_caches: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         ids, positions, slots, table, qsl, ctx = self._views(variant)
         step = self._step_function(variant.chunks, f"prefill_step_{variant}".replace("-", "_"))
         self._load_empty(variant)
-        if self.mode == "eager":
+        if self.mode == "eager" or self.regional:
+            if self.regional:
+                self.model.compile_layers(backend=self.compile_backend)
+                step(ids, positions, kv_caches, slots, table, qsl, ctx)  # compiles the regions once (writes nothing)
+
             def run(caches):
                 return step(ids, positions, caches, slots, table, qsl, ctx)
         elif self.mode == "compile":
@@ -334,7 +336,7 @@ class PrefillGraphs:
         if kv_caches.device != self.device:
             raise ValueError(f"kv_caches must be on {self.device} (the model's device), got {kv_caches.device}")
         bound = self._caches
-        if bound is None or self.mode == "eager":
+        if bound is None or self.mode == "eager" or self.regional:  # nothing built for one cache
             self._caches = kv_caches
             return
         same_geometry = (kv_caches.shape, kv_caches.stride(), kv_caches.dtype, kv_caches.device) == \

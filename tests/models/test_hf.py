@@ -114,19 +114,27 @@ def test_greedy_generation_matches_transformers_and_reuses_prefixes(checkpoints,
 
 
 def test_compiled_generation_equals_eager(checkpoints):
+    """compile=True: the layers compiled regionally once (three graphs: the attention inputs, a dense
+    and an MoE layer's output) serve every step, bucket and call; the cache grows without a recompile."""
     path, _ = checkpoints["v3"]
     model = mla_ops.MLAForCausalLM.from_pretrained(path)
     prompts = prompts_of([9, 3, 14], model.config.vocab_size, seed=4)
     prompts.append(prompts[2][:9] + [1])  # shares two blocks with prompt 2: a deferred, mixed step
-    eager = mla_ops.Generator(model, block_size=4).generate(prompts, 4)
+    longer = prompts_of([30, 21, 5, 17, 2], model.config.vocab_size, seed=5)
+    eager, eager_longer = (mla_ops.Generator(model, block_size=4).generate(p, 4) for p in (prompts, longer))
     torch._dynamo.reset()
     graphs = counters["stats"]["unique_graphs"]
     compiled = mla_ops.Generator(model, block_size=4, compile=True)
     assert compiled.generate(prompts, 4) == eager
     assert compiled.stats.cached_tokens == 8
-    runner = compiled._runner  # steps run through PrefillGraphs: one compiled graph per bucket used, none eager
-    assert runner.mode == "compile" and runner.stats["eager"] == 0 and runner.stats["replays"] == compiled.stats.steps
-    assert counters["stats"]["unique_graphs"] - graphs == runner.stats["graphs"] == len(runner.built)
+    runner = compiled._runner  # steps run through PrefillGraphs, none eager
+    assert runner.regional and runner.stats["eager"] == 0 and runner.stats["replays"] == compiled.stats.steps
+    assert counters["stats"]["unique_graphs"] - graphs == 3
+    blocks = compiled.kv_caches.shape[1]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert compiled.generate(longer, 4) == eager_longer  # more blocks, larger buckets: no recompile
+    assert compiled.kv_caches.shape[1] > blocks and compiled._runner is not runner
+    assert counters["stats"]["unique_graphs"] - graphs == 3
 
 
 def test_config_forms_released_and_transformers_agree(checkpoints):

@@ -7,6 +7,7 @@ of an 8-row workspace, 12 block-table columns of 4-row blocks; requests with <= 
 some context) take the absorbed path, so they need no chunk.
 """
 
+import copy
 import math
 
 import numpy as np
@@ -119,20 +120,43 @@ def test_eager_mode_random_steps_equal_the_eager_model():
     assert any(v.chunks > 1 for v in touched) and any(v.requests == 1 for v in touched)
 
 
-def test_compile_mode_one_graph_per_bucket_and_none_for_a_repeat():
-    """Static shapes per bucket: T = 1 / B = 1 reuse the graph of their bucket (under dynamic=True
-    they would specialise); a repeated bucket runs under fail_on_recompile."""
-    model = make_model(layers=1)
+def test_compile_mode_whole_step_one_graph_per_bucket_and_none_for_a_repeat():
+    """A model without ``compile_layers``: each bucket's whole step compiles, static shapes. T = 1 /
+    B = 1 reuse the graph of their bucket (under dynamic=True they would specialise); a repeated
+    bucket runs under fail_on_recompile."""
+    model = WithHead(make_model(layers=1)).eval()
     runner = make_runner(model, "compile", compile_backend="aot_eager")  # Dynamo's graphs, no C++ build
-    caches = model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
+    assert not runner.regional
+    caches = model.model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
     torch.nn.init.normal_(caches)
-    steps = [([5], [3]), ([0], [1]), ([9, 0], [1, 2]), ([0, 0], [1, 1]), ([20, 9, 0], [3, 5, 4]),
-             ([7, 1, 0, 2], [4, 4, 4, 3]), ([3, 6, 3], [2, 3, 4]), ([40], [3])]
     graphs_before = counters["stats"]["unique_graphs"]
-    touched = check_steps(runner, model, steps, caches)
+    touched = check_steps(runner, model, COMPILE_STEPS, caches)
     assert len(touched) == 4 and runner.stats["graphs"] == 4
     assert counters["stats"]["unique_graphs"] - graphs_before == 4
     assert runner.stats["replays"] == 7 and runner.stats["eager"] == 1
+
+
+COMPILE_STEPS = [([5], [3]), ([0], [1]), ([9, 0], [1, 2]), ([0, 0], [1, 1]), ([20, 9, 0], [3, 5, 4]),
+                 ([7, 1, 0, 2], [4, 4, 4, 3]), ([3, 6, 3], [2, 3, 4]), ([40], [3])]
+
+
+def test_compile_mode_compiles_the_layers_once_for_every_bucket_and_cache():
+    """An MLAModel: regional compilation. Its two dense regions compile once, a graph each, and serve
+    every layer, bucket, plan, the eager fallback and a grown cache: nothing recompiles."""
+    model = make_model(layers=3)
+    reference = copy.deepcopy(model)  # compile_layers compiles the runner's model in place
+    runner = make_runner(model, "compile", compile_backend="aot_eager")
+    assert runner.regional
+    caches = model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
+    torch.nn.init.normal_(caches)
+    graphs_before = counters["stats"]["unique_graphs"]
+    check_steps(runner, reference, COMPILE_STEPS[:1], caches)
+    assert counters["stats"]["unique_graphs"] - graphs_before == 2
+    check_steps(runner, reference, COMPILE_STEPS[1:], caches, built=runner.variants)  # fail_on_recompile
+    grown = torch.cat([caches, torch.randn_like(caches[:, :16])], dim=1)  # 16 more blocks
+    check_steps(runner, reference, [([13, 2], [3, 4])], grown, built=runner.variants)
+    assert counters["stats"]["unique_graphs"] - graphs_before == 2
+    assert runner.stats["replays"] == 8 and runner.stats["eager"] == 1
 
 
 def test_warmup_builds_every_bucket_once_and_writes_nothing():
@@ -149,8 +173,10 @@ def test_warmup_builds_every_bucket_once_and_writes_nothing():
     assert runner.built == runner.variants == tuple(Bucket(t, 2, k) for t in (16, 4) for k in (2, 1))
     assert torch.equal(caches, before)
     runner.warmup()  # the same cache: nothing left to build
-    check_steps(runner, model, [([9, 0], [5, 2]), ([1], [1])], caches, built=runner.built)
-    assert runner.stats["graphs"] == 4 and counters["stats"]["unique_graphs"] - graphs_before == 4
+    reference = make_model(layers=1)  # the same weights, not compiled (compile_layers works in place)
+    check_steps(runner, reference, [([9, 0], [5, 2]), ([1], [1])], caches, built=runner.built)
+    # Four buckets set up, two graphs: the model's layers, compiled regionally, serve them all.
+    assert runner.stats["graphs"] == 4 and counters["stats"]["unique_graphs"] - graphs_before == 2
 
 
 class WithHead(torch.nn.Module):
@@ -236,15 +262,20 @@ def test_bad_step_names_the_argument_and_writes_nothing(change, error, name):
 
 
 def test_compiled_buckets_keep_their_cache_geometry():
-    model = make_model(layers=1)
+    """Whole-step graphs are compiled for one cache geometry; regional ones for none."""
+    model = WithHead(make_model(layers=1)).eval()
     runner = make_runner(model, "compile", compile_backend="eager")
-    caches = model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
+    caches = model.model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
     runner(kv_caches=caches, **valid_call(model))
     runner(kv_caches=caches.clone(), **valid_call(model))  # another tensor of the same geometry is fine
+    grown = model.model.allocate_kv_caches(NUM_BLOCKS + 4, BLOCK_SIZE)
     with pytest.raises(ValueError, match="kv_caches"):
-        runner(kv_caches=model.allocate_kv_caches(NUM_BLOCKS + 4, BLOCK_SIZE), **valid_call(model))
+        runner(kv_caches=grown, **valid_call(model))
     with pytest.raises(ValueError, match="kv_caches must be on cpu"):
         runner(kv_caches=caches.to("meta"), **valid_call(model))
+    regional = make_runner(model.model, "compile", compile_backend="eager")
+    regional(kv_caches=caches, **valid_call(model))
+    regional(kv_caches=grown, **valid_call(model))
 
 
 # ---- PrefillGraphs refuses what a compiled or captured step could not check itself (it reads no value

@@ -1,0 +1,183 @@
+"""Cold compile cost on CPU: a whole compiled step against regional compilation, by layers and buckets.
+
+Every measurement runs in a fresh process with an empty Inductor cache (a cold start), on the
+``tiny`` preset with float32 weights, and reports the seconds to the first output, the graphs Dynamo
+made and its restarts ("Restarting analysis", e.g. when float attributes are tensorified):
+
+* ``whole`` (by layers): ``torch.compile(step, fullgraph=True, dynamic=True)`` of a step that plans
+  on the device (``max_chunks=4``) and runs the model: one graph, its size growing with the layers;
+* ``regional`` (by layers): ``MLAModel.compile_layers()`` and the same step run as is: the layers'
+  dense regions compiled once and shared by every layer;
+* ``warmup``: ``PrefillGraphs(mode="compile").warmup()`` of 20 buckets (``max_tokens=32``,
+  ``max_requests=2``: 2 token x 2 request x 5 chunk buckets) against one bucket (T=32, B=2, K=16),
+  regional (what ``mode="compile"`` does for an ``MLAModel``) and, with ``--whole-buckets``, whole
+  steps per bucket (a model without ``compile_layers``; minutes).
+
+    python -m benchmarks.compile_cost --json benchmarks/results/compile_cost.json \
+        --plot benchmarks/results/compile_cost.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from benchmarks._lib import plot as plotting
+from benchmarks._lib.report import write_json_atomic
+
+LAYERS = (1, 2, 4, 8, 61)
+WHOLE_LAYERS = (1, 2, 4, 8)  # a whole 61-layer graph would take minutes per run
+
+
+def _config(layers: int):
+    import mla_ops
+
+    return dataclasses.replace(mla_ops.MLAConfig.from_name("tiny"), num_hidden_layers=layers)
+
+
+class _Restarts(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.count = 0
+
+    def emit(self, record):
+        self.count += record.getMessage().startswith("Restarting analysis")
+
+
+class _Whole(torch.nn.Module):
+    """The model without ``compile_layers``: ``PrefillGraphs`` then compiles whole steps."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.config = model, model.config
+
+    def forward(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+
+def measure(kind: str, size: int) -> dict:
+    """One cold measurement in this process (run by ``main`` in a subprocess of its own)."""
+    import mla_ops
+    from benchmarks._lib.batches import model_step
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    restarts = _Restarts()
+    dynamo_log = logging.getLogger("torch._dynamo.convert_frame")
+    dynamo_log.setLevel(logging.INFO)
+    dynamo_log.addHandler(restarts)
+    block_size, workspace = 4, 64
+    config = _config(1 if kind.startswith("warmup") else size)
+    model = mla_ops.MLAModel(config).eval()
+    start = time.perf_counter()
+    with torch.no_grad():
+        if kind in ("whole", "regional"):
+            x = model_step(config, [9, 30, 0], [3, 5, 4], block_size, "cpu")
+            caches = model.allocate_kv_caches(x["num_blocks"], block_size)
+
+            def step(ids, positions, caches, slots, table, qsl, ctx):
+                plan = mla_ops.plan_prefill(qsl, ctx, table, block_size, workspace, max_chunks=4)
+                return model(ids, positions, caches, slots, table, plan)
+
+            if kind == "whole":
+                step = torch.compile(step, fullgraph=True, dynamic=True)
+            else:
+                model.compile_layers()
+            step(x["input_ids"], x["positions"], caches, x["slot_mapping"], x["block_table"], x["query_start_loc"],
+                 x["context_lens"])
+        else:  # "warmup-regional-20", "warmup-whole-1", ...
+            _, scope, count = kind.split("-")
+            buckets = dict(chunk_buckets=(1, 2, 4, 8, 16)) if count == "20" else \
+                dict(token_buckets=(32,), request_buckets=(2,), chunk_buckets=(16,))
+            runner = mla_ops.PrefillGraphs(model if scope == "regional" else _Whole(model), max_tokens=32,
+                                           max_requests=2, max_blocks_per_request=64, block_size=block_size,
+                                           workspace_size=workspace, mode="compile", **buckets)
+            runner.warmup(model.allocate_kv_caches(64, block_size))
+            assert len(runner.built) == int(count)
+    seconds = time.perf_counter() - start
+    return dict(kind=kind, size=size, seconds=round(seconds, 2), graphs=counters["stats"]["unique_graphs"],
+                restarts=restarts.count)
+
+
+def run_cold(kind: str, size: int) -> dict:
+    """``measure`` in a fresh interpreter with an empty Inductor cache."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
+        done = subprocess.run([sys.executable, "-m", "benchmarks.compile_cost", "--measure", kind, str(size)],
+                              env=env, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run(layers=LAYERS, whole_layers=WHOLE_LAYERS, whole_buckets: bool = False) -> dict:
+    rows = []
+    for kind, sizes in (("regional", layers), ("whole", whole_layers)):
+        for n in sizes:
+            rows.append(run_cold(kind, n))
+            print(rows[-1], flush=True)
+    warmups = ["warmup-regional-1", "warmup-regional-20"]
+    if whole_buckets:
+        warmups += ["warmup-whole-1", "warmup-whole-20"]
+    for kind in warmups:
+        rows.append(run_cold(kind, 0))
+        print(rows[-1], flush=True)
+    seconds = {(r["kind"], r["size"]): r["seconds"] for r in rows}
+    ratios = {}
+    for kind, sizes in (("regional", layers), ("whole", whole_layers)):
+        if 1 in sizes and 8 in sizes:
+            ratios[f"{kind}_8_over_1_layers"] = round(seconds[kind, 8] / seconds[kind, 1], 2)
+        if 8 in sizes and 61 in sizes:
+            ratios[f"{kind}_61_over_8_layers"] = round(seconds[kind, 61] / seconds[kind, 8], 2)
+    for scope in ("regional", "whole"):
+        if (f"warmup-{scope}-20", 0) in seconds:
+            ratios[f"{scope}_20_buckets_over_1"] = round(
+                seconds[f"warmup-{scope}-20", 0] / seconds[f"warmup-{scope}-1", 0], 2)
+    return dict(benchmark="compile_cost", preset="tiny", torch=torch.__version__, rows=rows, ratios=ratios)
+
+
+def plot(result: dict, path: str) -> None:
+    plt = plotting.pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for kind in ("whole", "regional"):
+        rows = [r for r in result["rows"] if r["kind"] == kind]
+        ax.plot([r["size"] for r in rows], [r["seconds"] for r in rows], "o-", label=kind)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("decoder layers (tiny preset)")
+    ax.set_ylabel("cold seconds to the first output")
+    ax.set_title("torch.compile cost: whole step vs regional (CPU)")
+    ax.legend()
+    plotting.save(fig, path)
+
+
+def main(argv=None) -> dict | None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.compile_cost", description=__doc__.split("\n")[0])
+    parser.add_argument("--json")
+    parser.add_argument("--plot")
+    parser.add_argument("--layers", type=int, nargs="+", default=list(LAYERS))
+    parser.add_argument("--whole-layers", type=int, nargs="+", default=list(WHOLE_LAYERS))
+    parser.add_argument("--whole-buckets", action="store_true", help="also whole steps per bucket (minutes)")
+    parser.add_argument("--measure", nargs=2, metavar=("KIND", "SIZE"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.measure:
+        print(json.dumps(measure(args.measure[0], int(args.measure[1]))))
+        return None
+    result = run(args.layers, args.whole_layers, args.whole_buckets)
+    print(result["ratios"])
+    if args.json:
+        write_json_atomic(args.json, result)
+    if args.plot:
+        plot(result, args.plot)
+    return result
+
+
+if __name__ == "__main__":
+    main()

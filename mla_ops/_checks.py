@@ -134,8 +134,16 @@ def check_block_ids(block_table: np.ndarray, blocks) -> int:
     if len(rows) == 0:
         return -1
     ids = block_table.view(np.uint32)
+    shortest = min(blocks[r] for r in rows) if small else 0
+    longer = [r for r in rows if blocks[r] > shortest] if small else rows
     if len(rows) == 1:
         top = int(ids[rows[0], : blocks[rows[0]]].max())
+    elif len(longer) <= 1:
+        # Every row's first ``shortest`` ids in one 2-D reduction, then the one longer row's rest: a
+        # long context among short ones (the reduction below would also read the gaps between rows).
+        top = int((ids[: len(blocks)] if len(rows) == len(blocks) else ids[rows])[:, :shortest].max())
+        if longer:
+            top = max(top, int(ids[longer[0], shortest : blocks[longer[0]]].max()))
     else:
         if not ids.flags.c_contiguous:
             ids = np.ascontiguousarray(ids[: len(blocks), : max(blocks) if small else int(blocks.max())])

@@ -12,7 +12,7 @@ def used_ids(table, blocks):
 
 
 @pytest.mark.parametrize("batch", [1, 2, 7, 500])
-@pytest.mark.parametrize("layout", ["dense", "one long context", "strided"])
+@pytest.mark.parametrize("layout", ["dense", "equal", "one long context", "headline", "strided"])
 def test_block_ids_match_a_direct_reading(batch, layout):
     rng = np.random.default_rng(batch)
     width = 40
@@ -20,6 +20,11 @@ def test_block_ids_match_a_direct_reading(batch, layout):
     if layout == "one long context":
         blocks[:] = rng.integers(0, 2, batch)
         blocks[batch // 2] = width
+    elif layout == "headline":  # every row one block, one row all of them (vLLM PR #50613's batch)
+        blocks[:] = 1
+        blocks[0] = width
+    elif layout == "equal":
+        blocks[:] = width // 2
     table = rng.integers(0, 1000, (batch, 2 * width if layout == "strided" else width), dtype=np.int32)
     if layout == "strided":
         table = table[:, ::2]  # a column stride of 2: not contiguous

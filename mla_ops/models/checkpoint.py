@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..parallel import tensor_parallel
 from .config import MLAConfig, check_int, model_dtype, read_json_object
 from .moe import MoEGate
 from .rope import deinterleave_index
@@ -157,19 +158,25 @@ def checkpoint_files(path: str) -> dict[str, str]:
     return {name: single for name in _headers(single)}
 
 
-def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
-    """float8 weight [rows, cols] times the scale of its block -> float32 [rows, cols] (edge blocks partial)."""
+def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
+                      offset: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """float8 weight [rows, cols] times the scale of its block -> float32 [rows, cols] (edge blocks partial).
+
+    ``offset``: where ``weight`` starts in the whole weight (a tensor-parallel slice); ``scale_inv`` then
+    holds the scale blocks that cover the slice, from the one holding its first element."""
     if weight.dim() != 2:
         raise ValueError(f"block-scaled float8 weights must be 2-D [rows, cols], got shape {list(weight.shape)}")
     rows, cols = weight.shape
-    expect = _scale_shape([rows, cols], block)
+    first = [offset[0] // block[0], offset[1] // block[1]]
+    expect = [math.ceil((offset[0] + rows) / block[0]) - first[0], math.ceil((offset[1] + cols) / block[1]) - first[1]]
     if tuple(scale_inv.shape) != tuple(expect):
         raise ValueError(
             f"weight_scale_inv must be {expect} for a [{rows}, {cols}] weight in {block[0]}x{block[1]} blocks, "
             f"got {list(scale_inv.shape)}"
         )
-    scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
-    return weight.float() * scale
+    row_block = (torch.arange(rows) + offset[0]) // block[0] - first[0]
+    col_block = (torch.arange(cols) + offset[1]) // block[1] - first[1]
+    return weight.float() * scale_inv.float()[row_block][:, col_block]
 
 
 def _scale_shape(shape, block) -> list[int]:
@@ -386,15 +393,13 @@ def _block_size(raw: dict) -> tuple[int, int]:
     return tuple(check_int(f"{key}[{i}]", b) for i, b in enumerate(block))
 
 
-def _convert(config: MLAConfig, source: _Source, tensor: torch.Tensor, scale: torch.Tensor | None,
-             block: tuple[int, int]) -> torch.Tensor:
-    if scale is not None:  # a float8_e4m3fn weight (checked in _plan)
-        tensor = dequantize_blocks(tensor, scale, block)
+def _convert(config: MLAConfig, source: _Source, tensor: torch.Tensor) -> torch.Tensor:
+    """RoPE rows to halves (``tensor`` already dequantized; whole heads, all or a rank's)."""
     if config.rope_interleave:
         P, R = config.qk_nope_head_dim, config.qk_rope_head_dim
         order = deinterleave_index(R)
         if source.target.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
-            heads = tensor.view(config.num_attention_heads, P + R, -1)  # [N, P+R, in]
+            heads = tensor.view(-1, P + R, tensor.shape[-1])  # [N, P+R, in]
             tensor = torch.cat([heads[:, :P], heads[:, P:][:, order]], dim=1).reshape(tensor.shape)
         elif source.target.endswith("self_attn.kv_a_proj_with_mqa.weight"):
             L = config.kv_lora_rank
@@ -419,13 +424,16 @@ def _device(device) -> torch.device:
     return resolved
 
 
-def load_pretrained(cls, path, dtype: torch.dtype | None = None, device=None):
+def load_pretrained(cls, path, dtype: torch.dtype | None = None, device=None, *, context_parallel=None):
     """``cls(config)`` (``MLAForCausalLM``) with the weights of checkpoint directory ``path``.
 
     dtype: None for config.json's (``torch_dtype`` / ``dtype``), else e.g. torch.float32; routers
     stay float32 as in transformers. device: None for the CPU. Every check (module docstring) is made
     before any weight is allocated or read: the arguments, config.json, the files and the layer count
     before the model is built, names, shapes and dtypes against a model on the meta device.
+    context_parallel: ``cls(config, context_parallel=...)``, each rank reading only the slices it keeps
+    (``safe_open(...).get_slice``; float8 weights dequantized per slice from the scale blocks covering
+    it), so no rank ever holds the whole model.
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a checkpoint directory (str or os.PathLike), got {type(path).__name__}")
@@ -451,28 +459,74 @@ def load_pretrained(cls, path, dtype: torch.dtype | None = None, device=None):
     headers = {name: by_file[file][name] for name, file in files.items()}
     _check_layers(config, headers)
 
-    with torch.device("meta"):
-        model = cls(config)
-    model.to(dtype)
-    for module in model.modules():
-        if isinstance(module, MoEGate):
-            module.float()
-    sources = _plan(config, headers, dict(model.state_dict(keep_vars=True)), block)
+    whole = _meta_model(cls, config, dtype)  # the checkpoint's shapes, checked against the file headers
+    sources = _plan(config, headers, dict(whole.state_dict(keep_vars=True)), block)
+    shard = None
+    if context_parallel is not None:
+        model = _meta_model(cls, config, dtype, context_parallel=context_parallel)  # checks N % D and the like
+        shard = (context_parallel.rank, context_parallel.world_size)
+    else:
+        model = whole
 
     model.to_empty(device=device)
     params = dict(model.state_dict(keep_vars=True))
     by_source_file = defaultdict(list)
     for source in sources:
         by_source_file[files[source.name]].append(source)
-    inter = config.moe_intermediate_size
     with torch.no_grad():
         for file, group in sorted(by_source_file.items()):
             with _open(file) as f:
                 for source in group:
-                    tensor = _convert(config, source, _read(f, file, source.name),
-                                      _scale(f, file, files, source.name), block)
-                    params[source.target][source.index(inter)].copy_(tensor)
+                    target = params[source.target]  # gate/up rows of a stacked expert: the I (or I / D) it holds
+                    tensor = _convert(config, source, _read_shard(f, file, files, source, block, shard))
+                    target[source.index(target.shape[1] // 2 if target.dim() == 3 else 0)].copy_(tensor)
     return model.eval()
+
+
+def _meta_model(cls, config: MLAConfig, dtype: torch.dtype, **kwargs):
+    with torch.device("meta"):
+        model = cls(config, **kwargs)
+    model.to(dtype)
+    for module in model.modules():
+        if isinstance(module, MoEGate):
+            module.float()
+    return model
+
+
+def _read_shard(f, file: str, files: dict, source: _Source, block: tuple[int, int], shard) -> torch.Tensor:
+    """Tensor ``source.name``, dequantized if float8: whole, or (``shard`` = (rank, D)) only the slice the
+    rank keeps (``tensor_parallel.shard_ranges``), read with ``get_slice``: a float8 slice with the scale
+    blocks that cover it."""
+    name = source.name
+    sharded_as = name if source.part else source.target  # a per-expert tensor, or the model's name
+    dim = None if shard is None else tensor_parallel.shard_dim(sharded_as)
+    if dim is None:
+        tensor = _read(f, file, name)
+        scale = _scale(f, file, files, name)
+        return tensor if scale is None else dequantize_blocks(tensor, scale, block)
+    scale_name = name + _SCALE
+    try:
+        piece = f.get_slice(name)
+        shape = piece.get_shape()
+        parts = []
+        for start, stop in tensor_parallel.shard_ranges(sharded_as, shape[dim], *shard):
+            part = piece[tuple(slice(start, stop) if d == dim else slice(None) for d in range(len(shape)))]
+            if scale_name in files:  # float8, 2-D (checked in _plan)
+                blocks = slice(start // block[dim], math.ceil(stop / block[dim]))
+                scale = _scale_blocks(f, file, files, scale_name, (blocks, slice(None))[:: 1 if dim == 0 else -1])
+                part = dequantize_blocks(part, scale, block, (start, 0) if dim == 0 else (0, start))
+            parts.append(part)
+    except Exception as e:  # SafetensorError, ...
+        raise ValueError(f"cannot read tensor {name} from {file}: {e}") from e
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def _scale_blocks(f, file: str, files: dict, scale_name: str, index: tuple) -> torch.Tensor:
+    """``scale_name[index]``, from the open file ``f`` or its own shard."""
+    if files[scale_name] == file:
+        return f.get_slice(scale_name)[index]
+    with _open(files[scale_name]) as g:
+        return g.get_slice(scale_name)[index]
 
 
 def _scale(f, file: str, files: dict, name: str) -> torch.Tensor | None:

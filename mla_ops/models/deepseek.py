@@ -19,6 +19,7 @@ and compiles to one graph, the planner running once however many layers there ar
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, NamedTuple
 
 import torch
@@ -28,6 +29,8 @@ from ..ops.cache import check_write, write_checked
 from .. import _checks
 from .._env import own_code
 from ..chunk_loop import truncated_tokens
+from ..parallel import ContextParallel
+from ..parallel.tensor_parallel import all_reduce, check_divisible
 from ..planning.plan import PrefillPlan, check_step_tensors
 from ..prefill import check_run, run_checked
 from .config import MLAConfig
@@ -76,9 +79,13 @@ class RMSNorm(nn.Module):
 
 
 class MLAAttention(nn.Module):
-    def __init__(self, config: MLAConfig):
+    """``config``: the rank's own config under tensor parallel (``local_config``: N / D heads); ``tp_group``:
+    the group whose ``o_proj`` partial sums are added up (None: one device)."""
+
+    def __init__(self, config: MLAConfig, tp_group=None):
         super().__init__()
         c, std = config, config.initializer_range
+        self.tp_group = tp_group
         self.num_heads = c.num_attention_heads
         self.kv_lora_rank = c.kv_lora_rank
         self.qk_nope_head_dim = c.qk_nope_head_dim
@@ -119,7 +126,7 @@ class MLAAttention(nn.Module):
             step = StepTensors.of(self.config, positions, plan, kv_cache, k_scale, hidden.dtype)
         q, kv_c, k_pe = self.project(hidden, step.cos, step.sin)
         out = self.attend(q, kv_c, k_pe, kv_cache, slot_mapping, block_table, plan, step, backend)
-        return self.o_proj(out.flatten(1))
+        return all_reduce(self.o_proj(out.flatten(1)), self.tp_group)
 
     def project(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """The dense part before attention: rotated queries ``q`` [T, N, P+R] and the new tokens'
@@ -193,10 +200,11 @@ class DecoderLayer(nn.Module):
     ``attention_output``, are the regions ``MLAModel.compile_layers`` compiles; the attention
     between them (cache write, plan, chunk loop) runs the library's ops."""
 
-    def __init__(self, config: MLAConfig, layer_idx: int = 0):
+    def __init__(self, config: MLAConfig, layer_idx: int = 0, tp_group=None):
         super().__init__()
+        self.tp_group = tp_group  # tensor parallel: the partial sums of o_proj and the MLP are all-reduced
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = MLAAttention(config)
+        self.self_attn = MLAAttention(config, tp_group)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.is_moe_layer(layer_idx):
             self.mlp = MoE(config)
@@ -220,17 +228,24 @@ class DecoderLayer(nn.Module):
 
     def attention_output(self, x, attention):
         """The residual stream after the layer, from its input ``x`` and the attention's [T, N, V]."""
-        h = x + self.self_attn.o_proj(attention.flatten(1))
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = x + all_reduce(self.self_attn.o_proj(attention.flatten(1)), self.tp_group)
+        return h + all_reduce(self.mlp(self.post_attention_layernorm(h)), self.tp_group)
 
 
 class MLAModel(nn.Module):
-    def __init__(self, config: MLAConfig):
+    """``context_parallel``: the group over which the layers are sharded (``MLAForCausalLM``); ``config``
+    stays the whole model's."""
+
+    def __init__(self, config: MLAConfig, *, context_parallel: ContextParallel | None = None):
         super().__init__()
         self.config = config
+        self.context_parallel = context_parallel
+        layer_config, group = config, None
+        if context_parallel is not None:
+            layer_config, group = local_config(config, context_parallel), context_parallel.process_group
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         nn.init.normal_(self.embed_tokens.weight, std=config.initializer_range)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(layer_config, i, group) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self._compile_options: dict | None = None  # compile_layers'
 
@@ -291,24 +306,47 @@ class MLAModel(nn.Module):
         return self.norm(x)  # [T, H]
 
 
-class MLAForCausalLM(nn.Module):
-    """``MLAModel`` plus ``lm_head``: logits [T, vocab] for every new token of the step."""
+def local_config(config: MLAConfig, context_parallel: ContextParallel) -> MLAConfig:
+    """One rank's layer config under tensor parallel: N / D heads, intermediate sizes / D (a ValueError
+    naming ``context_parallel`` unless they divide). Nothing else derives from N: ``softmax_scale``
+    (P, R and YaRN) stays the whole model's."""
+    if not isinstance(context_parallel, ContextParallel):
+        raise TypeError(f"context_parallel must be a mla_ops.ContextParallel or None, got "
+                        f"{type(context_parallel).__name__}")
+    world_size = context_parallel.world_size
+    sizes = {"num_attention_heads": config.num_attention_heads, "intermediate_size": config.intermediate_size}
+    if config.n_routed_experts is not None:
+        sizes["moe_intermediate_size"] = config.moe_intermediate_size
+    check_divisible(sizes, world_size)
+    return dataclasses.replace(config, **{name: size // world_size for name, size in sizes.items()})
 
-    def __init__(self, config: MLAConfig):
+
+class MLAForCausalLM(nn.Module):
+    """``MLAModel`` plus ``lm_head``: logits [T, vocab] for every new token of the step.
+
+    ``context_parallel``: a ``mla_ops.ContextParallel`` whose group of D ranks also shards the weights
+    (``mla_ops.parallel.tensor_parallel``): each rank keeps N / D query heads and 1/D of the MLP and
+    experts; every rank gets the same hidden states and logits. The caches then hold each rank's
+    context shard (DESIGN §10), and ``Generator`` / ``generate`` run unchanged on every rank."""
+
+    def __init__(self, config: MLAConfig, *, context_parallel: ContextParallel | None = None):
         super().__init__()
         self.config = config
-        self.model = MLAModel(config)
+        self.context_parallel = context_parallel
+        self.model = MLAModel(config, context_parallel=context_parallel)
         self.lm_head = linear(config.hidden_size, config.vocab_size, config.initializer_range)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @classmethod
-    def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None) -> MLAForCausalLM:
+    def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None, *,
+                        context_parallel: ContextParallel | None = None) -> MLAForCausalLM:
         """A checkpoint directory (config.json + safetensors, DeepSeek's release layout or what
-        transformers writes); see ``mla_ops.models.checkpoint.load_pretrained``."""
+        transformers writes); see ``mla_ops.models.checkpoint.load_pretrained``. With
+        ``context_parallel`` each rank reads only its shard of the weights."""
         from .checkpoint import load_pretrained
 
-        return load_pretrained(cls, path, dtype=dtype, device=device)
+        return load_pretrained(cls, path, dtype=dtype, device=device, context_parallel=context_parallel)
 
     def allocate_kv_caches(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
                            device=None) -> torch.Tensor:

@@ -32,3 +32,15 @@ def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
 def wait(x: torch.Tensor) -> torch.Tensor:
     """The plain tensor of an eager functional collective (traced ones are plain already)."""
     return x.wait() if isinstance(x, _collectives().AsyncCollectiveTensor) else x
+
+
+def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    """The elementwise sum over the group, the same on every rank."""
+    return wait(_collectives().all_reduce(x.contiguous(), "sum", group))
+
+
+def gather_fingerprints(fingerprint: int, group) -> list[int]:
+    """Every rank's int64 ``fingerprint``, rank after rank (one small collective, e.g. to check that the
+    ranks agree on a call before they run it)."""
+    mine = torch.tensor([fingerprint], dtype=torch.int64)
+    return wait(all_gather(mine, group)).tolist()

@@ -20,6 +20,33 @@ def local_context_lens(context_lens, rank, world_size: int, interleave: int = 1)
     return (context_lens // stripe) * interleave + rest
 
 
+def tokens_per_block(block_size: int, world_size: int = 1, interleave: int = 1) -> int:
+    """Global tokens that one block id covers across the group: ``block_size * D``.
+
+    With ``block_size % interleave == 0``, local block j of every rank holds exactly the global positions
+    ``[j * block_size * D, (j+1) * block_size * D)``, so one block id (the same on every rank) names a
+    whole slice of the sequence: the ranks' block tables, allocation and prefix-cache hashes agree."""
+    if block_size % interleave:
+        raise ValueError(f"context_parallel: block_size ({block_size}) must be a multiple of the interleave "
+                         f"({interleave}), so that a cache block holds whole stripes")
+    return block_size * world_size
+
+
+def slot_mapping(positions, blocks, block_size: int, rank: int = 0, world_size: int = 1,
+                 interleave: int = 1) -> np.ndarray:
+    """Cache slots on ``rank`` of tokens at global ``positions``: the token's local position
+    ``(p // (I*D)) * I + p % I`` in its request's block-table row where ``rank`` owns it
+    (``(p // I) % D == rank``), -1 (write nothing) elsewhere. ``blocks``: one row for every token (a
+    request's), or ``[T, W]``, each token's row (a step's tokens at once). One device: D = 1, rank 0."""
+    p = np.asarray(positions, dtype=np.int64)
+    if not p.size:
+        return p
+    local = (p // (interleave * world_size)) * interleave + p % interleave
+    blocks, index = np.asarray(blocks, dtype=np.int64), local // block_size
+    block = blocks[index] if blocks.ndim == 1 else np.take_along_axis(blocks, index[:, None], 1)[:, 0]
+    return np.where((p // interleave) % world_size == rank, block * block_size + local % block_size, -1)
+
+
 def shard_context(kv_cache: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor, *, rank: int,
                   world_size: int, interleave: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank ``rank``'s shard of a single-device paged cache: ``(local_cache, local_block_table)``.

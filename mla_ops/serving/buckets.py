@@ -89,15 +89,17 @@ class Buckets(NamedTuple):
         return tuple(sorted((Bucket(*b) for b in itertools.product(self.tokens, self.requests, self.chunks)),
                             reverse=True))
 
-    def choose(self, query_start_loc: np.ndarray, context_lens: np.ndarray, options: PlanOptions) -> Bucket | None:
+    def choose(self, query_start_loc: np.ndarray, context_lens: np.ndarray, options: PlanOptions,
+               stripe: int = 1) -> Bucket | None:
         """The smallest bucket that holds the step (host lengths); None beyond the largest.
 
         The chunk count follows the device plan's own routing (``options``): absorbed requests
-        take no chunk.
+        take no chunk. ``stripe``: context parallel's ``interleave * D``, chunks holding whole stripes.
         """
         chunked, _ = route_context(context_lens, np.diff(query_start_loc), options.absorb_threshold,
                                    options.absorbed_capacity)
-        chunks_needed = max(1, -(-int(chunked.sum()) // options.workspace_size))
+        stripes = -(-chunked.astype(np.int64) // stripe)
+        chunks_needed = max(1, -(-int(stripes.sum()) // (options.workspace_size // stripe)))
         sizes = (smallest_at_least(self.tokens, int(query_start_loc[-1])),
                  smallest_at_least(self.requests, context_lens.size),
                  smallest_at_least(self.chunks, chunks_needed))

@@ -14,6 +14,15 @@ cache tensor (pass ``num_blocks`` so that it never grows and is never recaptured
 model's layers are compiled regionally, once (``MLAModel.compile_layers``), and serve every bucket,
 call and cache size: the cache may grow without a recompile.
 
+A model across ranks (``MLAForCausalLM(..., context_parallel=cp)``, DESIGN §10) runs the same calls
+on every rank: each rank's cache holds its context shard. The bookkeeping is the same on every rank,
+from the global prompt lengths alone: a block id names ``block_size * D`` global tokens (local block
+j of every rank holds global positions ``[j*block_size*D, (j+1)*block_size*D)``, ``block_size`` a
+multiple of the interleave), so the ranks allocate, hash and reuse the same block ids and share one
+block table; a new token's row is written by its owner only (``parallel.layout.slot_mapping``).
+Every call all-gathers a fingerprint of its arguments first: ranks that disagree (or one that
+refuses the call) raise a ValueError naming ``context_parallel`` on every rank, instead of hanging.
+
 Arguments are checked before anything is written: a refused call (a bad prompt, token id,
 ``max_new_tokens`` or ``eos_token_id``, or a fixed ``num_blocks`` too small for the call) raises
 a TypeError or ValueError that names the argument, allocates no cache, takes no block and leaves
@@ -23,6 +32,7 @@ the prefix index as it was, so the ``Generator`` stays usable.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -37,6 +47,8 @@ import numpy as np
 import torch
 
 from .. import _checks as checks
+from ..parallel import collectives
+from ..parallel.layout import slot_mapping, tokens_per_block
 from ..planning.options import PlanOptions
 from ..prefill import plan_with_options
 from .graphs import PrefillGraphs
@@ -93,6 +105,9 @@ class Generator:
         _check_bool(prefix_caching, "prefix_caching")
         self.model = model
         self.block_size, self.workspace_size = self.options.block_size, self.options.workspace_size
+        self.context_parallel = cp = getattr(model, "context_parallel", None)
+        self._layout = (cp.rank, cp.world_size, cp.interleave) if cp is not None else (0, 1, 1)
+        self.tokens_per_block = tokens_per_block(self.block_size, *self._layout[1:])  # global tokens per block id
         self.compile = compile
         self.fixed_num_blocks = num_blocks
         self.manager = BlockManager(num_blocks or 1, self.block_size, prefix_caching)
@@ -132,7 +147,7 @@ class Generator:
         if self.fixed_num_blocks is not None:
             raise ValueError(
                 f"num_blocks={self.fixed_num_blocks} is too small: this call needs {need} more blocks of "
-                f"{self.block_size} tokens, {self.manager.num_available} are available"
+                f"{self.tokens_per_block} tokens, {self.manager.num_available} are available"
             )
         extra = max(need - self.manager.num_available, self.manager.num_blocks // 2)
         self.manager.grow(extra)
@@ -143,7 +158,7 @@ class Generator:
     def _blocks_needed(self, seqs: list[_RunningRequest], max_new_tokens: int, stale: bool):
         """Read only: each prompt's cached prefix blocks (none if the index is ``stale``), the new
         blocks the call needs beyond them, and the blocks available once those prefixes are pinned."""
-        bs = self.block_size
+        bs = self.tokens_per_block
         seen: set[bytes] = set()
         need, matches = 0, []
         for seq in seqs:
@@ -162,7 +177,7 @@ class Generator:
         if self.fixed_num_blocks is not None and need > available:
             raise ValueError(
                 f"num_blocks={self.fixed_num_blocks} is too small: this call needs {need} more blocks of "
-                f"{self.block_size} tokens, {available} are available"
+                f"{self.tokens_per_block} tokens, {available} are available"
             )
 
     def _reserve(self, seqs: list[_RunningRequest], matches: list[list[int]], need: int) -> None:
@@ -184,13 +199,13 @@ class Generator:
         if self.manager.prefix_caching and hits < seq.max_hits and seq.hashes[hits] in pending:
             return False
         pending.update(seq.hashes[hits:])
-        seq.num_registered, seq.num_computed = hits, hits * self.block_size
+        seq.num_registered, seq.num_computed = hits, hits * self.tokens_per_block
         seq.admitted = True
         self.stats.cached_tokens += seq.num_computed
         return True
 
     def _register_full_blocks(self, seq: _RunningRequest) -> None:
-        bs = self.block_size
+        bs = self.tokens_per_block
         parent = seq.hashes[seq.num_registered - 1] if seq.num_registered else None
         for j in range(seq.num_registered, seq.num_computed // bs):
             parent = chain_hash(parent, seq.tokens[j * bs : (j + 1) * bs])
@@ -206,36 +221,35 @@ class Generator:
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def _step_inputs(self, batch: list[_RunningRequest]):
-        """Host tensors of one step: every scheduled sequence's tokens past its cached rows."""
-        bs = self.block_size
-        ids, positions, slots, qsl, ctx = [], [], [], [0], []
-        for seq in batch:
-            while len(seq.blocks) * bs < len(seq.tokens):
+    def _step_inputs(self, batch: list[_RunningRequest], table_width: int):
+        """Host arrays of one step: every scheduled sequence's tokens past its cached rows, the block
+        table, and the slots (this rank's; -1 for the tokens other ranks own)."""
+        ids, positions, qsl, ctx = [], [], [0], []
+        table = np.zeros((len(batch), table_width), np.int32)
+        for r, seq in enumerate(batch):
+            while len(seq.blocks) * self.tokens_per_block < len(seq.tokens):
                 seq.blocks.append(self.manager.allocate())
+            table[r, : len(seq.blocks)] = seq.blocks
             start, end = seq.num_computed, len(seq.tokens)
             ids += seq.tokens[start:end]
             positions += range(start, end)
-            slots += [seq.blocks[p // bs] * bs + p % bs for p in range(start, end)]
             qsl.append(qsl[-1] + end - start)
             ctx.append(start)
-        return ids, positions, slots, qsl, ctx
+        rows = table[np.repeat(np.arange(len(batch)), np.diff(qsl))]  # each token's block-table row
+        return ids, positions, slot_mapping(positions, rows, self.block_size, *self._layout), table, qsl, ctx
 
     def _run_step(self, batch: list[_RunningRequest], table_width: int) -> list[int]:
-        ids, positions, slots, qsl, ctx = self._step_inputs(batch)
+        ids, positions, slots, table, qsl, ctx = self._step_inputs(batch, table_width)
         device = self.kv_caches.device
-        table = torch.zeros(len(batch), table_width, dtype=torch.int32)
-        for r, seq in enumerate(batch):
-            table[r, : len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
-        table = table.to(device)
-        inputs = [torch.tensor(x, device=device) for x in (ids, positions, slots)]
+        table = torch.from_numpy(table).to(device)
+        inputs = [torch.as_tensor(x, device=device) for x in (ids, positions, slots)]
         qsl_t, ctx_t = torch.tensor(qsl, dtype=torch.int32), torch.tensor(ctx, dtype=torch.int32)
         if self.compile:
             input_ids, positions_t, slot_mapping = inputs
             hidden = self._graphs(table_width)(input_ids, positions_t, self.kv_caches, slot_mapping, table, qsl_t,
                                                ctx_t)
         else:
-            plan = plan_with_options(qsl_t, ctx_t, table, self.options)  # host plan, all layers
+            plan = plan_with_options(qsl_t, ctx_t, table, self.options, self.context_parallel)  # host plan, all layers
             hidden = self.model.model(inputs[0], inputs[1], self.kv_caches, inputs[2], table, plan)
         last = torch.tensor(qsl[1:], device=device) - 1
         return self.model.lm_head(hidden.index_select(0, last)).argmax(-1).tolist()
@@ -261,6 +275,32 @@ class Generator:
 
     # ---- a call --------------------------------------------------------------------------------
 
+    def _check_call(self, prompts, max_new_tokens, eos_token_id, callback):
+        vocab_size = self.model.config.vocab_size
+        prompts = _check_prompts(prompts, vocab_size)
+        max_new_tokens = checks.check_nonnegative_int(max_new_tokens, "max_new_tokens")
+        stops = _check_eos(eos_token_id, vocab_size)
+        if callback is not None and not callable(callback):
+            raise TypeError(f"callback must be callable or None, got {type(callback).__name__}")
+        return prompts, max_new_tokens, stops
+
+    def _check_ranks_agree(self, call) -> None:
+        """Across ranks (context parallel): every rank must make the same call, or all raise; ``call``
+        None: this rank refused it (and raises its own error). One small all-gather."""
+        if self.context_parallel is None:
+            return
+        digest = hashlib.sha256(repr((call, self.settings)).encode()).digest()
+        fingerprint = 0 if call is None else int.from_bytes(digest[:8], "little", signed=True) | 1
+        every = collectives.gather_fingerprints(fingerprint, self.context_parallel.process_group)
+        if call is None or len(set(every)) == 1:
+            return
+        refused = [r for r, f in enumerate(every) if f == 0]
+        differ = [r for r, f in enumerate(every) if f not in (0, every[0])]
+        why = f"rank(s) {refused} refused the call" if refused else \
+            f"rank(s) {differ} passed other prompts, max_new_tokens, eos_token_id or settings than rank 0"
+        raise ValueError(f"context_parallel: every rank must make the same generate call (this is rank "
+                         f"{self._layout[0]}); {why}")
+
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, eos_token_id=None,
                  callback: Callable[[GenerationStats], None] | None = None) -> list[list[int]]:
@@ -272,17 +312,17 @@ class Generator:
         prompts are read, never modified. max_new_tokens: an int >= 0. eos_token_id: None, an int,
         a list/tuple/set of ints, or a 0-d/1-D integer tensor of them. Refused calls change
         nothing (module doc)."""
-        vocab_size = self.model.config.vocab_size
-        prompts = _check_prompts(prompts, vocab_size)
-        max_new_tokens = checks.check_nonnegative_int(max_new_tokens, "max_new_tokens")
-        stops = _check_eos(eos_token_id, vocab_size)
-        if callback is not None and not callable(callback):
-            raise TypeError(f"callback must be callable or None, got {type(callback).__name__}")
+        try:
+            prompts, max_new_tokens, stops = self._check_call(prompts, max_new_tokens, eos_token_id, callback)
+        except (TypeError, ValueError):
+            self._check_ranks_agree(None)  # the other ranks must not wait for this one
+            raise
+        self._check_ranks_agree((prompts, max_new_tokens, sorted(stops)))
         outputs: list[list[int]] = [[] for _ in prompts]
         if max_new_tokens == 0:
             self.stats = GenerationStats(prompt_tokens=sum(map(len, prompts)))
             return outputs
-        bs = self.block_size
+        bs = self.tokens_per_block
         seqs = [_RunningRequest(list(p), len(p), block_hashes(p, bs)) for p in prompts]
         fingerprint = self._weights_fingerprint()
         matches, need, available = self._blocks_needed(seqs, max_new_tokens, self._cache_is_stale(fingerprint)[0])

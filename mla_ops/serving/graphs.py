@@ -47,6 +47,7 @@ import torch
 from .. import _checks as checks
 from .._env import own_code
 from ..ops.backends import BACKENDS
+from ..parallel.layout import local_context_lens
 from ..planning.options import PlanOptions
 from ..planning.plan import check_inputs
 from ..prefill import plan_with_options
@@ -115,6 +116,7 @@ class PrefillGraphs:
             raise ValueError(f"compile_backend must be a torch.compile backend (a callable or one of "
                              f"torch._dynamo.list_backends()), got {compile_backend!r}")
         self.model, self.mode, self.backend, self.compile_backend = model, mode, backend, compile_backend
+        self.context_parallel = getattr(model, "context_parallel", None)  # a model across ranks plans across them
         # Regional compilation: the model's layers compiled once, the step around them run as is.
         self.regional = mode == "compile" and callable(getattr(model, "compile_layers", None))
         self.k_scale = self._device_k_scale(k_scale)
@@ -216,9 +218,20 @@ class PrefillGraphs:
 
     def _variant_for(self, qsl: np.ndarray, ctx: np.ndarray) -> Bucket | None:
         """The smallest bucket that holds the step; None beyond the largest."""
-        if ctx.size and int(-(-ctx.max() // self.block_size)) > self.max_blocks_per_request:
+        if ctx.size and int(-(-self._table_lens(ctx).max() // self.block_size)) > self.max_blocks_per_request:
             return None
-        return self.buckets.choose(qsl, ctx, self.options)
+        cp = self.context_parallel
+        if cp is None:
+            return self.buckets.choose(qsl, ctx, self.options)
+        # Across ranks the plan chunks whole stripes and may route by its cost model: count every context
+        # as chunked, in stripes (an upper bound on the chunks; chunks past the plan's count do no work).
+        return self.buckets.choose(qsl, ctx, dataclasses.replace(self.options, absorb_max_query_len=0),
+                                   stripe=cp.interleave * cp.world_size)
+
+    def _table_lens(self, ctx: np.ndarray) -> np.ndarray:
+        """The context rows the block table holds: this rank's share across ranks (DESIGN §10)."""
+        cp = self.context_parallel
+        return ctx if cp is None else local_context_lens(ctx, cp.rank, cp.world_size, cp.interleave)
 
     def _views(self, variant: Bucket) -> tuple[torch.Tensor, ...]:
         """The static buffers as one bucket's inputs (fixed addresses: what a graph reads)."""
@@ -262,7 +275,7 @@ class PrefillGraphs:
 
         def prefill_step(input_ids, positions, kv_caches, slot_mapping, block_table, query_start_loc, context_lens):
             # Planned here, on the device: a replay re-plans from the refilled length buffers.
-            plan = plan_with_options(query_start_loc, context_lens, block_table, options)
+            plan = plan_with_options(query_start_loc, context_lens, block_table, options, runner.context_parallel)
             return runner.model(input_ids, positions, kv_caches, slot_mapping, block_table, plan,
                                 k_scale=runner.k_scale, backend=runner.backend)
 
@@ -315,7 +328,8 @@ class PrefillGraphs:
                      context_lens) -> torch.Tensor:
         block_table = block_table.to(self.device)
         plan = plan_with_options(query_start_loc, context_lens, block_table,
-                                 dataclasses.replace(self.options, max_chunks=None, max_absorbed_tokens=None))
+                                 dataclasses.replace(self.options, max_chunks=None, max_absorbed_tokens=None),
+                                 self.context_parallel)
         return self.model(input_ids.to(self.device), positions.to(self.device), kv_caches,
                           slot_mapping.to(self.device), block_table, plan, k_scale=self.k_scale, backend=self.backend)
 
@@ -363,7 +377,7 @@ class PrefillGraphs:
             qsl, ctx = both[: requests + 1], both[requests + 1 :]
         table = block_table.numpy() if block_table.device.type == "cpu" else \
             np.zeros((requests, block_table.shape[1]), np.int32)
-        max_block_id = checks.check_lengths(qsl, ctx, table, self.block_size)
+        max_block_id = checks.check_lengths(qsl, self._table_lens(ctx), table, self.block_size)
         tokens = int(qsl[-1])
         for name, x in (("input_ids", input_ids), ("positions", positions), ("slot_mapping", slot_mapping)):
             checks.check_tensor(x, name, 1, "[T]")

@@ -57,17 +57,18 @@ class Run:
                 f"{self.timed_out}); log of rank {rank}:\n{self.logs[rank][-4000:]}")
 
 
-def launch(world: int, cases: list[str], timeout_s: float) -> Run:
-    """Run the worker on ``world`` ranks; stop every rank once one fails or the deadline passes."""
+def launch(world: int, cases: list[str], timeout_s: float, worker: str = WORKER, env: dict | None = None) -> Run:
+    """Run ``worker`` on ``world`` ranks; stop every rank once one fails or the deadline passes.
+    ``env``: extra environment variables of the ranks."""
     store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout_s))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         env.setdefault("TORCHINDUCTOR_CACHE_DIR", tmp)
         files = [open(os.path.join(tmp, f"rank{r}.log"), "w+") for r in range(world)]
-        procs = [subprocess.Popen([sys.executable, "-m", WORKER, str(r), str(world), str(store.port), *cases],
+        procs = [subprocess.Popen([sys.executable, "-m", worker, str(r), str(world), str(store.port), *cases],
                                   stdout=files[r], stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
                  for r in range(world)]
         timed_out = False

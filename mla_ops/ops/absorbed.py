@@ -55,34 +55,41 @@ from __future__ import annotations
 import torch
 
 from .._mla import KEY_BLOCK, MLADims, lse_dtype, split_kv_b_proj
+from .attention import PaddedRows, padded_batches
 from .merge import merge_states_reference
 
-def _context_rows(kv_cache, block_table, request: int, begin: int, end: int, k_scale, acc):
-    """Context rows ``begin:end`` of ``request`` from the paged cache, dequantized, in ``acc``."""
-    position = torch.arange(begin, end, device=kv_cache.device)
+def _context_rows(kv_cache, tables, context_lens, begin: int, end: int, k_scale, acc):
+    """Context rows ``begin:end`` of each request (``tables`` [n, max_blocks] its block table rows),
+    dequantized, in ``acc``: ``(rows [n, end - begin, L+R], valid [n, end - begin])``; rows past a
+    request's context repeat its first row (a valid block) and are not valid (None: no padding)."""
+    position, valid = torch.arange(begin, end, device=kv_cache.device).expand(len(context_lens), -1), None
+    if min(context_lens) < end:
+        valid = position < torch.tensor(context_lens, device=kv_cache.device)[:, None]
+        position = torch.where(valid, position, 0)
     block_size = kv_cache.shape[1]
-    rows = kv_cache[block_table[request].long()[position // block_size], position % block_size]
+    slots = tables.gather(1, position // block_size) * block_size + position % block_size
+    # One gather of whole rows (flatten is a view for any cache whose blocks are evenly strided).
+    rows = kv_cache.flatten(0, 1).index_select(0, slots.flatten()).unflatten(0, slots.shape)
     if kv_cache.dtype == torch.float8_e4m3fn:
-        return rows.float().to(acc) * k_scale.to(acc)
-    return rows.to(acc)
+        rows = rows.float().to(acc) * k_scale.to(acc)
+    return rows.to(acc), valid
 
 
-def latent_partial(qr, kv_cache, block_table, request: int, context: int, latent: int, k_scale, acc):
-    """One request's non-causal attention over its context in the latent space, key block by block.
+def latent_partial(qr, rows, valid, latent: int):
+    """Non-causal attention of a padded batch over one key block in the latent space.
 
-    qr [m, H, L+R]: scaled queries ``[q_lat | q_pe]`` in ``acc`` -> ``(o_lat [m, H, L], lse [H, m])``.
+    qr [n, m, H, L+R]: scaled queries ``[q_lat | q_pe]``; rows [n, s, L+R], valid [n, s] or None
+    -> ``(o_lat [n*m, H, L], lse [H, n*m])``, the layout of ``merge_states_reference``.
     """
-    o_lat, lse = None, None
-    for k0 in range(0, context, KEY_BLOCK):
-        rows = _context_rows(kv_cache, block_table, request, k0, min(k0 + KEY_BLOCK, context), k_scale, acc)
-        scores = torch.einsum("mhd,sd->hms", qr, rows)  # [H, m, s]: q_lat . kv_c + q_pe . k_pe
-        block_lse = torch.logsumexp(scores, dim=-1)  # [H, m]
-        block_out = torch.einsum("hms,sl->mhl", torch.exp(scores - block_lse.unsqueeze(-1)), rows[:, :latent])
-        if o_lat is None:
-            o_lat, lse = block_out, block_lse
-        else:
-            o_lat, lse = merge_states_reference(o_lat, lse, block_out, block_lse)
-    return o_lat, lse
+    n, m, heads, _ = qr.shape
+    scores = torch.bmm(qr.flatten(1, 2), rows.transpose(1, 2))  # [n, m*H, s]: q_lat . kv_c + q_pe . k_pe
+    if valid is not None:  # padding rows
+        scores.masked_fill_(~valid[:, None, :], float("-inf"))
+    block_lse = torch.logsumexp(scores, dim=-1)  # [n, m*H]
+    probs = torch.exp(scores - block_lse.unsqueeze(-1))
+    if valid is not None:
+        probs.nan_to_num_(0.0)  # a block past a short context: 0
+    return torch.bmm(probs, rows[..., :latent]).view(n * m, heads, latent), block_lse.view(n * m, heads).t()
 
 
 def absorbed_reference(
@@ -138,14 +145,25 @@ def latent_attention_reference(q, kv_cache, block_table, query_start_loc, contex
     acc = lse_dtype(q.dtype)
     latent = out.shape[2]
     bounds, contexts = query_start_loc.tolist(), context_lens.tolist()  # host reads: CPU / oracle path
-    for r, context in enumerate(contexts):
-        t0, t1 = bounds[r], bounds[r + 1]
-        if context <= 0 or t0 >= t1:
-            continue
-        qr = q[t0:t1].to(acc) * softmax_scale  # [m, H, L+R]
-        o_r, lse_r = latent_partial(qr, kv_cache, block_table, r, context, latent, k_scale, acc)
-        out[t0:t1] = o_r.to(out.dtype)
-        lse[:, t0:t1] = lse_r.to(lse.dtype)
+    query_lens = [b - a for a, b in zip(bounds, bounds[1:])]
+    for batch in padded_batches(query_lens, contexts, q.shape[1] * (q.shape[2] + latent), KEY_BLOCK):
+        # One attention per batch of requests padded to [n, m] queries and [n, s] context rows.
+        lens_q, lens_k = [query_lens[r] for r in batch], [contexts[r] for r in batch]
+        s = max(lens_k)
+        rows_q = PaddedRows([bounds[r] for r in batch], lens_q, 0, lens_q[0], q.device)
+        qr = rows_q.take(q).to(acc) * softmax_scale  # [n, m, H, L+R]
+        tables = block_table if batch == list(range(len(contexts))) else block_table.index_select(
+            0, torch.tensor(batch, device=block_table.device))
+        o_lat, lse_lat = None, None
+        for k0 in range(0, s, KEY_BLOCK):
+            rows, valid = _context_rows(kv_cache, tables, lens_k, k0, min(k0 + KEY_BLOCK, s), k_scale, acc)
+            block_out, block_lse = latent_partial(qr, rows, valid, latent)
+            if o_lat is None:
+                o_lat, lse_lat = block_out, block_lse
+            else:
+                o_lat, lse_lat = merge_states_reference(o_lat, lse_lat, block_out, block_lse)
+        rows_q.put(out, o_lat, 0)
+        rows_q.put(lse, lse_lat, 1)
 
 
 @torch.library.custom_op("mla_ops::latent_context_attention", mutates_args=("out", "lse"))

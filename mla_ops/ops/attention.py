@@ -1,6 +1,7 @@
 """Attention over up-projected MLA keys: the chunk's context partial and the causal suffix partial.
 
-Both ops share one oracle, ``varlen_attention_reference``:
+Both ops share one oracle, ``varlen_attention_reference`` (also the CPU path: requests of alike
+sizes are padded into one batched attention, a request with many keys attends alone, in place):
 
 q       [Tq, N, P+R]   queries of n requests, rows cu_q[i]:cu_q[i+1]
 k_nope  [Tk, N, P]     per-head key part     k_pe [Tk, R] rotary key part, shared by all heads
@@ -45,57 +46,157 @@ from .._mla import KEY_BLOCK, lse_dtype
 from .merge import merge_states_reference
 
 
-def varlen_attention_reference(q, k_nope, k_pe, v, cu_q, cu_k, softmax_scale, causal):
+# Padding a request into a batch may cost this many multiply-adds for nothing: below it, one more
+# batch (a dozen small ops) costs more than the padded work.
+PAD_SLACK = 1 << 20
+# Score entries (per head) of one key block of a padded batch; a lone request may exceed it.
+SCORE_LIMIT = 1 << 20
+# A request with more key and value elements than this attends alone, reading them in place:
+# batching would copy them heads first, which costs more than the ops it saves.
+ALONE_LIMIT = 1 << 16
+
+
+def padded_batches(query_lens, key_lens, width, key_block, kv_width=0):
+    """Requests with queries and keys, in batches (lists of request ids) padded to one shape each.
+
+    Sorted by size, a request joins the previous batch while the padded work (score entries x
+    ``width`` multiply-adds), its own and the batch's, stays within twice the real work plus
+    ``PAD_SLACK`` and a key block's scores within ``SCORE_LIMIT``: one batch when sizes are alike,
+    bounded waste when they are not.
+    A request with more than ``ALONE_LIMIT`` keys x ``kv_width`` elements is a batch of its own.
+    """
+    order = sorted((r for r, (m, s) in enumerate(zip(query_lens, key_lens)) if m > 0 and s > 0),
+                   key=lambda r: (query_lens[r], key_lens[r]), reverse=True)
+    batches, work, max_m, max_s, alone = [], 0, 0, 0, True  # alone: the last batch takes no more
+    for r in order:  # host scalars only: no tensor op per request
+        m, s = query_lens[r], key_lens[r]
+        n, padded_s = len(batches[-1]) + 1 if batches else 1, max(max_s, s)
+        padded = max_m * padded_s * width  # each member's work once padded
+        if (not alone and s * kv_width <= ALONE_LIMIT
+                and padded <= 2 * m * s * width + PAD_SLACK
+                and n * padded <= 2 * (work + m * s) * width + PAD_SLACK
+                and n * max_m * min(padded_s, key_block) <= SCORE_LIMIT):
+            batches[-1].append(r)
+            work, max_s = work + m * s, padded_s
+        else:  # sorted by query length: a batch's first request has its longest queries
+            batches.append([r])
+            work, max_m, max_s, alone = m * s, m, s, s * kv_width > ALONE_LIMIT
+    return batches
+
+
+class PaddedRows:
+    """Rows ``starts[i] + begin .. starts[i] + end`` of n requests with ``lens[i]`` rows each, [n, w].
+
+    One run of rows is a slice (a view, no index); otherwise ``index`` [n, w] repeats a request's
+    first row for its padding (a valid row) and ``valid`` [n, w] marks the real rows.
+    """
+
+    def __init__(self, starts, lens, begin, end, device):
+        self.shape = (len(starts), end - begin)
+        self.padded = min(lens) < end
+        self.run = None
+        if not self.padded and (len(starts) == 1 or begin == 0) and all(
+                b - a == end - begin for a, b in zip(starts, starts[1:])):
+            self.run = slice(starts[0] + begin, starts[0] + begin + len(starts) * (end - begin))
+            return
+        position = torch.arange(begin, end, device=device)
+        self.valid = position < torch.tensor(lens, device=device)[:, None]
+        self.index = torch.tensor(starts, device=device)[:, None] + torch.where(self.valid, position, 0)
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """x's rows, [n, w, ...]."""
+        if self.run is not None:
+            return x[self.run].unflatten(0, self.shape)
+        return x.index_select(0, self.index.flatten()).unflatten(0, self.shape)
+
+    def put(self, dst: torch.Tensor, src: torch.Tensor, dim: int) -> None:
+        """Write the real rows of ``src`` (n*w along ``dim``) to their rows of ``dst``."""
+        src = src.to(dst.dtype)
+        if self.run is not None:
+            dst.narrow(dim, self.run.start, self.run.stop - self.run.start).copy_(src)
+        elif self.padded:
+            real = self.valid.flatten().nonzero().squeeze(1)
+            dst.index_copy_(dim, self.index.flatten()[real], src.index_select(dim, real))
+        else:
+            dst.index_copy_(dim, self.index.flatten(), src)
+
+
+def _attend(q, k_nope, k_pe, v, q_bounds, k_starts, key_lens, softmax_scale, causal, out, lse) -> None:
+    """Request r's queries ``q_bounds[r]:q_bounds[r+1]`` over its ``key_lens[r]`` keys from row
+    ``k_starts[r]`` (host lists), written to its rows of ``out``/``lse``; other rows are untouched."""
     acc = lse_dtype(q.dtype)
-    num_tokens, num_heads = q.shape[0], q.shape[1]
-    out = q.new_zeros(num_tokens, num_heads, v.shape[-1], dtype=acc)
-    lse = q.new_full((num_heads, num_tokens), float("-inf"), dtype=acc)
-    q_bounds, k_bounds = cu_q.tolist(), cu_k.tolist()  # host reads: CPU / oracle path only
-    for q0, q1, k0, k1 in zip(q_bounds[:-1], q_bounds[1:], k_bounds[:-1], k_bounds[1:]):
-        m, s = q1 - q0, k1 - k0
-        if m == 0 or s == 0:
-            continue
-        qi = q[q0:q1].to(acc) * softmax_scale  # [m, N, P+R]
-        q_nope, q_pe = qi.split([k_nope.shape[-1], k_pe.shape[-1]], dim=-1)
-        o_i, lse_i = None, None
+    num_heads, nope = q.shape[1], k_nope.shape[-1]
+    query_lens = [b - a for a, b in zip(q_bounds, q_bounds[1:])]
+    width, kv_width = num_heads * (q.shape[-1] + v.shape[-1]), num_heads * (nope + v.shape[-1])
+    for batch in padded_batches(query_lens, key_lens, width, KEY_BLOCK, kv_width):
+        # One attention per batch, its requests padded: queries [n, m, ...] over keys [n, s, ...].
+        lens_q, lens_k = [query_lens[r] for r in batch], [key_lens[r] for r in batch]
+        n, m, s = len(batch), lens_q[0], max(lens_k)
+        rows_q = PaddedRows([q_bounds[r] for r in batch], lens_q, 0, m, q.device)
+        qi = rows_q.take(q).to(acc) * softmax_scale  # [n, m, N, P+R]
+        q_nope = qi[..., :nope].permute(2, 0, 1, 3).reshape(num_heads * n, m, nope)  # heads first
+        q_pe = qi[..., nope:].transpose(1, 2).reshape(n, num_heads * m, -1)  # [n, N*m, R]: k_pe is shared
+        if causal and (m > 1 or min(lens_k) < s):  # bottom-right: query j of m_i sees keys 0 .. s_i - m_i + j
+            last_key = torch.tensor([sk - mq for sk, mq in zip(lens_k, lens_q)], device=q.device)[:, None, None]
+            last_key = last_key + torch.arange(m, device=q.device)[:, None]  # [n, m, 1]
+        o_i, lse_i = None, None  # [n*m, N, V], [N, n*m]: the rows of merge_states_reference
         for b0 in range(0, s, KEY_BLOCK):
             b1 = min(b0 + KEY_BLOCK, s)
-            scores = torch.einsum("mnp,snp->nms", q_nope, k_nope[k0 + b0 : k0 + b1].to(acc))
-            scores += torch.einsum("mnr,sr->nms", q_pe, k_pe[k0 + b0 : k0 + b1].to(acc))
-            if causal:
-                key = torch.arange(b0, b1, device=q.device)
-                query = torch.arange(m, device=q.device) + (s - m)
-                scores.masked_fill_(key[None, :] > query[:, None], float("-inf"))
-            block_lse = torch.logsumexp(scores, dim=-1)  # [N, m]
-            probs = torch.exp(scores - block_lse.unsqueeze(-1)).nan_to_num_(0.0)
-            block_out = torch.einsum("nms,snv->mnv", probs, v[k0 + b0 : k0 + b1].to(acc))
+            rows_k = PaddedRows([k_starts[r] for r in batch], lens_k, b0, b1, q.device)
+            # Keys and values heads first, [N*n, s, ...]: a copy unless the batch is one request.
+            keys = rows_k.take(k_nope).to(acc).permute(2, 0, 1, 3).reshape(num_heads * n, b1 - b0, nope)
+            scores = torch.bmm(q_nope, keys.transpose(1, 2)).view(num_heads, n, m, -1)  # [N, n, m, s]
+            rope = q_pe @ rows_k.take(k_pe).to(acc).transpose(1, 2)  # [n, N*m, s]
+            scores += rope.view(n, num_heads, m, -1).transpose(0, 1)
+            masked = rows_k.padded or (causal and m > 1)
+            if masked:  # the causal mask also hides padding keys: they lie past every real query's last key
+                hidden = torch.arange(b0, b1, device=q.device) > last_key if causal else ~rows_k.valid[:, None, :]
+                scores.masked_fill_(hidden, float("-inf"))
+            block_lse = torch.logsumexp(scores, dim=-1)  # [N, n, m]
+            probs = torch.exp(scores - block_lse.unsqueeze(-1))
+            if masked:
+                probs.nan_to_num_(0.0)  # queries that see no key of this block
+            values = rows_k.take(v).to(acc).permute(2, 0, 1, 3).reshape(num_heads * n, b1 - b0, -1)
+            block_out = torch.bmm(probs.view(num_heads * n, m, -1), values).view(num_heads, n, m, -1)
+            block_out, block_lse = block_out.permute(1, 2, 0, 3).flatten(0, 1), block_lse.flatten(1)
             if o_i is None:
                 o_i, lse_i = block_out, block_lse
             else:
                 o_i, lse_i = merge_states_reference(o_i, lse_i, block_out, block_lse)
-        out[q0:q1] = o_i
-        lse[:, q0:q1] = lse_i
+        rows_q.put(out, o_i, 0)
+        rows_q.put(lse, lse_i, 1)
+
+
+def varlen_attention_reference(q, k_nope, k_pe, v, cu_q, cu_k, softmax_scale, causal):
+    acc = lse_dtype(q.dtype)
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=acc)
+    lse = q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc)
+    q_bounds, k_bounds = cu_q.tolist(), cu_k.tolist()  # host reads: CPU / oracle path only
+    key_lens = [b - a for a, b in zip(k_bounds, k_bounds[1:])]
+    _attend(q, k_nope, k_pe, v, q_bounds, k_bounds, key_lens, softmax_scale, causal, out, lse)
     return out, lse
 
 
 def context_attention_reference(
     q, k_nope, k_pe, v, query_start_loc, cu_seq_lens, starts, softmax_scale, out, lse
 ) -> None:
-    part_out, part_lse = varlen_attention_reference(
-        q, k_nope, k_pe, v, query_start_loc, cu_seq_lens, softmax_scale, causal=False
-    )
-    bounds, rows = query_start_loc.tolist(), cu_seq_lens.tolist()  # host reads: CPU / oracle path
-    for i, start in enumerate(starts.tolist()):
-        t0, t1 = bounds[i], bounds[i + 1]
-        if rows[i + 1] == rows[i] or t0 == t1:
-            continue
-        if start > 0:  # continuation: fold into what earlier chunks left
-            out[t0:t1], lse[:, t0:t1] = merge_states_reference(
-                out[t0:t1], lse[:, t0:t1], part_out[t0:t1], part_lse[:, t0:t1]
-            )
-        else:
-            out[t0:t1] = part_out[t0:t1]
-            lse[:, t0:t1] = part_lse[:, t0:t1]
+    q_bounds, k_bounds = query_start_loc.tolist(), cu_seq_lens.tolist()  # host reads: CPU / oracle path
+    key_lens = [b - a for a, b in zip(k_bounds, k_bounds[1:])]
+    continues = [start > 0 for start in starts.tolist()]
+    # A request starting here overwrites its rows (those without rows here are untouched) ...
+    fresh = [0 if c else s for c, s in zip(continues, key_lens)]
+    _attend(q, k_nope, k_pe, v, q_bounds, k_bounds, fresh, softmax_scale, False, out, lse)
+    # ... one whose rows continue an earlier chunk folds its partial into what earlier chunks left.
+    continuing = [s if c else 0 for c, s in zip(continues, key_lens)]
+    if any(continuing):
+        acc = lse_dtype(q.dtype)
+        part_out = out.new_zeros(out.shape, dtype=acc)
+        part_lse = lse.new_full(lse.shape, float("-inf"), dtype=acc)
+        _attend(q, k_nope, k_pe, v, q_bounds, k_bounds, continuing, softmax_scale, False, part_out, part_lse)
+        query_lens = query_start_loc[1:] - query_start_loc[:-1]
+        rows = torch.repeat_interleave(torch.tensor(continuing, device=q.device) > 0, query_lens)
+        rows = torch.cat([rows, rows.new_zeros(q.shape[0] - rows.shape[0])])  # tokens past query_start_loc[-1]
+        out[rows], lse[:, rows] = merge_states_reference(out[rows], lse[:, rows], part_out[rows], part_lse[:, rows])
 
 
 @torch.library.custom_op("mla_ops::context_attention", mutates_args=("out", "lse"))
@@ -122,11 +223,11 @@ def _(q, k_nope, k_pe, v, query_start_loc, cu_seq_lens, starts, softmax_scale, o
 
 
 def suffix_attention_reference(q, k_nope, k_pe, v, query_start_loc, softmax_scale, out, lse) -> None:
-    part_out, part_lse = varlen_attention_reference(
-        q, k_nope, k_pe, v, query_start_loc, query_start_loc, softmax_scale, causal=True
-    )
-    out.copy_(part_out)
-    lse.copy_(part_lse)
+    out.zero_()  # tokens without keys (and past query_start_loc[-1]) get the empty partial
+    lse.fill_(float("-inf"))
+    bounds = query_start_loc.tolist()  # host read: CPU / oracle path only
+    key_lens = [b - a for a, b in zip(bounds, bounds[1:])]
+    _attend(q, k_nope, k_pe, v, bounds, bounds, key_lens, softmax_scale, True, out, lse)
 
 
 @torch.library.custom_op("mla_ops::suffix_attention", mutates_args=("out", "lse"))

@@ -54,6 +54,10 @@ SCORE_LIMIT = 1 << 20
 # A request with more key and value elements than this attends alone, reading them in place:
 # batching would copy them heads first, which costs more than the ops it saves.
 ALONE_LIMIT = 1 << 16
+# Gathered key (or value) elements up to which a batch runs ATen's fused CPU attention (one call, the
+# causal half skipped) instead of the key-block loop below: 64 MB in float32.
+FLASH_LIMIT = 1 << 24
+_cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def padded_batches(query_lens, key_lens, width, key_block, kv_width=0):
@@ -133,6 +137,12 @@ def _attend(q, k_nope, k_pe, v, q_bounds, k_starts, key_lens, softmax_scale, cau
         lens_q, lens_k = [query_lens[r] for r in batch], [key_lens[r] for r in batch]
         n, m, s = len(batch), lens_q[0], max(lens_k)
         rows_q = PaddedRows([q_bounds[r] for r in batch], lens_q, 0, m, q.device)
+        if _flash_fits(q, n, s, max(q.shape[-1], v.shape[-1])) and (not causal or lens_q == lens_k):
+            rows_k = PaddedRows([k_starts[r] for r in batch], lens_k, 0, s, q.device)
+            o_i, lse_i = _flash_attend(q, k_nope, k_pe, v, rows_q, rows_k, softmax_scale, causal, acc)
+            rows_q.put(out, o_i, 0)
+            rows_q.put(lse, lse_i, 1)
+            continue
         qi = rows_q.take(q).to(acc) * softmax_scale  # [n, m, N, P+R]
         q_nope = qi[..., :nope].permute(2, 0, 1, 3).reshape(num_heads * n, m, nope)  # heads first
         q_pe = qi[..., nope:].transpose(1, 2).reshape(n, num_heads * m, -1)  # [n, N*m, R]: k_pe is shared
@@ -165,6 +175,35 @@ def _attend(q, k_nope, k_pe, v, q_bounds, k_starts, key_lens, softmax_scale, cau
                 o_i, lse_i = merge_states_reference(o_i, lse_i, block_out, block_lse)
         rows_q.put(out, o_i, 0)
         rows_q.put(lse, lse_i, 1)
+
+
+def _flash_fits(q: torch.Tensor, n: int, s: int, width: int) -> bool:
+    """Whether a batch takes ATen's fused CPU attention: CPU tensors, keys and values of at most
+    ``FLASH_LIMIT`` elements once gathered (a larger batch keeps the key-block loop's memory bound)."""
+    return q.device.type == "cpu" and _cpu_flash is not None and n * s * q.shape[1] * width <= FLASH_LIMIT
+
+
+def _flash_attend(q, k_nope, k_pe, v, rows_q, rows_k, softmax_scale, causal, acc):
+    """One padded batch through ATen's fused CPU attention (``_scaled_dot_product_flash_attention_for_cpu``:
+    it returns the LSE and skips the blocks a causal mask hides) -> ``(out [n*m, N, V], lse [N, n*m])``.
+
+    Causal only where every request has as many queries as keys, so that its top-left mask is the
+    bottom-right one and a shorter request's real queries never reach its padding keys. The kernel
+    takes one head width: the narrower of ``[k_nope | k_pe]`` and ``v`` is padded with zeros."""
+    num_heads, value = q.shape[1], v.shape[-1]
+    width = max(q.shape[-1], value)
+    keys = torch.cat([rows_k.take(k_nope), rows_k.take(k_pe).unsqueeze(2).expand(-1, -1, num_heads, -1)], dim=-1)
+
+    def heads_first(x):  # [n, w, N, d] -> [n, N, w, width] in acc
+        return torch.nn.functional.pad(x.to(acc), (0, width - x.shape[-1])).transpose(1, 2)
+
+    mask = None
+    if rows_k.padded and not causal:  # padding keys: -inf (an additive mask, in the inputs' dtype)
+        mask = torch.zeros(rows_k.valid.shape, dtype=acc, device=q.device).masked_fill_(~rows_k.valid, float("-inf"))
+        mask = mask[:, None, None, :]
+    o, lse = _cpu_flash(heads_first(rows_q.take(q)), heads_first(keys), heads_first(rows_k.take(v)), 0.0, causal,
+                        attn_mask=mask, scale=softmax_scale)[:2]
+    return o[..., :value].transpose(1, 2).flatten(0, 1), lse.transpose(0, 1).flatten(1)
 
 
 def varlen_attention_reference(q, k_nope, k_pe, v, cu_q, cu_k, softmax_scale, causal):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import mla_ops  # noqa: F401  (registers torch.ops.mla_ops)
+from mla_ops.ops import attention
 from mla_ops.ops.backends import REFERENCE
 from mla_ops.planning.device_schedule import device_plan_tensors
 from tests.support.batches import paged_block_table
@@ -39,8 +40,16 @@ def random_varlen(lens, num_heads=2, nope=8, rope=4, value=8, dtype=torch.float6
     return cu, make(total, num_heads, nope), make(total, rope), make(total, num_heads, value), make
 
 
+@pytest.fixture(params=["fused", "key_blocks"])
+def cpu_path(request, monkeypatch):
+    """The references' two CPU paths: ATen's fused attention where a batch fits, else the key-block loop."""
+    if request.param == "key_blocks":
+        monkeypatch.setattr(attention, "FLASH_LIMIT", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_context_attention_writes_and_continues(dtype, tol):
+def test_context_attention_writes_and_continues(dtype, tol, cpu_path):
     # T=1 and 17, a request with no rows (left untouched), one without queries
     q_lens, k_lens = [1, 17, 0, 4], [5, 0, 3, 11]
     cu_q, _, _, _, make = random_varlen(q_lens, dtype=dtype)
@@ -72,13 +81,13 @@ def test_context_attention_writes_and_continues(dtype, tol):
         torch.testing.assert_close(lse[:, t0:t1].double(), expect_lse, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("num_heads", [1, 16])
+@pytest.mark.parametrize("num_heads,value", [(1, 8), (16, 8), (2, 16)])  # V below and above P+R = 12
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.float16, 1e-2)])
-def test_suffix_attention_is_causal_per_request(num_heads, dtype, tol):
+def test_suffix_attention_is_causal_per_request(num_heads, value, dtype, tol, cpu_path):
     lens = [1, 17, 3]
-    cu, k_nope, k_pe, v, make = random_varlen(lens, num_heads=num_heads, dtype=dtype)
+    cu, k_nope, k_pe, v, make = random_varlen(lens, num_heads=num_heads, value=value, dtype=dtype)
     q = make(sum(lens), num_heads, 12)
-    out = torch.empty(sum(lens), num_heads, 8, dtype=dtype)
+    out = torch.empty(sum(lens), num_heads, value, dtype=dtype)
     lse = torch.empty(num_heads, sum(lens))
     ops.suffix_attention(q, k_nope, k_pe, v, cu, 0.25, out, lse)
     for t0, t1 in zip(cu[:-1].tolist(), cu[1:].tolist()):

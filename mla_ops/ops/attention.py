@@ -1,7 +1,8 @@
 """Attention over up-projected MLA keys: the chunk's context partial and the causal suffix partial.
 
 Both ops share one oracle, ``varlen_attention_reference`` (also the CPU path: requests of alike
-sizes are padded into one batched attention, a request with many keys attends alone, in place):
+sizes are padded into one batched attention, a request with many keys attends alone, in place; a
+batch that fits runs ATen's fused CPU attention, the others a loop over key blocks):
 
 q       [Tq, N, P+R]   queries of n requests, rows cu_q[i]:cu_q[i+1]
 k_nope  [Tk, N, P]     per-head key part     k_pe [Tk, R] rotary key part, shared by all heads

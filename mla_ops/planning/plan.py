@@ -151,17 +151,24 @@ def check_on_plan_device(query_start_loc, context_lens, block_table) -> None:
             )
 
 
+# Requests up to which the value checks walk Python lists; numpy's per-call cost pays off beyond.
+LIST_CHECKS = 32
+
+
 def host_values(query_start_loc, context_lens, block_table, block_size):
     """The lengths on the host, checked: lists for a small batch, int64 arrays for a large one (as
     the host planner takes them); ``(qsl, ctx, max_block_id)``."""
     qsl, ctx = query_start_loc.cpu().numpy(), context_lens.cpu().numpy()  # a GPU tensor: a sync
-    if context_lens.shape[0] <= SMALL_BATCH:
-        qsl, ctx = qsl.tolist(), ctx.tolist()  # (numpy's tolist: several times quicker than a tensor's)
-    else:
-        qsl, ctx = qsl.astype(np.int64), ctx.astype(np.int64)
+    batch = context_lens.shape[0]
     readable_table = block_table.device.type == "cpu"
-    table = block_table.numpy() if readable_table else np.zeros((len(ctx), block_table.shape[1]), np.int32)
-    max_block_id = _checks.check_lengths(qsl, ctx, table, block_size)
+    table = block_table.numpy() if readable_table else np.zeros((batch, block_table.shape[1]), np.int32)
+    if batch > LIST_CHECKS:
+        qsl, ctx = qsl.astype(np.int64), ctx.astype(np.int64)
+        max_block_id = _checks.check_lengths(qsl, ctx, table, block_size)
+    if batch <= SMALL_BATCH:
+        qsl, ctx = qsl.tolist(), ctx.tolist()  # (numpy's tolist: several times quicker than a tensor's)
+    if batch <= LIST_CHECKS:
+        max_block_id = _checks.check_lengths(qsl, ctx, table, block_size)
     return qsl, ctx, (max_block_id if readable_table else -1)
 
 

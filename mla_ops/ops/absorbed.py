@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import torch
 
-from .._mla import KEY_BLOCK, MLADims, lse_dtype, split_kv_b_proj
+from .._mla import KEY_BLOCK, MLADims, fold_queries, lse_dtype, split_kv_b_proj, unfold_outputs
 from .attention import PaddedRows, padded_batches
 from .merge import merge_states_reference
 
@@ -99,17 +99,21 @@ def absorbed_reference(
     del max_absorbed_tokens, routed_token_loc  # the reference packs nothing
     acc = lse_dtype(q.dtype)
     num_heads, latent, nope, _, _ = MLADims.from_shapes(q, kv_cache, kv_b_proj_weight)
-    w_uk, w_uv = (w.to(acc) for w in split_kv_b_proj(kv_b_proj_weight, num_heads, nope))
-    qa = q.to(acc)
-    folded = torch.cat([torch.einsum("tnp,npl->tnl", qa[..., :nope], w_uk), qa[..., nope:]], dim=-1)  # [T, N, L+R]
+    w_uk, w_uv = split_kv_b_proj(kv_b_proj_weight, num_heads, nope)
+    folded = torch.cat([fold_queries(q, w_uk, acc).transpose(0, 1), q[..., nope:].to(acc)], dim=-1)  # [T, N, L+R]
     o_lat = folded.new_zeros(q.shape[0], num_heads, latent)
     lse_lat = folded.new_full((num_heads, q.shape[0]), float("-inf"))
     latent_attention_reference(folded, kv_cache, block_table, query_start_loc, context_lens, softmax_scale, k_scale,
                                o_lat, lse_lat)
+    bounds, contexts = query_start_loc.tolist(), context_lens.tolist()  # host reads: CPU / oracle path
+    if bounds[-1] == q.shape[0] and min(contexts, default=1) > 0:  # every token has a partial (decode steps)
+        out.copy_(unfold_outputs(o_lat.transpose(0, 1), w_uv).transpose(0, 1))
+        lse.copy_(lse_lat)
+        return
     query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
-    rows = torch.repeat_interleave(context_lens > 0, query_lens)  # host path: the tokens with a partial
+    rows = torch.repeat_interleave(context_lens > 0, query_lens)  # the tokens with a partial
     rows = torch.cat([rows, rows.new_zeros(q.shape[0] - rows.shape[0])])  # tokens past query_start_loc[-1]
-    out[rows] = torch.einsum("tnl,nvl->tnv", o_lat[rows], w_uv).to(out.dtype)
+    out[rows] = unfold_outputs(o_lat[rows].transpose(0, 1), w_uv).transpose(0, 1).to(out.dtype)
     lse[:, rows] = lse_lat[:, rows].to(lse.dtype)
 
 
@@ -150,7 +154,7 @@ def latent_attention_reference(q, kv_cache, block_table, query_start_loc, contex
         # One attention per batch of requests padded to [n, m] queries and [n, s] context rows.
         lens_q, lens_k = [query_lens[r] for r in batch], [contexts[r] for r in batch]
         s = max(lens_k)
-        rows_q = PaddedRows([bounds[r] for r in batch], lens_q, 0, lens_q[0], q.device)
+        rows_q = PaddedRows([bounds[r] for r in batch], lens_q, 0, max(lens_q), q.device)
         qr = rows_q.take(q).to(acc) * softmax_scale  # [n, m, H, L+R]
         tables = block_table if batch == list(range(len(contexts))) else block_table.index_select(
             0, torch.tensor(batch, device=block_table.device))

@@ -62,7 +62,7 @@ _cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 
 
 def padded_batches(query_lens, key_lens, width, key_block, kv_width=0):
-    """Requests with queries and keys, in batches (lists of request ids) padded to one shape each.
+    """Requests with queries and keys, in batches (lists of request ids, ascending) padded to one shape each.
 
     Sorted by size, a request joins the previous batch while the padded work (score entries x
     ``width`` multiply-adds), its own and the batch's, stays within twice the real work plus
@@ -86,7 +86,7 @@ def padded_batches(query_lens, key_lens, width, key_block, kv_width=0):
         else:  # sorted by query length: a batch's first request has its longest queries
             batches.append([r])
             work, max_m, max_s, alone = m * s, m, s, s * kv_width > ALONE_LIMIT
-    return batches
+    return [sorted(batch) for batch in batches]  # request order: neighbours' rows stay one run (no index)
 
 
 class PaddedRows:
@@ -136,7 +136,7 @@ def _attend(q, k_nope, k_pe, v, q_bounds, k_starts, key_lens, softmax_scale, cau
     for batch in padded_batches(query_lens, key_lens, width, KEY_BLOCK, kv_width):
         # One attention per batch, its requests padded: queries [n, m, ...] over keys [n, s, ...].
         lens_q, lens_k = [query_lens[r] for r in batch], [key_lens[r] for r in batch]
-        n, m, s = len(batch), lens_q[0], max(lens_k)
+        n, m, s = len(batch), max(lens_q), max(lens_k)
         rows_q = PaddedRows([q_bounds[r] for r in batch], lens_q, 0, m, q.device)
         if _flash_fits(q, n, s, max(q.shape[-1], v.shape[-1])) and (not causal or lens_q == lens_k):
             rows_k = PaddedRows([k_starts[r] for r in batch], lens_k, 0, s, q.device)

@@ -134,29 +134,33 @@ def check_block_ids(block_table: np.ndarray, blocks) -> int:
     if len(rows) == 0:
         return -1
     ids = block_table.view(np.uint32)
+    if len(rows) == 1:
+        return _checked_top(int(ids[rows[0], : blocks[rows[0]]].max()), block_table, blocks, rows)
     shortest = min(blocks[r] for r in rows) if small else 0
     longer = [r for r in rows if blocks[r] > shortest] if small else rows
-    if len(rows) == 1:
-        top = int(ids[rows[0], : blocks[rows[0]]].max())
-    elif len(longer) <= 1:
+    if len(longer) <= 1:
         # Every row's first ``shortest`` ids in one 2-D reduction, then the one longer row's rest: a
         # long context among short ones (the reduction below would also read the gaps between rows).
         top = int((ids[: len(blocks)] if len(rows) == len(blocks) else ids[rows])[:, :shortest].max())
         if longer:
             top = max(top, int(ids[longer[0], shortest : blocks[longer[0]]].max()))
+        return _checked_top(top, block_table, blocks, rows)
+    if not ids.flags.c_contiguous:
+        ids = np.ascontiguousarray(ids[: len(blocks), : max(blocks) if small else int(blocks.max())])
+    width = ids.shape[1]
+    if small:  # a few rows: Python lists beat numpy's per-call cost
+        bounds = [b for r in rows for b in (r * width, r * width + blocks[r])]
     else:
-        if not ids.flags.c_contiguous:
-            ids = np.ascontiguousarray(ids[: len(blocks), : max(blocks) if small else int(blocks.max())])
-        width = ids.shape[1]
-        if small:  # a few rows: Python lists beat numpy's per-call cost
-            bounds = [b for r in rows for b in (r * width, r * width + blocks[r])]
-        else:
-            bounds = np.empty(2 * rows.size, dtype=np.int64)
-            bounds[0::2] = rows * width
-            bounds[1::2] = rows * width + blocks[rows]
-        if bounds[-1] == ids.size:  # reduceat's last segment runs to the end anyway
-            bounds = bounds[:-1]
-        top = int(np.maximum.reduceat(ids.reshape(-1), bounds)[0::2].max())
+        bounds = np.empty(2 * rows.size, dtype=np.int64)
+        bounds[0::2] = rows * width
+        bounds[1::2] = rows * width + blocks[rows]
+    if bounds[-1] == ids.size:  # reduceat's last segment runs to the end anyway
+        bounds = bounds[:-1]
+    return _checked_top(int(np.maximum.reduceat(ids.reshape(-1), bounds)[0::2].max()), block_table, blocks, rows)
+
+
+def _checked_top(top: int, block_table: np.ndarray, blocks, rows) -> int:
+    """``top``, the largest id used read as uint32: one at or past 2**31 is a negative id, named here."""
     if top >= 2**31:
         r = next(r for r in rows if block_table[r, : blocks[r]].min() < 0)
         col = int(np.argmin(block_table[r, : blocks[r]]))

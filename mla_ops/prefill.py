@@ -82,7 +82,7 @@ def plan_with_options(query_start_loc, context_lens, block_table, options: PlanO
             "plan_prefill under torch.compile needs max_chunks=K (a static capacity): the host planner "
             "reads the lengths' values. Pick K per batch bucket, e.g. ceil(max total context / workspace_size)."
         )
-    if not options.device_form and query_start_loc.device.type == "meta":
+    if not options.device_form and query_start_loc.is_meta:
         raise ValueError("the host form of plan_prefill reads the lengths' values, which meta tensors do not "
                          "have: pass max_chunks=K for a device plan")
     if context_parallel is not None:

@@ -157,18 +157,18 @@ LIST_CHECKS = 32
 
 def host_values(query_start_loc, context_lens, block_table, block_size):
     """The lengths on the host, checked: lists for a small batch, int64 arrays for a large one (as
-    the host planner takes them); ``(qsl, ctx, max_block_id)``."""
-    qsl, ctx = query_start_loc.cpu().numpy(), context_lens.cpu().numpy()  # a GPU tensor: a sync
+    the host planner takes them); ``(qsl, ctx, max_block_id)``. A GPU tensor's values cost a sync."""
     batch = context_lens.shape[0]
-    readable_table = block_table.device.type == "cpu"
+    readable_table = block_table.is_cpu
     table = block_table.numpy() if readable_table else np.zeros((batch, block_table.shape[1]), np.int32)
-    if batch > LIST_CHECKS:
-        qsl, ctx = qsl.astype(np.int64), ctx.astype(np.int64)
-        max_block_id = _checks.check_lengths(qsl, ctx, table, block_size)
-    if batch <= SMALL_BATCH:
-        qsl, ctx = qsl.tolist(), ctx.tolist()  # (numpy's tolist: several times quicker than a tensor's)
     if batch <= LIST_CHECKS:
+        qsl, ctx = query_start_loc.tolist(), context_lens.tolist()
         max_block_id = _checks.check_lengths(qsl, ctx, table, block_size)
+    else:
+        qsl, ctx = (t.cpu().numpy().astype(np.int64) for t in (query_start_loc, context_lens))
+        max_block_id = _checks.check_lengths(qsl, ctx, table, block_size)
+        if batch <= SMALL_BATCH:
+            qsl, ctx = qsl.tolist(), ctx.tolist()
     return qsl, ctx, (max_block_id if readable_table else -1)
 
 
@@ -182,7 +182,7 @@ def plan_host(query_start_loc, context_lens, block_table, options: PlanOptions) 
     if options.absorb_threshold:
         mha_lens, absorbed_lens = route_context(ctx, query_lens, options.absorb_threshold, options.absorbed_capacity)
     schedule = schedule_checked(mha_lens, query_lens, options.workspace_size, options.policy, options.split_alignment)
-    if device.type != "cpu":
+    if not block_table.is_cpu:
         schedule = schedule.to(device, non_blocking=True)
     absorbed = token_loc = None
     routed = [] if absorbed_lens is None else [q for q, a in zip(query_lens, absorbed_lens) if a] if small else \
@@ -197,7 +197,7 @@ def plan_host(query_start_loc, context_lens, block_table, options: PlanOptions) 
         batch = len(absorbed_lens)
         lens_and_loc = torch.as_tensor(values, dtype=torch.int32).to(device, non_blocking=True)
         absorbed, token_loc = lens_and_loc.split([batch, batch + 1])
-    if query_start_loc.device != device:
+    if not (query_start_loc.is_cpu and block_table.is_cpu) and query_start_loc.device != device:
         query_start_loc = query_start_loc.to(device, non_blocking=True)
         context_lens = context_lens.to(device, non_blocking=True)
     return frozen_instance(PrefillPlan, dict(

@@ -143,6 +143,8 @@ def run(args) -> dict | None:
 def _worker(rank: int, world: int, port: int, argv) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     main(argv)
+    sys.stdout.flush()
+    os._exit(0)  # no interpreter teardown: gloo's threads can abort a process finalizing beside them
 
 
 def parser() -> argparse.ArgumentParser:
@@ -175,7 +177,9 @@ def main(argv=None) -> dict | None:
     backend = "nccl" if torch.cuda.is_available() and not args.dry_run else "gloo"
     dist.init_process_group(backend)
     try:
-        return run(args)
+        result = run(args)
+        dist.barrier()  # every rank done before any tears its group down (gloo aborts otherwise)
+        return result
     finally:
         dist.destroy_process_group()
 

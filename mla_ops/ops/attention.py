@@ -138,6 +138,13 @@ def _attend(q, k_nope, k_pe, v, q_bounds, k_starts, key_lens, softmax_scale, cau
         lens_q, lens_k = [query_lens[r] for r in batch], [key_lens[r] for r in batch]
         n, m, s = len(batch), max(lens_q), max(lens_k)
         rows_q = PaddedRows([q_bounds[r] for r in batch], lens_q, 0, m, q.device)
+        if s == 1 and m == 1:  # one query over one key each (a decode step's suffix): the softmax is 1
+            rows_k = PaddedRows([k_starts[r] for r in batch], lens_k, 0, 1, q.device)
+            keys = torch.cat([rows_k.take(k_nope), rows_k.take(k_pe).unsqueeze(2).expand(-1, -1, num_heads, -1)], -1)
+            scores = (rows_q.take(q).to(acc) * keys.to(acc)).sum(-1) * softmax_scale  # [n, 1, N]
+            rows_q.put(out, rows_k.take(v).to(acc).flatten(0, 1), 0)
+            rows_q.put(lse, scores.flatten(0, 1).t(), 1)
+            continue
         if _flash_fits(q, n, s, max(q.shape[-1], v.shape[-1])) and (not causal or lens_q == lens_k):
             rows_k = PaddedRows([k_starts[r] for r in batch], lens_k, 0, s, q.device)
             o_i, lse_i = _flash_attend(q, k_nope, k_pe, v, rows_q, rows_k, softmax_scale, causal, acc)

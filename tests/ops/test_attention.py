@@ -81,10 +81,10 @@ def test_context_attention_writes_and_continues(dtype, tol, cpu_path):
         torch.testing.assert_close(lse[:, t0:t1].double(), expect_lse, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("lens", [[1, 17, 3], [1, 1, 1, 1]])  # the second: a decode step, one key each
 @pytest.mark.parametrize("num_heads,value", [(1, 8), (16, 8), (2, 16)])  # V below and above P+R = 12
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.float16, 1e-2)])
-def test_suffix_attention_is_causal_per_request(num_heads, value, dtype, tol, cpu_path):
-    lens = [1, 17, 3]
+def test_suffix_attention_is_causal_per_request(lens, num_heads, value, dtype, tol, cpu_path):
     cu, k_nope, k_pe, v, make = random_varlen(lens, num_heads=num_heads, value=value, dtype=dtype)
     q = make(sum(lens), num_heads, 12)
     out = torch.empty(sum(lens), num_heads, value, dtype=dtype)

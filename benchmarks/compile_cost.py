@@ -30,8 +30,11 @@ import tempfile
 import time
 
 import torch
+from torch._dynamo.utils import counters
 
+import mla_ops
 from benchmarks._lib import plot as plotting
+from benchmarks._lib.batches import model_step
 from benchmarks._lib.report import write_json_atomic
 
 LAYERS = (1, 2, 4, 8, 61)
@@ -39,8 +42,6 @@ WHOLE_LAYERS = (1, 2, 4, 8)  # a whole 61-layer graph would take minutes per run
 
 
 def _config(layers: int):
-    import mla_ops
-
     return dataclasses.replace(mla_ops.MLAConfig.from_name("tiny"), num_hidden_layers=layers)
 
 
@@ -81,10 +82,6 @@ def measure(kind: str, size: int) -> dict:
 
 
 def _measure(kind: str, size: int, restarts: _Restarts) -> dict:
-    import mla_ops
-    from benchmarks._lib.batches import model_step
-    from torch._dynamo.utils import counters
-
     block_size, workspace = 4, 64
     graphs = counters["stats"]["unique_graphs"]
     config = _config(1 if kind.startswith("warmup") else size)

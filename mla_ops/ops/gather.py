@@ -19,11 +19,13 @@ import torch
 def context_row_locations(
     block_table: torch.Tensor, cu_seq_lens: torch.Tensor, starts: torch.Tensor, num_rows: int, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cache (block, offset) of every workspace row, each int64 [num_rows]."""
+    """Cache (block, offset) of workspace rows ``[0, num_rows)``, each int64 [num_rows]; rows past
+    ``cu_seq_lens[-1]`` (a count that may stay on the device) point at block 0, offset 0."""
     rows = torch.arange(num_rows, device=block_table.device)
-    request = torch.searchsorted(cu_seq_lens, rows.to(cu_seq_lens.dtype), right=True) - 1
-    position = starts.long()[request] + rows - cu_seq_lens.long()[request]
-    return block_table.long()[request, position // block_size], position % block_size
+    live = rows < cu_seq_lens[-1]
+    request = (torch.searchsorted(cu_seq_lens, rows.to(cu_seq_lens.dtype), right=True) - 1).clamp(0, starts.shape[0] - 1)
+    position = torch.where(live, starts.long()[request] + rows - cu_seq_lens.long()[request], 0)
+    return torch.where(live, block_table.long()[request, position // block_size], 0), position % block_size
 
 
 def gather_reference(kv_cache, block_table, cu_seq_lens, starts, k_scale, workspace) -> None:

@@ -7,6 +7,7 @@ import torch
 
 from .._mla import fold_queries, lse_dtype, split_kv_b_proj, token_requests, unfold_outputs
 from ..chunk_loop import Step, attend_chunks, empty_partial, mark_truncated
+from ..ops.gather import context_row_locations
 from . import collectives
 from .plan import ContextParallelPlan
 
@@ -68,14 +69,8 @@ def _stored_rows(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seq_lens:
     stored = kv_cache.view(torch.uint8)  # the same strides: no copy of the cache
     if kv_cache.shape[0] == 0 or kv_cache.shape[1] == 0 or block_table.shape[1] == 0:  # no rows on this rank
         return stored.new_zeros(num_rows, kv_cache.shape[2])
-    block_size = kv_cache.shape[1]
-    rows = torch.arange(num_rows, device=block_table.device)
-    live = rows < cu_seq_lens[-1]
-    request = torch.searchsorted(cu_seq_lens, rows.to(cu_seq_lens.dtype), right=True) - 1
-    request = request.clamp(0, starts.shape[0] - 1)
-    position = torch.where(live, starts.long()[request] + rows - cu_seq_lens.long()[request], 0)
-    block = torch.where(live, block_table.long()[request, position // block_size], 0)
-    return stored[block, position % block_size]
+    block, offset = context_row_locations(block_table, cu_seq_lens, starts, num_rows, kv_cache.shape[1])
+    return stored[block, offset]
 
 
 def _absorbed_queries_path(step: Step, cp_plan: ContextParallelPlan, context_out, context_lse):

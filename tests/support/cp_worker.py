@@ -285,7 +285,10 @@ def check_compiled(rank: int, world: int, backend: str, fp8: bool = False) -> di
     return {"case": f"compiled_{backend}{'_fp8' if fp8 else ''}", "err": ref_err, "compile_s": round(seconds, 1)}
 
 
-def main(argv: list[str]) -> int:
+def run_cases(argv: list[str], run_case) -> int:
+    """A worker's life: ``argv`` = RANK WORLD_SIZE STORE_PORT CASE..., a gloo group over the launcher's
+    store, ``run_case(name, rank, world) -> dict`` for each case, one ``RESULT {json}`` line each; the
+    first failure prints its traceback as the result and exits non-zero (the launcher stops the others)."""
     rank, world, port, names = int(argv[0]), int(argv[1]), int(argv[2]), argv[3:]
     timeout = datetime.timedelta(seconds=90)
     store = dist.TCPStore("127.0.0.1", port, None, is_master=False, timeout=timeout)
@@ -294,18 +297,7 @@ def main(argv: list[str]) -> int:
     try:
         for name in names:
             try:
-                if name == "rank_0_fails":  # the launcher must stop rank 1, which hangs
-                    if rank == 0:
-                        raise RuntimeError("rank 0 fails on purpose")
-                    time.sleep(600)
-                    result = {"case": name}
-                elif name == "disagreement":
-                    result = check_disagreement(rank, world)
-                elif name.startswith("compiled_"):
-                    backend = name.removeprefix("compiled_").removesuffix("_fp8")
-                    result = check_compiled(rank, world, backend, fp8=name.endswith("_fp8"))
-                else:
-                    result = check_case(name, cases(world)[name], rank, world)
+                result = {"case": name, **run_case(name, rank, world)}
             except Exception:
                 print(f"RESULT {json.dumps({'case': name, 'rank': rank, 'error': traceback.format_exc()})}",
                       flush=True)
@@ -314,6 +306,24 @@ def main(argv: list[str]) -> int:
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def run_case(name: str, rank: int, world: int) -> dict:
+    if name == "rank_0_fails":  # the launcher must stop rank 1, which hangs
+        if rank == 0:
+            raise RuntimeError("rank 0 fails on purpose")
+        time.sleep(600)
+        return {}
+    if name == "disagreement":
+        return check_disagreement(rank, world)
+    if name.startswith("compiled_"):
+        backend = name.removeprefix("compiled_").removesuffix("_fp8")
+        return check_compiled(rank, world, backend, fp8=name.endswith("_fp8"))
+    return check_case(name, cases(world)[name], rank, world)
+
+
+def main(argv: list[str]) -> int:
+    return run_cases(argv, run_case)
 
 
 if __name__ == "__main__":

@@ -22,17 +22,15 @@ Prints one ``RESULT {json}`` line per case; the first failure exits non-zero (th
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import json
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
 
 import mla_ops
 from mla_ops.parallel.layout import slot_mapping, tokens_per_block
+from tests.support.cp_worker import run_cases
 
 BLOCK_SIZE = 4
 WORKSPACE = 32  # >= one stripe at D = 4, I = 4; small: several chunks
@@ -222,34 +220,21 @@ def check_disagreement(rank: int, world: int) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    rank, world, port, names = int(argv[0]), int(argv[1]), int(argv[2]), argv[3:]
     data = os.environ["MLA_OPS_TP_DATA"]
-    timeout = datetime.timedelta(seconds=90)
-    store = dist.TCPStore("127.0.0.1", port, None, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
-    torch.set_num_threads(1)
     expected = torch.load(os.path.join(data, "expected.pt"))
-    try:
-        for name in names:
-            try:
-                if name == "errors":
-                    result = check_errors(rank, world)
-                elif name == "disagreement":
-                    result = check_disagreement(rank, world)
-                elif name.startswith("graphs_"):
-                    kind, interleave = name.removeprefix("graphs_").split("_i")
-                    result = check_graphs(kind, int(interleave), rank, world, data, expected)
-                else:
-                    kind, interleave = name.split("_i")
-                    result = check_model(kind, int(interleave), rank, world, data, expected)
-            except Exception:
-                print(f"RESULT {json.dumps({'case': name, 'rank': rank, 'error': traceback.format_exc()})}",
-                      flush=True)
-                return 1
-            print(f"RESULT {json.dumps({'case': name, **result, 'rank': rank})}", flush=True)
-    finally:
-        dist.destroy_process_group()
-    return 0
+
+    def run_case(name: str, rank: int, world: int) -> dict:
+        if name == "errors":
+            return check_errors(rank, world)
+        if name == "disagreement":
+            return check_disagreement(rank, world)
+        if name.startswith("graphs_"):
+            kind, interleave = name.removeprefix("graphs_").split("_i")
+            return check_graphs(kind, int(interleave), rank, world, data, expected)
+        kind, interleave = name.split("_i")
+        return check_model(kind, int(interleave), rank, world, data, expected)
+
+    return run_cases(argv, run_case)
 
 
 if __name__ == "__main__":

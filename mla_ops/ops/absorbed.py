@@ -56,7 +56,7 @@ import torch
 
 from .._mla import KEY_BLOCK, MLADims, fold_queries, lse_dtype, split_kv_b_proj, unfold_outputs
 from .attention import PaddedRows, padded_batches
-from .merge import merge_states_reference
+from .merge import merge_into
 
 def _context_rows(kv_cache, tables, context_lens, begin: int, end: int, k_scale, acc):
     """Context rows ``begin:end`` of each request (``tables`` [n, max_blocks] its block table rows),
@@ -158,14 +158,11 @@ def latent_attention_reference(q, kv_cache, block_table, query_start_loc, contex
         qr = rows_q.take(q).to(acc) * softmax_scale  # [n, m, H, L+R]
         tables = block_table if batch == list(range(len(contexts))) else block_table.index_select(
             0, torch.tensor(batch, device=block_table.device))
-        o_lat, lse_lat = None, None
+        partial = None
         for k0 in range(0, s, KEY_BLOCK):
             rows, valid = _context_rows(kv_cache, tables, lens_k, k0, min(k0 + KEY_BLOCK, s), k_scale, acc)
-            block_out, block_lse = latent_partial(qr, rows, valid, latent)
-            if o_lat is None:
-                o_lat, lse_lat = block_out, block_lse
-            else:
-                o_lat, lse_lat = merge_states_reference(o_lat, lse_lat, block_out, block_lse)
+            partial = merge_into(partial, latent_partial(qr, rows, valid, latent))
+        o_lat, lse_lat = partial
         rows_q.put(out, o_lat, 0)
         rows_q.put(lse, lse_lat, 1)
 

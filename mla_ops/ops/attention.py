@@ -44,7 +44,7 @@ from __future__ import annotations
 import torch
 
 from .._mla import KEY_BLOCK, lse_dtype
-from .merge import merge_states_reference
+from .merge import merge_into, merge_states_reference
 
 
 # Padding a request into a batch may cost this many multiply-adds for nothing: below it, one more
@@ -157,7 +157,7 @@ def _attend(q, k_nope, k_pe, v, q_bounds, k_starts, key_lens, softmax_scale, cau
         if causal and (m > 1 or min(lens_k) < s):  # bottom-right: query j of m_i sees keys 0 .. s_i - m_i + j
             last_key = torch.tensor([sk - mq for sk, mq in zip(lens_k, lens_q)], device=q.device)[:, None, None]
             last_key = last_key + torch.arange(m, device=q.device)[:, None]  # [n, m, 1]
-        o_i, lse_i = None, None  # [n*m, N, V], [N, n*m]: the rows of merge_states_reference
+        partial = None  # ([n*m, N, V], [N, n*m]): the rows of merge_states_reference
         for b0 in range(0, s, KEY_BLOCK):
             b1 = min(b0 + KEY_BLOCK, s)
             rows_k = PaddedRows([k_starts[r] for r in batch], lens_k, b0, b1, q.device)
@@ -176,11 +176,8 @@ def _attend(q, k_nope, k_pe, v, q_bounds, k_starts, key_lens, softmax_scale, cau
                 probs.nan_to_num_(0.0)  # queries that see no key of this block
             values = rows_k.take(v).to(acc).permute(2, 0, 1, 3).reshape(num_heads * n, b1 - b0, -1)
             block_out = torch.bmm(probs.view(num_heads * n, m, -1), values).view(num_heads, n, m, -1)
-            block_out, block_lse = block_out.permute(1, 2, 0, 3).flatten(0, 1), block_lse.flatten(1)
-            if o_i is None:
-                o_i, lse_i = block_out, block_lse
-            else:
-                o_i, lse_i = merge_states_reference(o_i, lse_i, block_out, block_lse)
+            partial = merge_into(partial, (block_out.permute(1, 2, 0, 3).flatten(0, 1), block_lse.flatten(1)))
+        o_i, lse_i = partial
         rows_q.put(out, o_i, 0)
         rows_q.put(lse, lse_i, 1)
 

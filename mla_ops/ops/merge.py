@@ -39,6 +39,12 @@ def merge_states_reference(
     return out.to(prefix_out.dtype), lse
 
 
+def merge_into(partial, block):
+    """A running partial ``(out, lse)`` with the partial ``block`` of further keys folded in; None: no
+    keys yet (the block itself)."""
+    return block if partial is None else merge_states_reference(*partial, *block)
+
+
 @torch.library.custom_op("mla_ops::merge_attn_states", mutates_args=())
 def _merge_attn_states(
     prefix_out: torch.Tensor,

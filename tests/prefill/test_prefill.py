@@ -1,15 +1,8 @@
 """End-to-end correctness of ``mla_ops.mla_prefill`` against a dense, unchunked reference.
 
 Written from DESIGN.md (§1 math, §2 conventions, §4 API, §6 testing), independently of the
-library code (the batches and the reference: tests/support/batches.py). Shapes (every dim is read
-from tensor shapes by the library):
-
-    q        [T, N, P+R]   rotated queries of the new tokens
-    kv_c     [T, L]        latent of the new tokens          k_pe [T, R]
-    kv_cache [num_blocks, block_size, L+R]   rows [kv_c (L) | k_pe (R)]
-    block_table [B, max_blocks] int32   query_start_loc [B+1] int32   context_lens [B] int32
-    kv_b_proj_weight [N*(P+V), L]
-    -> out   [T, N, V]
+library code (the batches, the reference and their shapes: tests/support/batches.py; every dim is
+read from tensor shapes by the library).
 
 Request r's queries see its c_r context keys (non-causal) and, causally, its own new keys.
 """

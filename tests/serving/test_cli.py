@@ -1,4 +1,4 @@
-"""``python -m mla_ops generate`` (``main`` in mla_ops/serving/generation.py, mla_ops/__main__.py) on
+"""``python -m mla_ops generate`` (``main`` in mla_ops/serving/cli.py, mla_ops/__main__.py) on
 argparse's conventions: a bad argument value exits 2 with the usage and one error line on stderr;
 an error while loading or generating exits 1 with one line, no traceback unless ``--debug``.
 
@@ -87,7 +87,8 @@ USAGE_ERRORS = [
     (["--dtype", "float31"], "argument --dtype: unknown dtype 'float31': choose from float32, bfloat16"),
     (["--dtype", "int8"], "argument --dtype: unknown dtype 'int8'"),
     (["--device", "nonsense"], "argument --device: unknown device 'nonsense'"),
-    (["--device", "meta"], "argument --device: meta tensors hold no values"),
+    (["--device", "meta"], "argument --device: device 'meta': meta tensors hold no values"),
+    (["--absorb-max-query-len", "-1"], "argument --absorb-max-query-len: must be an int >= 0, got -1"),
     (["--prompt", "hello"], "--prompt needs .*tokenizer.json"),
     (["--bogus"], "unrecognized arguments: --bogus"),
     ([], "give at least one --prompt or --prompt-ids"),
@@ -183,3 +184,19 @@ def test_a_real_process_exits_1_without_a_traceback(tmp_path):
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
     assert done.stderr.startswith(f"{PROG}: error: {no_weights} has neither model.safetensors")
+
+
+def test_absorb_max_query_len_routes_every_step_to_the_chunk_loop(capsys, checkpoint):
+    code, routed, _ = run(capsys, "--model", checkpoint, "--prompt-ids", "2,3,4", "--max-new-tokens", "3")
+    assert code == 0
+    code, out, err = run(capsys, "--model", checkpoint, "--prompt-ids", "2,3,4", "--max-new-tokens", "3",
+                         "--absorb-max-query-len", "0")
+    assert code == 0 and out == routed and "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_device_the_machine_lacks_is_a_usage_error(capsys, checkpoint):
+    for device in ("cuda", "cuda:1"):
+        code, out, err = run(capsys, "--model", checkpoint, "--prompt-ids", "1", "--device", device)
+        assert code == 2 and out == ""
+        assert f"argument --device: device '{device}': CUDA is not available here" in error_line(err)

@@ -200,3 +200,44 @@ def test_a_device_the_machine_lacks_is_a_usage_error(capsys, checkpoint):
         code, out, err = run(capsys, "--model", checkpoint, "--prompt-ids", "1", "--device", device)
         assert code == 2 and out == ""
         assert f"argument --device: device '{device}': CUDA is not available here" in error_line(err)
+
+
+DEMO = "python -m mla_ops demo"
+
+
+def test_demo_refuses_a_backend_the_machine_lacks_in_one_line(capsys, monkeypatch):
+    """Checked before anything runs: the demo's tensors are on the CPU, where Triton needs its
+    interpreter (and the triton package)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        package_main(["demo", "--backend", "triton"])
+    out = capsys.readouterr()
+    assert exit_.value.code == 2 and out.out == "" and "Traceback" not in out.err
+    last = out.err.rstrip("\n").split("\n")[-1]
+    assert last.startswith(f"{DEMO}: error: argument --backend: backend='triton' ")
+    assert "TRITON_INTERPRET=1" in last or "needs the triton package" in last
+
+
+def test_demo_errors_while_running_exit_1_with_one_line(capsys, monkeypatch):
+    from mla_ops import demo
+
+    def fail(**kwargs):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(demo, "run", fail)
+    with pytest.raises(SystemExit) as exit_:
+        package_main(["demo"])
+    out = capsys.readouterr()
+    assert exit_.value.code == 1 and "Traceback" not in out.err
+    assert out.err == (f"{DEMO}: error: RuntimeError: no kernel image is available for execution on the device "
+                       "(--debug shows the traceback)\n")
+    with pytest.raises(RuntimeError, match="no kernel image"):
+        package_main(["demo", "--debug"])
+
+
+def test_demo_on_a_real_process_exits_2_without_a_traceback():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "mla_ops", "demo", "--backend", "triton"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env=dict(env, OMP_NUM_THREADS="1"))
+    assert done.returncode == 2 and done.stdout == "" and "Traceback" not in done.stderr
+    assert done.stderr.rstrip("\n").split("\n")[-1].startswith(f"{DEMO}: error: argument --backend:")

@@ -100,7 +100,8 @@ def untouched(monkeypatch):
     """Asserts afterwards that no model was built and no tensor read (the error came first)."""
     reads = []
     real = checkpoint_files.read_tensor
-    monkeypatch.setattr(checkpoint_files, "read_tensor", lambda f, file, name: reads.append(name) or real(f, file, name))
+    monkeypatch.setattr(checkpoint_files, "read_tensor",
+                        lambda f, file, name: reads.append(name) or real(f, file, name))
     Counting.built = 0
     yield lambda: (Counting.built, len(reads))
     assert reads == []

@@ -85,7 +85,7 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def generator_settings(options, num_blocks, compile, prefix_caching, **loose) -> GeneratorSettings:
+def _settings(options, num_blocks, compile, prefix_caching, **loose) -> GeneratorSettings:
     """The checked settings of ``Generator`` / ``generate``: ``options`` (a ``PlanOptions``) or the
     loose planning keywords that build one, never both."""
     if options is None:
@@ -94,7 +94,7 @@ def generator_settings(options, num_blocks, compile, prefix_caching, **loose) ->
         raise TypeError(f"options must be a mla_ops.PlanOptions or None, got {type(options).__name__}")
     else:
         for name, value in loose.items():
-            if value is not _LOOSE_OPTIONS[name] and value != _LOOSE_OPTIONS[name]:
+            if value != _LOOSE_OPTIONS[name]:
                 raise ValueError(f"{name}={value!r} was passed beside options=: set it in the PlanOptions "
                                  f"(options.{name} is {getattr(options, name)!r})")
     if options.max_chunks is not None:
@@ -130,7 +130,7 @@ class Generator:
                  absorb_max_query_len: int | None = None, max_absorbed_tokens: int | None = None,
                  compile: bool = False, prefix_caching: bool = True):
         _check_model(model)
-        self.settings = generator_settings(
+        self.settings = _settings(
             options, num_blocks, compile, prefix_caching, block_size=block_size, workspace_size=workspace_size,
             absorb_max_query_len=absorb_max_query_len, max_absorbed_tokens=max_absorbed_tokens)
         self.model = model
@@ -319,7 +319,7 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, op
     the one there was.
     """
     _check_model(model)
-    settings = generator_settings(
+    settings = _settings(
         options, num_blocks, compile, True, block_size=block_size, workspace_size=workspace_size,
         absorb_max_query_len=absorb_max_query_len, max_absorbed_tokens=max_absorbed_tokens)
     generator = _generators.get(model)

@@ -150,8 +150,9 @@ def check_device(device, name: str = "device") -> torch.device:
 def check_softmax_scale(softmax_scale) -> float:
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (numbers.Real, torch.SymFloat)):
         raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
-    if not isinstance(softmax_scale, torch.SymFloat) and not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")  # a host float: free in compiled code too
+    # Comparisons, not math.isfinite: Dynamo folds them on a traced float, so compiled code checks too.
+    if softmax_scale != softmax_scale or softmax_scale in (math.inf, -math.inf):
+        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
     return float(softmax_scale)
 
 

@@ -5,11 +5,11 @@ kv_b_proj_weight [N*(P+V), L]  viewed [N, P+V, L]: W_UK = [:, :P] [N, P, L], W_U
 block_table      [B, max_blocks] int32   query_start_loc [B+1] int32   context_lens [B] int32
 k_scale          [1] float32 or None     dequantized = stored * k_scale (float8_e4m3fn caches only)
 -> out           [T, N, V]   lse [N, T] float32 (float64 for float64 q), natural log   (out=)
-max_absorbed_tokens  int, -1: T         a static bound of the tokens of the requests with context:
-                                         the GPU kernels pack those tokens (``routed_token_loc``) into
-                                         a scratch of this many rows (tokens past it get no partial)
-routed_token_loc [B+1] int32 or None    ``_mla.routed_token_loc(query_start_loc, context_lens)``, made
-                                         once per step by the plan (None: the kernels make it)
+absorbed_rows    int, -1: T    a static bound of the tokens of the requests with context: the GPU
+                               kernels pack those tokens (``absorbed_token_loc``) into a scratch of
+                               this many rows (tokens past it get no partial)
+absorbed_token_loc [B+1] int32 or None   ``_mla.absorbed_token_loc(query_start_loc, context_lens)``,
+                               made once per step by the plan (None: the kernels make it)
 
 Dimensions come from shapes: ``L = weight.shape[1]``, ``R = kv_cache.shape[2] - L``,
 ``P = q.shape[2] - R``, ``V = weight.shape[0] // N - P``.
@@ -85,9 +85,9 @@ def _absorbed(latent_attention, q, kv_cache, block_table, query_start_loc, conte
 
 def absorbed_reference(
     q, kv_cache, block_table, query_start_loc, context_lens, kv_b_proj_weight, softmax_scale, k_scale, out, lse,
-    max_absorbed_tokens=-1, routed_token_loc=None,
+    absorbed_rows=-1, absorbed_token_loc=None,
 ) -> None:
-    del max_absorbed_tokens, routed_token_loc  # the torch implementations pack nothing
+    del absorbed_rows, absorbed_token_loc  # the torch implementations pack nothing
     _absorbed(latent_attention_reference, q, kv_cache, block_table, query_start_loc, context_lens,
               kv_b_proj_weight, softmax_scale, k_scale, out, lse)
 
@@ -104,17 +104,17 @@ def _absorbed_context_attention(
     k_scale: torch.Tensor | None,
     out: torch.Tensor,
     lse: torch.Tensor,
-    max_absorbed_tokens: int = -1,
-    routed_token_loc: torch.Tensor | None = None,
+    absorbed_rows: int = -1,
+    absorbed_token_loc: torch.Tensor | None = None,
 ) -> None:
-    del max_absorbed_tokens, routed_token_loc  # the CPU engine packs nothing
+    del absorbed_rows, absorbed_token_loc  # the CPU engine packs nothing
     _absorbed(cpu_attention.latent_context_attention, q, kv_cache, block_table, query_start_loc, context_lens,
               kv_b_proj_weight, softmax_scale, k_scale, out, lse)
 
 
 @_absorbed_context_attention.register_fake
 def _(q, kv_cache, block_table, query_start_loc, context_lens, kv_b_proj_weight, softmax_scale, k_scale, out, lse,
-      max_absorbed_tokens=-1, routed_token_loc=None):
+      absorbed_rows=-1, absorbed_token_loc=None):
     return None
 
 

@@ -149,10 +149,10 @@ def _lse_to_tokens_first(lse: torch.Tensor, token_slots: torch.Tensor) -> torch.
 
 def absorbed_context_attention(
     q, kv_cache, block_table, query_start_loc, context_lens, kv_b_proj_weight, softmax_scale, k_scale, out, lse,
-    max_absorbed_tokens=-1, routed_token_loc=None, *, max_query_len: int | None = None, metadata=None,
+    absorbed_rows=-1, absorbed_token_loc=None, *, max_query_len: int | None = None, metadata=None,
 ) -> None:
     """The absorbed context partial on FlashMLA (module docstring); ``k_scale`` is unused (no fp8),
-    and so are ``max_absorbed_tokens`` and ``routed_token_loc`` (FlashMLA's buffers are padded per
+    and so are ``absorbed_rows`` and ``absorbed_token_loc`` (FlashMLA's buffers are padded per
     request, see below).
 
     ``max_query_len``: static bound of the query length of requests with context (default T).

@@ -7,7 +7,7 @@ k_scale          [1] float32 or None (float8_e4m3fn caches: dequantized = stored
 -> out           [T, N, V]   lse [N, T] float32, natural log; rows of requests without context
                              are left untouched (out=)
 
-max_absorbed_tokens  int: rows of the packed scratch (q_lat, o_lat), at least the routed tokens (-1: T)
+absorbed_rows    int: rows of the packed scratch (q_lat, o_lat), at least the routed tokens (-1: T)
 
 Oracle: ``absorbed_reference`` in ``mla_ops/ops/absorbed.py``. Only the tokens of requests with
 context ("routed" here) are touched. They are packed in request order at the device-computed
@@ -47,8 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _mla
 from .._mla import MLADims, split_kv_b_proj
-from .._mla import absorbed_token_loc
 from ._common import (
     LN2, LOG2E, device_guard, dot_dtype, dot_precision, e4m3fn_to_float32, find_request, online_softmax_step,
     persistent_grid, persistent_programs,
@@ -350,7 +350,7 @@ def latent_attention(q_lat, q_pe, kv_cache, block_table, query_start_loc, contex
 
 def absorbed_context_attention(
     q, kv_cache, block_table, query_start_loc, context_lens, kv_b_proj_weight, softmax_scale, k_scale, out, lse,
-    max_absorbed_tokens=-1, routed_token_loc=None,
+    absorbed_rows=-1, absorbed_token_loc=None,
 ) -> None:
     """Same contract as ``torch.ops.mla_ops.absorbed_context_attention`` (module docstring)."""
     num_tokens = q.shape[0]
@@ -360,12 +360,12 @@ def absorbed_context_attention(
         dot_dtype(q.dtype, interpreted, "absorbed")  # a TypeError before any work
         if num_tokens == 0 or num_heads == 0 or num_requests == 0 or kv_cache.numel() == 0:
             return  # nothing to attend: every row stays untouched
-        rows = num_tokens if max_absorbed_tokens < 0 else min(max_absorbed_tokens, num_tokens)
+        rows = num_tokens if absorbed_rows < 0 else min(absorbed_rows, num_tokens)
         q_lat, o_lat = q.new_empty(2, rows, num_heads, latent).unbind(0)  # the routed tokens' rows, packed
         w_uk, w_uv = split_kv_b_proj(kv_b_proj_weight, num_heads, nope)  # [N, P, L], [N, V, L]
-        loc = routed_token_loc  # [B+1] packed offsets, on the device: the plan's, or made here
+        loc = absorbed_token_loc  # [B+1] packed offsets, on the device: the plan's, or made here
         if loc is None:
-            loc = absorbed_token_loc(query_start_loc, context_lens)
+            loc = _mla.absorbed_token_loc(query_start_loc, context_lens)
         rows_gemm(q, w_uk.transpose(1, 2), q_lat, loc, query_start_loc, map_a=True)  # fold: q_nope @ W_UK
         latent_attention(q_lat, q[..., nope:], kv_cache, block_table, query_start_loc, context_lens,
                          softmax_scale, k_scale, o_lat, lse, latent_loc=loc)

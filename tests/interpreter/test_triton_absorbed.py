@@ -31,13 +31,13 @@ TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}  # bf16: 
 CONTEXTS, QUERIES = [5, 0, 19, 3, 40, 1], [1, 3, 17, 0, 2, 1]
 
 
-def check(batch, dtype, value_dim=SMALL["V"], strided_outputs=False, max_absorbed_tokens=-1):
+def check(batch, dtype, value_dim=SMALL["V"], strided_outputs=False, absorbed_rows=-1):
     got, got_lse = batch.sentinels(value_dim, dtype=dtype)
     if strided_outputs:  # out a head slice of a wider buffer, lse a token slice of one
         got = torch.cat([got, got], dim=1)[:, 1::2]
         got_lse = torch.cat([got_lse, got_lse], dim=1)[:, got_lse.shape[1] :]
     want, want_lse = batch.sentinels(value_dim, dtype=torch.float32)
-    absorbed_context_attention(*batch.absorbed_args(), got, got_lse, max_absorbed_tokens)
+    absorbed_context_attention(*batch.absorbed_args(), got, got_lse, absorbed_rows)
     absorbed_reference(*batch.absorbed_args(), want, want_lse)
     written = written_rows(batch)
     assert torch.isnan(got[~written]).all() and torch.isnan(got_lse[:, ~written]).all(), "zero-context rows touched"
@@ -56,9 +56,9 @@ def test_packed_routed_tokens_with_strided_programs(num_programs, monkeypatch):
     batch = context_batch(CONTEXTS, QUERIES, block_size=4, dtype=torch.float32, seed=4, **SMALL)
     routed = int(written_rows(batch).sum())
     monkeypatch.setattr(_common, "PROGRAMS_OVERRIDE", num_programs)
-    got = check(batch, torch.float32, max_absorbed_tokens=routed)
+    got = check(batch, torch.float32, absorbed_rows=routed)
     monkeypatch.setattr(_common, "PROGRAMS_OVERRIDE", 10_000)
-    one_per_tile = check(batch, torch.float32, max_absorbed_tokens=routed)
+    one_per_tile = check(batch, torch.float32, absorbed_rows=routed)
     for a, b in zip(got, one_per_tile):
         torch.testing.assert_close(a, b, atol=0.0, rtol=0.0, equal_nan=True)
 

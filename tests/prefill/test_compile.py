@@ -193,7 +193,7 @@ def forward(self, arg0_1: "Sym(s85)", arg1_1: "f32[s85, 2, 10]", arg2_1: "Sym(s3
     getitem_8: "f32[2, s85]" = auto_functionalized_v2[2];  auto_functionalized_v2 = None
     zeros_like_1: "f32[s85, 2, 5]" = torch.ops.aten.zeros_like.default(getitem_7, pin_memory = False)
     full_like: "f32[2, s85]" = torch.ops.aten.full_like.default(getitem_8, -inf, pin_memory = False)
-    auto_functionalized_v2_1 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.mla_ops.absorbed_context_attention.default, q = arg1_1, kv_cache = arg6_1, block_table = arg3_1, query_start_loc = arg4_1, context_lens = where_1, kv_b_proj_weight = arg11_1, softmax_scale = 0.25, k_scale = None, max_absorbed_tokens = 4, routed_token_loc = cat, _out_base_index = 0, _lse_base_index = 1, _all_bases = [zeros_like_1, full_like]);  where_1 = cat = zeros_like_1 = full_like = None
+    auto_functionalized_v2_1 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.mla_ops.absorbed_context_attention.default, q = arg1_1, kv_cache = arg6_1, block_table = arg3_1, query_start_loc = arg4_1, context_lens = where_1, kv_b_proj_weight = arg11_1, softmax_scale = 0.25, k_scale = None, absorbed_rows = 4, absorbed_token_loc = cat, _out_base_index = 0, _lse_base_index = 1, _all_bases = [zeros_like_1, full_like]);  where_1 = cat = zeros_like_1 = full_like = None
     getitem_10: "f32[s85, 2, 5]" = auto_functionalized_v2_1[1]
     getitem_11: "f32[2, s85]" = auto_functionalized_v2_1[2];  auto_functionalized_v2_1 = None
     new_empty_2: "f32[16, 16]" = torch.ops.aten.new_empty.default(arg1_1, [16, 16], pin_memory = False)

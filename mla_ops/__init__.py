@@ -20,7 +20,7 @@ from .planning.options import PlanOptions  # noqa: E402
 from .planning.plan import PrefillPlan  # noqa: E402
 from .planning.routing import route_context  # noqa: E402
 from .planning.schedule import ContextChunk, ContextSchedule, plan_context_chunks  # noqa: E402
-from .prefill import mla_prefill, plan_prefill, run_prefill  # noqa: E402
+from .prefill import PrefillStep, begin_step, mla_prefill, plan_prefill, run_prefill  # noqa: E402
 from .serving import Generator, PrefillGraphs, generate  # noqa: E402
 
 
@@ -39,6 +39,7 @@ def enable() -> dict:
 
 
 __all__ = [
+    "begin_step",
     "enable",
     "ContextChunk",
     "ContextParallel",
@@ -59,6 +60,7 @@ __all__ = [
     "PlanOptions",
     "PrefillGraphs",
     "PrefillPlan",
+    "PrefillStep",
     "route_context",
     "run_prefill",
     "set_debug",

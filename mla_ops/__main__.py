@@ -4,7 +4,7 @@ argparse's conventions: help on stdout with status 0; a usage error on stderr wi
 
 import sys
 
-COMMANDS = {"demo": "mla_ops.demo", "generate": "mla_ops.serving.generation"}
+COMMANDS = {"demo": "mla_ops.demo", "generate": "mla_ops.serving.cli"}
 USAGE = "usage: python -m mla_ops {demo,generate} [options]   (python -m mla_ops generate --help)"
 
 

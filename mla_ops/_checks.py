@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+FLOAT_DTYPE_NAMES = tuple(str(d).removeprefix("torch.") for d in FLOAT_DTYPES)
 
 _debug = os.environ.get("MLA_OPS_DEBUG") == "1"
 
@@ -44,20 +45,106 @@ def values_readable(*tensors: torch.Tensor) -> bool:
                                                      for t in tensors)
 
 
-def check_positive_int(value, name: str) -> int:
+def _got(value) -> str:
+    """What arrived, for a message: the type, and the value where it is a short scalar."""
+    name = type(value).__name__
+    if isinstance(value, (str, numbers.Number)) and len(repr(value)) <= 40:
+        return f"{name} {value!r}"
+    return name
+
+
+def check_int(value, name: str, least: int | None = None, *, optional: bool = False, meaning: str = "") -> int | None:
+    """``value`` as an int (numpy ints too; a bool, float or str is a TypeError naming ``name``),
+    at least ``least``; None passes where ``optional``. ``meaning`` follows the type in messages."""
+    if value is None and optional:
+        return None
+    either = " or None" if optional else ""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value}")
-    return int(value)
+        raise TypeError(f"{name} must be an int{meaning}{either}, got {_got(value)}")
+    value = int(value)
+    if least is not None and value < least:
+        bound = "a positive int" if least == 1 else f"an int >= {least}"
+        raise ValueError(f"{name} must be {bound}{meaning}{either}, got {value}")
+    return value
+
+
+def check_positive_int(value, name: str) -> int:
+    return check_int(value, name, 1)
 
 
 def check_nonnegative_int(value, name: str, meaning: str = "") -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int{meaning}, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name} must be an int >= 0{meaning}, got {value}")
-    return int(value)
+    return check_int(value, name, 0, meaning=meaning)
+
+
+def check_real(value, name: str, positive: bool | None = True, *, optional: bool = False) -> float | None:
+    """``value`` as a finite float (ints too; a bool or str is a TypeError naming ``name``);
+    positive: True for > 0, False for >= 0, None for any sign; None passes where ``optional``."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number{' or None' if optional else ''}, got {_got(value)}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if positive and value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    if positive is False and value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+def check_bool(value, name: str) -> bool:
+    """True or False only: a "false" string or a 0 would otherwise pass as a truth value."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {_got(value)}")
+    return value
+
+
+def check_str(value, name: str, choices: tuple[str, ...] | None = None) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a string, got {_got(value)}")
+    if choices is not None and value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
+def model_dtype(value, name: str = "dtype") -> torch.dtype | None:
+    """A model dtype (``torch.bfloat16``, ``"bfloat16"``, ``"torch.bfloat16"``) as a torch.dtype; None stays
+    None. Only ``FLOAT_DTYPES``: anything else is an error naming ``name``."""
+    if value is None:
+        return None
+    if isinstance(value, torch.dtype):
+        dtype = value
+    elif isinstance(value, str):
+        dtype = getattr(torch, value.removeprefix("torch."), None)
+    else:
+        raise TypeError(f"{name} must be a torch.dtype or its name (one of {FLOAT_DTYPE_NAMES}), got {_got(value)}")
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name} must be one of {FLOAT_DTYPE_NAMES}, got {value!r}")
+    return dtype
+
+
+def check_device(device, name: str = "device") -> torch.device:
+    """``device`` (a torch.device or its name) as a torch.device this machine has and can compute on;
+    a ValueError naming ``name`` otherwise (an unknown name, meta, a CUDA index past the devices)."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"unknown {name} {str(device)!r} (e.g. cpu, cuda, cuda:1)") from None
+    if resolved.type == "meta":
+        raise ValueError(f"{name} 'meta': meta tensors hold no values: choose a device that computes (cpu, cuda)")
+    if resolved.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"{name} {str(device)!r}: CUDA is not available here")
+        if resolved.index is not None and resolved.index >= count:
+            raise ValueError(f"{name} {str(device)!r}: there are {count} CUDA devices (0..{count - 1})")
+    elif resolved.type != "cpu":
+        try:
+            torch.empty(0, device=resolved)  # allocates nothing; fails here for a device this machine lacks
+        except Exception as e:  # noqa: BLE001  (each backend fails its own way)
+            raise ValueError(f"{name} {str(device)!r} is not available here: {' '.join(str(e).split())}") from None
+    return resolved
 
 
 def check_softmax_scale(softmax_scale) -> float:

@@ -69,7 +69,7 @@ def token_requests(query_start_loc: torch.Tensor, num_tokens: int):
     return request, position, tokens < query_start_loc[-1]
 
 
-def routed_token_loc(query_start_loc: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+def absorbed_token_loc(query_start_loc: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
     """[B+1] int32: request r's tokens at rows ``loc[r] .. loc[r+1]`` of a buffer that packs the
     tokens of the requests with context only (device code, no host read)."""
     lens = torch.where(context_lens > 0, query_start_loc[1:] - query_start_loc[:-1], 0)

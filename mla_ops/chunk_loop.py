@@ -49,11 +49,11 @@ class Step(NamedTuple):
 
     def absorbed(self, context_out, context_lse) -> None:
         """The absorbed requests' context partials, written into their rows only; the kernels pack
-        the routed tokens into ``plan.max_absorbed_tokens`` rows of scratch."""
+        the routed tokens into ``plan.absorbed_rows`` rows of scratch."""
         p = self.plan
         self.kernels.absorbed_context_attention(
             self.q, self.kv_cache, p.block_table, p.query_start_loc, p.absorbed_context_lens, self.weight,
-            self.softmax_scale, self.k_scale, context_out, context_lse, p.max_absorbed_tokens, p.absorbed_token_loc,
+            self.softmax_scale, self.k_scale, context_out, context_lse, p.absorbed_rows, p.absorbed_token_loc,
         )
 
 
@@ -87,16 +87,20 @@ def truncated_tokens(plan: PrefillPlan, num_tokens: int) -> torch.Tensor | None:
     return plan.truncated.index_select(0, request.clamp(0, max(plan.num_requests - 1, 0)))
 
 
-def mark_truncated(out: torch.Tensor, truncated: torch.Tensor | None) -> torch.Tensor:
+def mark_truncated(out: torch.Tensor, lse: torch.Tensor, truncated: torch.Tensor | None):
     """Requests whose chunked context runs past the device plan's capacity were not fully attended:
-    their tokens (``truncated_tokens``) become NaN, never silently wrong."""
+    their tokens (``truncated_tokens``) become NaN in ``out`` [T, N, V] and ``lse`` [N, T], never
+    silently wrong."""
     if truncated is None:
-        return out
-    return torch.where(truncated.view(-1, 1, 1), torch.full_like(out, float("nan")), out)
+        return out, lse
+    nan = float("nan")
+    return (torch.where(truncated.view(-1, 1, 1), torch.full_like(out, nan), out),
+            torch.where(truncated.view(1, -1), torch.full_like(lse, nan), lse))
 
 
-def device_context(step: Step, suffix_out: torch.Tensor, suffix_lse: torch.Tensor) -> torch.Tensor:
-    """K static chunk steps over the device plan; no host read of a device value."""
+def device_context(step: Step, suffix_out: torch.Tensor, suffix_lse: torch.Tensor):
+    """K static chunk steps over the device plan, merged with the suffix: ``(out, lse)``; no host read of
+    a device value."""
     dims, q, plan = step.dims, step.q, step.plan
     context_out, context_lse = empty_partial(suffix_out, suffix_lse)
     if plan.absorbed_context_lens is not None:  # first: its scratch is freed before the chunk buffers exist
@@ -111,12 +115,12 @@ def device_context(step: Step, suffix_out: torch.Tensor, suffix_lse: torch.Tenso
 
     attend_chunks(step, schedule.max_chunks, gathered, schedule.cu_seq_lens, schedule.starts, kv, context_out,
                   context_lse)
-    out, _ = step.kernels.merge_attn_states(context_out, context_lse, suffix_out, suffix_lse)
-    return mark_truncated(out, step.truncated_tokens)
+    out, lse = step.kernels.merge_attn_states(context_out, context_lse, suffix_out, suffix_lse)
+    return mark_truncated(out, lse, step.truncated_tokens)
 
 
-def host_context(step: Step, suffix_out: torch.Tensor, suffix_lse: torch.Tensor) -> torch.Tensor:
-    """The host schedule's chunks, each over its own requests only."""
+def host_context(step: Step, suffix_out: torch.Tensor, suffix_lse: torch.Tensor):
+    """The host schedule's chunks, each over its own requests only, merged with the suffix: ``(out, lse)``."""
     kernels, dims, q, plan = step.kernels, step.dims, step.q, step.plan
     schedule, num_tokens = plan.schedule, q.shape[0]
     if plan.absorbed_context_lens is not None:  # any token may get an absorbed partial
@@ -124,7 +128,7 @@ def host_context(step: Step, suffix_out: torch.Tensor, suffix_lse: torch.Tensor)
         context_out, context_lse = empty_partial(suffix_out, suffix_lse)
         step.absorbed(context_out, context_lse)
     elif schedule.num_chunks == 0:
-        return suffix_out
+        return suffix_out, suffix_lse
     else:  # the context partial of every token up to the last request with context
         covered = schedule.prefill_tokens_with_context
         context_out = suffix_out.new_empty(covered, *suffix_out.shape[1:])
@@ -149,9 +153,11 @@ def host_context(step: Step, suffix_out: torch.Tensor, suffix_lse: torch.Tensor)
             context_out.narrow(0, chunk.token_start, tokens), context_lse.narrow(1, chunk.token_start, tokens),
         )
 
-    merged, _ = kernels.merge_attn_states(
+    merged, merged_lse = kernels.merge_attn_states(
         context_out, context_lse, suffix_out.narrow(0, 0, covered), suffix_lse.narrow(1, 0, covered)
     )
     if covered == num_tokens:
-        return merged
-    return torch.cat([merged, suffix_out.narrow(0, covered, num_tokens - covered)])
+        return merged, merged_lse
+    rest = num_tokens - covered  # tokens after the last request with context: the suffix alone
+    return (torch.cat([merged, suffix_out.narrow(0, covered, rest)]),
+            torch.cat([merged_lse, suffix_lse.narrow(1, covered, rest)], dim=1))

@@ -11,11 +11,17 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 
 import torch
 
 import mla_ops
+
+from .ops import backends
+from .serving.cli import one_line
+
+PROG = "python -m mla_ops demo"
 
 # DeepSeek-V2-Lite: 16 heads, kv_lora_rank 512, qk_nope 128, qk_rope 64, v_head 128.
 HEADS, LATENT, NOPE, ROPE, VALUE = 16, 512, 128, 64, 128
@@ -176,13 +182,26 @@ def compiled_demo(max_chunks: int = 4, workspace_size: int = 32, block_size: int
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m mla_ops demo", description=__doc__)
+    """argparse's conventions, as ``python -m mla_ops generate``'s: a usage error (a backend this machine
+    lacks included) exits 2, an error while running exits 1, each with one line on stderr."""
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__)
     parser.add_argument("--full", action="store_true",
                         help="the PR's full size: 32 x 513 new tokens, contexts 60,000 + 31 x 16, workspace 65,536")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float64"), default="float32")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", default="torch", choices=("auto", "torch", "triton"))
+    parser.add_argument("--debug", action="store_true", help="on an error, raise it with its full traceback")
     args = parser.parse_args(argv)
+    try:
+        backends.select(args.backend, torch.device("cpu"))  # the demo's tensors are on the CPU
+    except ValueError as e:
+        parser.error(f"argument --backend: {e}")
     torch.set_grad_enabled(False)
-    run(full=args.full, dtype=getattr(torch, args.dtype), seed=args.seed, backend=args.backend)
-    compiled_demo()
+    try:
+        run(full=args.full, dtype=getattr(torch, args.dtype), seed=args.seed, backend=args.backend)
+        compiled_demo()
+    except Exception as e:
+        if args.debug:
+            raise
+        print(f"{PROG}: error: {one_line(e)} (--debug shows the traceback)", file=sys.stderr)
+        raise SystemExit(1) from None

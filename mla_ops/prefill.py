@@ -1,16 +1,24 @@
-"""``run_prefill`` / ``mla_prefill``: MLA prefill attention with a chunked, paged latent context.
+"""``plan_prefill`` / ``begin_step`` / ``run_prefill``: MLA prefill attention with a chunked, paged
+latent context.
 
 q                 [T, N, P+R]   rotated queries of the new tokens
 kv_c              [T, L]        latent rows of the new tokens      k_pe [T, R] (rotated)
 kv_cache          [num_blocks, block_size, L+R]   every request's context rows
 kv_b_proj_weight  [N*(P+V), L]
 plan              PrefillPlan   (``plan_prefill``: lengths, block table, schedule, routing)
--> out            [T, N, V]
+-> out            [T, N, V]     (and ``lse`` [N, T] with ``return_lse=True``)
 
-The face of the library: ``plan_prefill`` checks the step's inputs and options once and dispatches
-to the single-device planners (``planning/``) or context parallel's (``parallel/``);
-``run_prefill`` checks a layer's tensors against the plan, selects the kernels and runs the causal
-suffix attention, the context partial (``chunk_loop``, or ``parallel.run``) and their merge.
+The face of the library, in three calls per step:
+
+* ``plan_prefill`` checks the step's lengths and options and plans them once (the single-device
+  planners of ``planning/`` or context parallel's, ``parallel/``);
+* ``begin_step`` checks the plan against the caches, the slot mapping and ``k_scale`` and selects
+  the kernels, once: a ``PrefillStep``, shared by every layer;
+* ``PrefillStep.run`` is one layer's call: it checks only that layer's tensors, writes its new rows
+  into its cache (when the step has a slot mapping) and runs the causal suffix attention, the
+  context partial (``chunk_loop``, or ``parallel.run``) and their merge.
+
+``run_prefill`` is the three for one layer with a plan made beforehand; ``mla_prefill`` all of it.
 """
 
 from __future__ import annotations
@@ -24,10 +32,11 @@ from ._mla import MLADims
 from .chunk_loop import Step, device_context, host_context, truncated_tokens
 from .ops import backends
 from .ops.backends import BACKENDS
+from .ops.cache import CACHE_DTYPES, check_slot_mapping, write_checked
 from .parallel.plan import plan_context_parallel
 from .parallel.run import run_context_parallel
 from .planning import plan as planning
-from .planning.options import PlanOptions, plan_options
+from .planning.options import PlanOptions, options_from
 from .planning.plan import PrefillPlan
 
 if TYPE_CHECKING:
@@ -47,16 +56,19 @@ def plan_prefill(
     *,
     max_absorbed_tokens: int | None = None,
     context_parallel: ContextParallel | None = None,
+    options: PlanOptions | None = None,
 ) -> PrefillPlan:
     """Plan a prefill step once for all layers: the chunk schedule, the routing, the checked lengths.
 
-    query_start_loc [B+1] int32, context_lens [B] int32, block_table [>= B, max_blocks] int32 (its
-    device is the plan's). ``max_chunks=K`` gives the device form (packed, ``split_alignment=1``),
-    planned with tensor code and no host read: the form for ``torch.compile`` and CUDA graphs.
-    ``absorb_max_query_len``: requests with at most this many new tokens (and some context) take the
-    absorbed path; None is ``routing.DEFAULT_ABSORB_MAX_QUERY_LEN``, 0 disables the path.
-    ``max_absorbed_tokens``: the most new tokens the absorbed path takes in one step; the first routed
-    requests that fit take it, the rest stay on the chunked path (exact either way). Its packed
+    query_start_loc [B+1] int32, context_lens [B] int32 (context tokens only: vLLM's ``seq_lens``
+    minus the query lengths), block_table [>= B, max_blocks] int32 (its device is the plan's).
+    ``options``: a ``mla_ops.PlanOptions`` holding every planning option; or pass them as the loose
+    keywords, which build one (not both). ``max_chunks=K`` gives the device form (packed,
+    ``split_alignment=1``), planned with tensor code and no host read: the form for ``torch.compile``
+    and CUDA graphs. ``absorb_max_query_len``: requests with at most this many new tokens (and some
+    context) take the absorbed path; None is ``routing.DEFAULT_ABSORB_MAX_QUERY_LEN``, 0 disables the
+    path. ``max_absorbed_tokens``: the most new tokens the absorbed path takes in one step; the first
+    routed requests that fit take it, the rest stay on the chunked path (exact either way). Its packed
     scratch has this many rows in the device form, where it is static; None: no cap on the host,
     ``workspace_size // 4`` on the device (at DeepSeek's dims its scratch, 2 x N x L per token, is then
     the size of the chunk loop's up-projected workspace, N x (P+V) per row, allocated after it is freed).
@@ -69,8 +81,9 @@ def plan_prefill(
     wherever they are readable for free (CPU tensors, not traced). Raises before anything runs.
     """
     planning.check_inputs(query_start_loc, context_lens, block_table)
-    options = plan_options(block_size, workspace_size, policy, split_alignment, max_chunks, absorb_max_query_len,
-                          max_absorbed_tokens)
+    options = options_from(options, block_size=block_size, workspace_size=workspace_size, policy=policy,
+                           split_alignment=split_alignment, max_chunks=max_chunks,
+                           absorb_max_query_len=absorb_max_query_len, max_absorbed_tokens=max_absorbed_tokens)
     return plan_with_options(query_start_loc, context_lens, block_table, options, context_parallel)
 
 
@@ -92,68 +105,151 @@ def plan_with_options(query_start_loc, context_lens, block_table, options: PlanO
     return planning.plan_host(query_start_loc, context_lens, block_table, options)
 
 
-def check_run(q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, plan, k_scale, backend, out) -> MLADims:
-    """Every check of a ``run_prefill`` call (shapes, dtypes, devices, the plan's fit); the dims."""
-    checks.check_tensor(q, "q", 3, "[T, N, P+R]")
-    device = q.device
-    if q.dtype not in checks.FLOAT_DTYPES:
-        raise TypeError(f"q must be float16, bfloat16, float32 or float64, got {q.dtype}")
-    checks.check_tensor(kv_c, "kv_c", 2, "[T, L]", device, "q", dtype=q.dtype)
-    checks.check_tensor(k_pe, "k_pe", 2, "[T, R]", device, "q", dtype=q.dtype)
-    checks.check_tensor(kv_cache, "kv_cache", 3, "[num_blocks, block_size, L+R]", device, "q")
-    checks.check_tensor(kv_b_proj_weight, "kv_b_proj_weight", 2, "[N*(P+V), L]", device, "q", dtype=q.dtype)
-    if kv_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
-        raise TypeError(f"kv_cache must have the dtype of q ({q.dtype}) or float8_e4m3fn, got {kv_cache.dtype}")
+class PrefillStep:
+    """A step's attention set up once for every layer (``begin_step``): the plan checked against the
+    caches, the slot mapping and the scale, the kernels selected (and any per-step kernel metadata,
+    FlashMLA's), the truncated-token map made. ``run`` is one layer's call."""
 
-    num_tokens, num_heads, qk_dim = q.shape
-    rope_dim, latent_dim = k_pe.shape[1], kv_c.shape[1]
-    nope_dim = qk_dim - rope_dim
-    if nope_dim < 0:
-        raise ValueError(f"k_pe width R={rope_dim} exceeds the q head dim P+R={qk_dim}")
-    if kv_c.shape[0] != num_tokens or k_pe.shape[0] != num_tokens:
-        raise ValueError(
-            f"q, kv_c and k_pe must have one row per new token: q has {num_tokens}, kv_c "
-            f"{kv_c.shape[0]}, k_pe {k_pe.shape[0]}"
-        )
-    if kv_cache.shape[2] != latent_dim + rope_dim:
-        raise ValueError(
-            f"kv_cache rows must be L+R = {latent_dim}+{rope_dim} = {latent_dim + rope_dim} wide "
-            f"(kv_c and k_pe widths), got {kv_cache.shape[2]}"
-        )
-    rows, cols = kv_b_proj_weight.shape
-    if cols != latent_dim or rows % num_heads or rows // num_heads <= nope_dim:
-        raise ValueError(
-            f"kv_b_proj_weight must be [N*(P+V), L] with N={num_heads}, P={nope_dim}, L={latent_dim}, "
-            f"V >= 1, got {list(kv_b_proj_weight.shape)}"
-        )
-    dims = MLADims(num_heads, latent_dim, nope_dim, rope_dim, rows // num_heads - nope_dim)
-    checks.check_softmax_scale(softmax_scale)
-    checks.check_choice(backend, "backend", BACKENDS)
-    checks.check_k_scale(k_scale, kv_cache, device)
+    def __init__(self, plan: PrefillPlan, kernels: backends.Kernels, cache: torch.Tensor,
+                 slot_mapping: torch.Tensor | None, k_scale: torch.Tensor | None):
+        self.plan, self.kernels, self.slot_mapping, self.k_scale = plan, kernels, slot_mapping, k_scale
+        self.cache_blocks = tuple(cache.shape[-3:-1])  # (num_blocks, block_size) every layer's cache has
+        self.cache_dtype = cache.dtype
+        self.num_heads: int | None = None  # set by the first layer: FlashMLA's metadata is per head count
+        self._truncated: tuple[torch.Tensor | None] | None = None  # made by the first layer
 
+    def truncated_tokens(self, num_tokens: int) -> torch.Tensor | None:
+        """``chunk_loop.truncated_tokens`` of the plan, made once for the step's T (every layer's)."""
+        if self._truncated is None:
+            self._truncated = (truncated_tokens(self.plan, num_tokens),)
+        return self._truncated[0]
+
+    def run(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+            kv_b_proj_weight: torch.Tensor, softmax_scale: float, *, out: torch.Tensor | None = None,
+            return_lse: bool = False):
+        """One layer: its new rows written into ``kv_cache`` at the step's slots (when ``begin_step``
+        had a ``slot_mapping``; nothing otherwise), then ``run_prefill``'s attention. Checks only this
+        layer's tensors, all before anything is written. Returns ``out`` [T, N, V], or ``(out, lse)``
+        with ``return_lse=True`` (``lse`` [N, T], float32 or float64 for float64 q, natural log)."""
+        dims = self._check_layer(q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, out, return_lse)
+        if self.slot_mapping is not None:
+            write_checked(kv_c, k_pe, self.slot_mapping, kv_cache, self.k_scale)
+        step = Step(self.kernels, dims, q, kv_cache, kv_b_proj_weight, float(softmax_scale), self.k_scale, self.plan,
+                    self.truncated_tokens(q.shape[0]))
+        suffix_out, suffix_lse = step.suffix(kv_c, k_pe)
+        if self.plan.context_parallel is not None:  # a sharded cache
+            result, lse = run_context_parallel(step, suffix_out, suffix_lse)
+        elif self.plan.max_chunks is not None:
+            result, lse = device_context(step, suffix_out, suffix_lse)
+        else:
+            result, lse = host_context(step, suffix_out, suffix_lse)
+        if out is not None:
+            result = out.copy_(result)
+        return (result, lse) if return_lse else result
+
+    def _check_layer(self, q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, out, return_lse) -> MLADims:
+        """Shapes, dtypes and devices of one layer's tensors, against each other and the step."""
+        device = self.plan.device
+        checks.check_tensor(q, "q", 3, "[T, N, P+R]", device, "plan")
+        if q.dtype not in checks.FLOAT_DTYPES:
+            raise TypeError(f"q must be float16, bfloat16, float32 or float64, got {q.dtype}")
+        checks.check_tensor(kv_c, "kv_c", 2, "[T, L]", device, "q", dtype=q.dtype)
+        checks.check_tensor(k_pe, "k_pe", 2, "[T, R]", device, "q", dtype=q.dtype)
+        checks.check_tensor(kv_cache, "kv_cache", 3, "[num_blocks, block_size, L+R]", device, "q")
+        checks.check_tensor(kv_b_proj_weight, "kv_b_proj_weight", 2, "[N*(P+V), L]", device, "q", dtype=q.dtype)
+        if kv_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
+            raise TypeError(f"kv_cache must have the dtype of q ({q.dtype}) or float8_e4m3fn, got {kv_cache.dtype}")
+        if kv_cache.dtype != self.cache_dtype or tuple(kv_cache.shape[:2]) != self.cache_blocks:
+            raise ValueError(
+                f"kv_cache ({tuple(kv_cache.shape)} {kv_cache.dtype}) is not shaped like the cache the step began "
+                f"with ({self.cache_blocks} blocks of {self.cache_dtype}): pass that cache (or one layer of it)")
+        num_tokens, num_heads, qk_dim = q.shape
+        rope_dim, latent_dim = k_pe.shape[1], kv_c.shape[1]
+        nope_dim = qk_dim - rope_dim
+        if nope_dim < 0:
+            raise ValueError(f"k_pe width R={rope_dim} exceeds the q head dim P+R={qk_dim}")
+        if kv_c.shape[0] != num_tokens or k_pe.shape[0] != num_tokens:
+            raise ValueError(
+                f"q, kv_c and k_pe must have one row per new token: q has {num_tokens}, kv_c "
+                f"{kv_c.shape[0]}, k_pe {k_pe.shape[0]}"
+            )
+        if kv_cache.shape[2] != latent_dim + rope_dim:
+            raise ValueError(
+                f"kv_cache rows must be L+R = {latent_dim}+{rope_dim} = {latent_dim + rope_dim} wide "
+                f"(kv_c and k_pe widths), got {kv_cache.shape[2]}"
+            )
+        rows, cols = kv_b_proj_weight.shape
+        if cols != latent_dim or rows % num_heads or rows // num_heads <= nope_dim:
+            raise ValueError(
+                f"kv_b_proj_weight must be [N*(P+V), L] with N={num_heads}, P={nope_dim}, L={latent_dim}, "
+                f"V >= 1, got {list(kv_b_proj_weight.shape)}"
+            )
+        dims = MLADims(num_heads, latent_dim, nope_dim, rope_dim, rows // num_heads - nope_dim)
+        checks.check_softmax_scale(softmax_scale)
+        if not isinstance(return_lse, bool):
+            raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+        plan_tokens = self.plan.num_tokens
+        if plan_tokens is not None and plan_tokens != num_tokens:
+            raise ValueError(f"plan was made for T={plan_tokens} tokens (its query_start_loc[-1]), but q has {num_tokens}")
+        if self.slot_mapping is not None and self.slot_mapping.shape[0] != num_tokens:
+            raise ValueError(f"slot_mapping has {self.slot_mapping.shape[0]} entries, but q has {num_tokens} tokens")
+        if self.num_heads is None:
+            self.num_heads = num_heads
+        elif self.num_heads != num_heads:
+            raise ValueError(f"q has {num_heads} heads, but the step's first layer had {self.num_heads}: one step "
+                             "serves layers of one head count")
+        if out is not None:
+            checks.check_tensor(out, "out", 3, "[T, N, V]", device, "q", dtype=q.dtype)
+            if tuple(out.shape) != (num_tokens, num_heads, dims.value):
+                raise ValueError(f"out must be [T, N, V] = {[num_tokens, num_heads, dims.value]}, got {list(out.shape)}")
+        return dims
+
+
+def begin_step(plan: PrefillPlan, kv_cache: torch.Tensor, slot_mapping: torch.Tensor | None = None, *,
+               k_scale: float | torch.Tensor | None = None, backend: str = "auto") -> PrefillStep:
+    """Set up a step's attention once for every layer: a ``PrefillStep`` whose ``run`` each layer calls.
+
+    ``kv_cache``: one layer's cache ``[num_blocks, block_size, L+R]`` or every layer's stacked
+    ``[layers, num_blocks, block_size, L+R]`` (the layers' caches share its geometry and dtype).
+    ``slot_mapping`` [T] int64/int32: where each new token's latent row goes (block * block_size +
+    offset; negative: padding, not written); None: the layers write nothing (the caller wrote the
+    rows, or the new tokens are not to be cached). ``k_scale``: a float8_e4m3fn cache's scale
+    (dequantized = stored * k_scale), ignored for other cache dtypes. ``backend``: see
+    ``run_prefill``. Checks, once: the plan's fit with the cache (block size, the block ids the
+    contexts use, where readable), the slots (by value where readable), the scale and the backend.
+    """
     if not isinstance(plan, PrefillPlan):
         raise TypeError(f"plan must be a PrefillPlan (mla_ops.plan_prefill), got {type(plan).__name__}")
-    if plan.device != device:
-        raise ValueError(f"plan must be on {device} (the device of q), got a plan on {plan.device}")
-    if plan.num_tokens is not None and plan.num_tokens != num_tokens:
-        raise ValueError(f"plan was made for T={plan.num_tokens} tokens (its query_start_loc[-1]), but q has {num_tokens}")
-    if plan.block_size != kv_cache.shape[1]:
-        raise ValueError(f"plan was made for block_size {plan.block_size}, but kv_cache has {kv_cache.shape[1]}")
+    if not isinstance(kv_cache, torch.Tensor):
+        raise TypeError(f"kv_cache must be a torch.Tensor [num_blocks, block_size, L+R], got {type(kv_cache).__name__}")
+    if kv_cache.dim() not in (3, 4):
+        raise ValueError(f"kv_cache must be [num_blocks, block_size, L+R] or [layers, num_blocks, block_size, L+R], "
+                         f"got shape {tuple(kv_cache.shape)}")
+    device = plan.device
+    if kv_cache.device != device:
+        raise ValueError(f"plan must be on {kv_cache.device} (the device of kv_cache), got a plan on {device}")
+    if kv_cache.dtype not in CACHE_DTYPES:
+        raise TypeError(f"kv_cache must be float16, bfloat16, float32, float64 or float8_e4m3fn, got {kv_cache.dtype}")
+    num_blocks, block_size = kv_cache.shape[-3], kv_cache.shape[-2]
+    if plan.block_size != block_size:
+        raise ValueError(f"plan was made for block_size {plan.block_size}, but kv_cache has {block_size}")
     max_block_id = planning.current_max_block_id(plan)
-    if max_block_id >= kv_cache.shape[0]:
-        raise ValueError(
-            f"plan.block_table uses block {max_block_id}, past the {kv_cache.shape[0]} blocks of kv_cache"
-        )
+    if max_block_id >= num_blocks:
+        raise ValueError(f"plan.block_table uses block {max_block_id}, past the {num_blocks} blocks of kv_cache")
     if plan.max_chunks is None and torch.compiler.is_compiling():
         raise ValueError(
             "run_prefill under torch.compile needs a device plan (plan_prefill(..., max_chunks=K)): a host "
             "plan's chunks are Python values that would be baked into the graph"
         )
-    if out is not None:
-        checks.check_tensor(out, "out", 3, "[T, N, V]", device, "q", dtype=q.dtype)
-        if tuple(out.shape) != (num_tokens, num_heads, dims.value):
-            raise ValueError(f"out must be [T, N, V] = {[num_tokens, num_heads, dims.value]}, got {list(out.shape)}")
-    return dims
+    checks.check_choice(backend, "backend", BACKENDS)
+    checks.check_k_scale(k_scale, kv_cache, device)
+    if slot_mapping is not None:
+        check_slot_mapping(slot_mapping, kv_cache)
+        if plan.num_tokens is not None and slot_mapping.shape[0] != plan.num_tokens:
+            raise ValueError(f"plan was made for T={plan.num_tokens} tokens (its query_start_loc[-1]), but "
+                             f"slot_mapping has {slot_mapping.shape[0]}")
+    kernels = backends.select(backend, device, plan.absorbed_query_bound)
+    return PrefillStep(plan, kernels, kv_cache, slot_mapping, checks.k_scale_tensor(k_scale, kv_cache))
 
 
 def run_prefill(
@@ -167,7 +263,9 @@ def run_prefill(
     k_scale: float | torch.Tensor | None = None,
     backend: str = "auto",
     out: torch.Tensor | None = None,
-) -> torch.Tensor:
+    *,
+    return_lse: bool = False,
+):
     """Attention of each request's new tokens over its cached context and, causally, itself.
 
     Request r's queries ``q[query_start_loc[r]:query_start_loc[r+1]]`` see its ``context_lens[r]``
@@ -177,15 +275,14 @@ def run_prefill(
     dequantizes a float8_e4m3fn cache (ignored for other cache dtypes). ``out`` ``[T, N, V]`` is
     written in place if given. With a device plan nothing is read on the host; tokens of requests
     whose context does not fit the plan's ``max_chunks`` come out as NaN, never silently wrong.
+    Several layers of one step: ``begin_step`` once, then ``PrefillStep.run`` per layer.
 
-    Returns ``[T, N, V]`` in the dtype of q.
+    Returns ``[T, N, V]`` in the dtype of q; with ``return_lse=True``, ``(out, lse)``: ``lse``
+    ``[N, T]`` (float32, float64 for float64 q, natural log; NaN where ``out`` is), the partial an
+    engine merges with its own (``mla_ops.merge_attn_states``).
     """
-    dims = check_run(q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, plan, k_scale, backend, out)
-    result = run_checked(q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, plan, k_scale, backend, dims)
-    if out is None:
-        return result
-    out.copy_(result)
-    return out
+    step = begin_step(plan, kv_cache, k_scale=k_scale, backend=backend)
+    return step.run(q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, out=out, return_lse=return_lse)
 
 
 def mla_prefill(
@@ -218,16 +315,19 @@ def mla_prefill(
     for name, x, ndim, doc in (("block_table", block_table, 2, "[B, max_blocks]"),
                                ("query_start_loc", query_start_loc, 1, "[B+1]"), ("context_lens", context_lens, 1, "[B]")):
         checks.check_tensor(x, name, ndim, doc, q.device, "q")
-    options = plan_options(_block_size(kv_cache), workspace_size, policy, split_alignment, max_chunks,
-                          absorb_max_query_len, max_absorbed_tokens)
+    checks.check_tensor(kv_cache, "kv_cache", 3, "[num_blocks, block_size, L+R]")
+    loose = dict(workspace_size=workspace_size, policy=policy, split_alignment=split_alignment, max_chunks=max_chunks,
+                 absorb_max_query_len=absorb_max_query_len, max_absorbed_tokens=max_absorbed_tokens)
     if plan is None:
         planning.check_inputs(query_start_loc, context_lens, block_table)
+        options = options_from(None, block_size=kv_cache.shape[1], **loose)
         plan = plan_with_options(query_start_loc, context_lens, block_table, options)
     else:
         if not isinstance(plan, PrefillPlan):
             raise TypeError(f"plan must be a PrefillPlan (mla_ops.plan_prefill), got {type(plan).__name__}")
-        for name, value in vars(options).items():
-            if name != "block_size" and value != getattr(PlanOptions, name):
+        options_from(None, **loose)  # the loose arguments are still checked
+        for name, value in loose.items():
+            if value != getattr(PlanOptions, name):
                 raise ValueError(f"{name} is part of the plan: pass it to plan_prefill, not with plan= ({name}={value!r})")
         for name, x, planned in (("block_table", block_table, plan.block_table),
                                  ("query_start_loc", query_start_loc, plan.query_start_loc),
@@ -238,26 +338,3 @@ def mla_prefill(
         planning.check_step_tensors(plan, block_table=block_table, query_start_loc=query_start_loc,
                                     context_lens=context_lens)
     return run_prefill(q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, plan, k_scale, backend)
-
-
-def _block_size(kv_cache) -> int:
-    checks.check_tensor(kv_cache, "kv_cache", 3, "[num_blocks, block_size, L+R]")
-    return kv_cache.shape[1]
-
-
-def run_checked(q, kv_c, k_pe, kv_cache, weight, softmax_scale, plan, k_scale, backend, dims,
-                truncated: torch.Tensor | None = None) -> torch.Tensor:
-    """``run_prefill`` after ``check_run`` (for callers that check everything first). ``truncated``:
-    the step's ``chunk_loop.truncated_tokens``, when the caller made it once for every layer."""
-    softmax_scale = float(softmax_scale)  # a compile-time constant: kernels take it as a float
-    kernels = backends.select(backend, q.device, plan.absorb_max_query_len, dims.num_heads, plan.kernel_state)
-    k_scale = checks.k_scale_tensor(k_scale, kv_cache)
-    if truncated is None:
-        truncated = truncated_tokens(plan, q.shape[0])
-    step = Step(kernels, dims, q, kv_cache, weight, softmax_scale, k_scale, plan, truncated)
-    suffix_out, suffix_lse = step.suffix(kv_c, k_pe)
-    if plan.context_parallel is not None:  # a sharded cache
-        return run_context_parallel(step, suffix_out, suffix_lse)
-    if plan.max_chunks is not None:
-        return device_context(step, suffix_out, suffix_lse)
-    return host_context(step, suffix_out, suffix_lse)

@@ -1,5 +1,6 @@
-"""DeepSeek-V2/V3 on the mla_ops operators: config, rotary embeddings (YaRN), mixture of experts,
-checkpoint loading and the model itself (``deepseek``)."""
+"""DeepSeek-V2/V3 on the mla_ops operators: config (``MLAConfig``; ``hf_config`` reads config.json),
+rotary embeddings (YaRN), mixture of experts, checkpoints (``checkpoint_files``: the files;
+``checkpoint_names``: names and checks; ``checkpoint``: loading) and the model itself (``deepseek``)."""
 
 from .config import MLAConfig
 from .deepseek import MLAAttention, MLAForCausalLM, MLAModel

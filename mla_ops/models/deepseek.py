@@ -12,9 +12,11 @@ their softmax-scale correction come from the config (``mla_ops.models.rope``); l
 ``first_k_dense_replace`` on have DeepSeek's mixture of experts (``mla_ops.models.moe``).
 
 The cache tensors, slot mapping, block table and the step's ``PrefillPlan`` (``mla_ops.plan_prefill``,
-made once per step) are passed in on every call; nothing is stored in the modules. Every layer
-runs the same plan: with a device plan (``max_chunks=K``) the whole step reads no device value
-and compiles to one graph, the planner running once however many layers there are.
+made once per step) are passed in on every call; nothing is stored in the modules. ``MLAModel``
+begins the step once (``ModelStep``: the rotary tables and ``mla_ops.begin_step``'s checked
+attention step) and every layer makes one attention call on it: with a device plan
+(``max_chunks=K``) the whole step reads no device value and compiles to one graph, the planner
+running once however many layers there are.
 """
 
 from __future__ import annotations
@@ -25,32 +27,30 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
-from ..ops.cache import check_write, write_checked
 from .. import _checks
 from .._env import own_code
-from ..chunk_loop import truncated_tokens
 from ..parallel import ContextParallel
 from ..parallel.tensor_parallel import all_reduce, check_divisible
 from ..planning.plan import PrefillPlan, check_step_tensors
-from ..prefill import check_run, run_checked
+from ..prefill import PrefillStep, begin_step
 from .config import MLAConfig
 from .moe import FeedForward, MoE, linear
 from .rope import acc_dtype, apply_rotary_emb, rotary_cos_sin
 
 
-class StepTensors(NamedTuple):
+class ModelStep(NamedTuple):
     """What the layers use that depends only on the step: made once per step, shared by every layer."""
 
     cos: torch.Tensor  # [T, R] rotary cos / sin of the step's positions
     sin: torch.Tensor
-    truncated: torch.Tensor | None  # [T] bool: ``chunk_loop.truncated_tokens``
-    k_scale: torch.Tensor | None  # the cache's scale as a tensor (float8_e4m3fn caches)
+    attention: PrefillStep  # the plan checked against the caches and slots, the kernels chosen
 
     @classmethod
-    def of(cls, config: MLAConfig, positions, plan, kv_cache, k_scale, dtype) -> StepTensors:
+    def begin(cls, config: MLAConfig, positions, plan, kv_caches, slot_mapping, k_scale, backend,
+              dtype) -> ModelStep:
+        attention = begin_step(plan, kv_caches, slot_mapping, k_scale=k_scale, backend=backend)
         cos, sin = rotary_cos_sin(positions, config.qk_rope_head_dim, config.rope_theta, dtype, config.rope_scaling)
-        _checks.check_k_scale(k_scale, kv_cache, kv_cache.device)
-        return cls(cos, sin, truncated_tokens(plan, positions.shape[0]), _checks.k_scale_tensor(k_scale, kv_cache))
+        return cls(cos, sin, attention)
 
 
 def _tokens_dynamic(region: Callable) -> Callable:
@@ -91,7 +91,7 @@ class MLAAttention(nn.Module):
         self.qk_nope_head_dim = c.qk_nope_head_dim
         self.qk_rope_head_dim = c.qk_rope_head_dim
         self.v_head_dim = c.v_head_dim
-        self.config = config  # rotary frequencies (YaRN or plain RoPE): StepTensors.of
+        self.config = config  # rotary frequencies (YaRN or plain RoPE): ModelStep.begin
         self.softmax_scale = c.softmax_scale  # 1/sqrt(P+R), times YaRN's mscale correction
 
         self.q_lora_rank = c.q_lora_rank
@@ -117,16 +117,12 @@ class MLAAttention(nn.Module):
         *,
         k_scale: float | torch.Tensor | None = None,
         backend: str = "auto",
-        step: StepTensors | None = None,
     ) -> torch.Tensor:
-        """``step``: what depends only on the step, made once by ``MLAModel`` for every layer; None
-        makes it here."""
-        if step is None:
-            check_plan_block_table(block_table, plan)
-            step = StepTensors.of(self.config, positions, plan, kv_cache, k_scale, hidden.dtype)
+        """The layer alone: a step of its own (``MLAModel`` begins one for all its layers)."""
+        check_plan_block_table(block_table, plan)
+        step = ModelStep.begin(self.config, positions, plan, kv_cache, slot_mapping, k_scale, backend, hidden.dtype)
         q, kv_c, k_pe = self.project(hidden, step.cos, step.sin)
-        out = self.attend(q, kv_c, k_pe, kv_cache, slot_mapping, block_table, plan, step, backend)
-        return all_reduce(self.o_proj(out.flatten(1)), self.tp_group)
+        return all_reduce(self.o_proj(self.attend(q, kv_c, k_pe, kv_cache, step).flatten(1)), self.tp_group)
 
     def project(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """The dense part before attention: rotated queries ``q`` [T, N, P+R] and the new tokens'
@@ -143,17 +139,10 @@ class MLAAttention(nn.Module):
         q = torch.cat([q_nope, q_pe], dim=-1)  # [T, N, P+R]
         return q, self.kv_a_layernorm(kv_c), apply_rotary_emb(k_pe, cos, sin)
 
-    def attend(self, q, kv_c, k_pe, kv_cache, slot_mapping, block_table, plan, step: StepTensors,
-               backend: str) -> torch.Tensor:
-        """Write the new rows into the cache and attend: ``[T, N, V]``, before ``o_proj``. Everything
-        is checked before the cache is written: a rejected call writes nothing."""
-        check_plan_block_table(block_table, plan)
-        weight, k_scale = self.kv_b_proj.weight, step.k_scale
-        dims = check_run(q, kv_c, k_pe, kv_cache, weight, self.softmax_scale, plan, k_scale, backend, None)
-        check_write(kv_c, k_pe, slot_mapping, kv_cache, k_scale)
-        write_checked(kv_c, k_pe, slot_mapping, kv_cache, k_scale)
-        return run_checked(q, kv_c, k_pe, kv_cache, weight, self.softmax_scale, plan, k_scale, backend, dims,
-                           step.truncated)
+    def attend(self, q, kv_c, k_pe, kv_cache, step: ModelStep) -> torch.Tensor:
+        """Write the new rows into the cache and attend (``PrefillStep.run``): ``[T, N, V]``, before
+        ``o_proj``. Everything is checked before the cache is written: a rejected call writes nothing."""
+        return step.attention.run(q, kv_c, k_pe, kv_cache, self.kv_b_proj.weight, self.softmax_scale)
 
 
 def check_plan_block_table(block_table: torch.Tensor, plan: PrefillPlan) -> None:
@@ -212,15 +201,12 @@ class DecoderLayer(nn.Module):
             self.mlp = FeedForward(config.hidden_size, config.intermediate_size, config.initializer_range)
         self.regions: tuple[Callable, Callable] | None = None  # compiled by MLAModel.compile_layers
 
-    def forward(self, x, positions, kv_cache, slot_mapping, block_table, plan, *, k_scale, backend,
-                step=None) -> torch.Tensor:
-        attn = self.self_attn
-        if step is None:
-            check_plan_block_table(block_table, plan)
-            step = StepTensors.of(attn.config, positions, plan, kv_cache, k_scale, x.dtype)
+    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, step: ModelStep) -> torch.Tensor:
+        """``x`` [T, H] -> the residual stream after the layer; ``step``: ``ModelStep.begin``'s, shared
+        by every layer of the step."""
         inputs, output = self.regions or (DecoderLayer.attention_inputs, DecoderLayer.attention_output)
         q, kv_c, k_pe = inputs(self, x, step.cos, step.sin)
-        return output(self, x, attn.attend(q, kv_c, k_pe, kv_cache, slot_mapping, block_table, plan, step, backend))
+        return output(self, x, self.self_attn.attend(q, kv_c, k_pe, kv_cache, step))
 
     def attention_inputs(self, x, cos, sin):
         """``x`` [T, H] -> the attention's ``q``, ``kv_c``, ``k_pe`` (``MLAAttention.project``)."""
@@ -298,11 +284,11 @@ class MLAModel(nn.Module):
             )
         check_plan_block_table(block_table, plan)
         check_step_inputs(input_ids, positions, plan, self.embed_tokens.num_embeddings)
+        step = ModelStep.begin(self.config, positions, plan, kv_caches, slot_mapping, k_scale, backend,
+                               self.embed_tokens.weight.dtype)  # once, not per layer
         x = self.embed_tokens(input_ids)  # [T, H]
-        step = StepTensors.of(self.config, positions, plan, kv_caches, k_scale, x.dtype)  # once, not per layer
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, kv_caches[i], slot_mapping, block_table, plan, k_scale=k_scale, backend=backend,
-                      step=step)
+            x = layer(x, kv_caches[i], step)
         return self.norm(x)  # [T, H]
 
 

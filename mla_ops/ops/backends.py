@@ -68,13 +68,13 @@ def triton_kernels() -> Kernels:
     )
 
 
-def select(backend: str, device: torch.device, absorbed_query_bound: int = 0, num_heads: int = 0,
-           step_state: dict | None = None) -> Kernels:
-    """The kernels ``run_prefill`` calls for ``backend`` on ``device`` (validated names only).
+def select(backend: str, device: torch.device, absorbed_query_bound: int = 0) -> Kernels:
+    """The kernels a step calls for ``backend`` on ``device`` (validated names only): chosen once per
+    step (``prefill.begin_step``), with whatever the kernels schedule once per step.
 
-    For ``"flashmla"``: ``absorbed_query_bound``, the longest query of an absorbed request (FlashMLA's
-    static ``s_q``: the plan's packed bound); ``step_state``, the plan's ``kernel_state``, where the
-    step's scheduler metadata for ``num_heads`` heads is made once and shared by every layer.
+    For ``"flashmla"``: ``absorbed_query_bound`` is the longest query of an absorbed request (FlashMLA's
+    static ``s_q``: the plan's bound); the step's scheduler metadata is made here, filled by the first
+    layer's call and reused by every later layer of the step.
     """
     if backend == "flashmla":
         from . import flashmla
@@ -84,13 +84,8 @@ def select(backend: str, device: torch.device, absorbed_query_bound: int = 0, nu
             raise ValueError(f"backend='flashmla' is unavailable: {reason}")
         if torch.compiler.is_compiling():
             raise ValueError("backend='flashmla' runs eagerly; under torch.compile use 'auto' (Triton)")
-        s_q = absorbed_query_bound or None  # one s_q per FlashMLA call: requests padded to the bound
-        metadata, key = None, ("flashmla", num_heads, s_q)
-        if step_state is not None:
-            if key not in step_state:
-                step_state[key] = flashmla.new_metadata()
-            metadata = step_state[key]
-        absorbed = functools.partial(flashmla.absorbed_context_attention, max_query_len=s_q, metadata=metadata)
+        absorbed = functools.partial(flashmla.absorbed_context_attention, max_query_len=absorbed_query_bound or None,
+                                     metadata=flashmla.new_metadata())
         return select("auto", device)._replace(absorbed_context_attention=absorbed)
     if backend == "triton" and not triton_available():
         raise ValueError("backend='triton' needs the triton package (pip install 'mla-ops[triton]')")

@@ -24,7 +24,7 @@ import torch
 from .._checks import FLOAT_DTYPES, check_k_scale, check_tensor, k_scale_tensor, values_readable
 from .._env import triton_available
 
-_CACHE_DTYPES = FLOAT_DTYPES + (torch.float8_e4m3fn,)
+CACHE_DTYPES = FLOAT_DTYPES + (torch.float8_e4m3fn,)
 _SLOT_DTYPES = (torch.int64, torch.int32)
 
 
@@ -94,7 +94,7 @@ def check_write(kv_c, k_pe, slot_mapping, kv_cache, k_scale) -> None:
     check_tensor(kv_c, "kv_c", 2, "[T, L]", device, "kv_cache")
     check_tensor(k_pe, "k_pe", 2, "[T, R]", device, "kv_cache")
     check_tensor(slot_mapping, "slot_mapping", 1, "[T]", device, "kv_cache")
-    if kv_cache.dtype not in _CACHE_DTYPES:
+    if kv_cache.dtype not in CACHE_DTYPES:
         raise TypeError(f"kv_cache must be float16, bfloat16, float32, float64 or float8_e4m3fn, got {kv_cache.dtype}")
     if kv_c.dtype not in FLOAT_DTYPES:
         raise TypeError(f"kv_c must be float16, bfloat16, float32 or float64, got {kv_c.dtype}")
@@ -108,8 +108,6 @@ def check_write(kv_c, k_pe, slot_mapping, kv_cache, k_scale) -> None:
             f"kv_c, k_pe and slot_mapping must have one row per new token: kv_c has {num_tokens}, "
             f"k_pe {k_pe.shape[0]}, slot_mapping {slot_mapping.shape[0]}"
         )
-    if num_tokens and kv_cache.shape[0] * kv_cache.shape[1] == 0:
-        raise ValueError(f"kv_cache has no slots (shape {tuple(kv_cache.shape)}) to write {num_tokens} tokens into")
     width = kv_c.shape[1] + k_pe.shape[1]
     if kv_cache.shape[2] != width:
         raise ValueError(
@@ -117,8 +115,20 @@ def check_write(kv_c, k_pe, slot_mapping, kv_cache, k_scale) -> None:
             f"(kv_c and k_pe widths), got {kv_cache.shape[2]}"
         )
     check_k_scale(k_scale, kv_cache, device)
-    if num_tokens and values_readable(slot_mapping):
-        num_slots = kv_cache.shape[0] * kv_cache.shape[1]
+    check_slot_mapping(slot_mapping, kv_cache)
+
+
+def check_slot_mapping(slot_mapping, kv_cache) -> None:
+    """``slot_mapping`` [T] int64/int32 on the cache's device, its slots inside ``kv_cache``
+    (``[..., num_blocks, block_size, L+R]``) by value where readable (CPU)."""
+    check_tensor(slot_mapping, "slot_mapping", 1, "[T]", kv_cache.device, "kv_cache")
+    if slot_mapping.dtype not in _SLOT_DTYPES:
+        raise TypeError(f"slot_mapping must be int64 or int32, got {slot_mapping.dtype}")
+    num_slots = kv_cache.shape[-3] * kv_cache.shape[-2]
+    if slot_mapping.shape[0] and num_slots == 0:
+        raise ValueError(f"kv_cache has no slots (shape {tuple(kv_cache.shape)}) to write "
+                         f"{slot_mapping.shape[0]} tokens into")
+    if slot_mapping.shape[0] and values_readable(slot_mapping):
         last = int(slot_mapping.max())
         if last >= num_slots:
             raise ValueError(f"slot_mapping holds slot {last}, past the {num_slots} slots of kv_cache")

@@ -190,8 +190,8 @@ def _host_plan(query_start_loc, context_lens, block_table, options: PlanOptions,
         absorbed_context_lens=to_device(np.where(absorbed, ctx, 0).astype(np.int32)) if absorbed.any() else None,
         schedule=schedule.to(device), device_schedule=None, truncated=None, block_size=block_size,
         workspace_size=args.workspace_size,
-        absorb_max_query_len=int(query_lens[absorbed].max()) if absorbed.any() else 0,
-        num_tokens=int(qsl[-1]), max_block_id=max_block_id, context_parallel=cp_plan,
+        absorbed_query_bound=int(query_lens[absorbed].max()) if absorbed.any() else 0,
+        num_tokens=int(qsl[-1]), max_block_id=max_block_id, context_parallel=cp_plan, options=options,
     )
 
 
@@ -234,8 +234,8 @@ def _device_plan(query_start_loc, context_lens, block_table, options: PlanOption
         absorbed_context_lens=torch.where(absorbed, context_lens, 0) if capacity else None,
         schedule=None, device_schedule=schedule,
         truncated=(torch.cumsum(stripes, 0) > max_chunks * args.stripes_per_chunk) & (stripes > 0),
-        block_size=block_size, workspace_size=args.workspace_size, absorb_max_query_len=capacity,
-        num_tokens=num_tokens, max_block_id=max_block_id, context_parallel=cp_plan,
+        block_size=block_size, workspace_size=args.workspace_size, absorbed_query_bound=capacity,
+        num_tokens=num_tokens, max_block_id=max_block_id, context_parallel=cp_plan, options=options,
     )
 
 

@@ -12,16 +12,16 @@ from . import collectives
 from .plan import ContextParallelPlan
 
 
-def run_context_parallel(step: Step, suffix_out: torch.Tensor, suffix_lse: torch.Tensor) -> torch.Tensor:
-    """``run_prefill``'s context partial for a context-parallel plan, merged with the suffix."""
+def run_context_parallel(step: Step, suffix_out: torch.Tensor, suffix_lse: torch.Tensor):
+    """``run_prefill``'s context partial for a context-parallel plan, merged with the suffix: ``(out, lse)``."""
     cp_plan = step.plan.context_parallel
     context_out, context_lse = empty_partial(suffix_out, suffix_lse)
     if cp_plan.num_chunks:
         _all_gather_path(step, cp_plan, context_out, context_lse)
     if cp_plan.num_absorbed_tokens:
         context_out, context_lse = _absorbed_queries_path(step, cp_plan, context_out, context_lse)
-    out, _ = step.kernels.merge_attn_states(context_out, context_lse, suffix_out, suffix_lse)
-    return mark_truncated(out, step.truncated_tokens)
+    out, lse = step.kernels.merge_attn_states(context_out, context_lse, suffix_out, suffix_lse)
+    return mark_truncated(out, lse, step.truncated_tokens)
 
 
 def _all_gather_path(step: Step, cp_plan: ContextParallelPlan, context_out, context_lse) -> None:

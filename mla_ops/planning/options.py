@@ -1,14 +1,15 @@
 """``PlanOptions``: every planning option of a step in one frozen, validated object.
 
-``plan_prefill``, ``mla_prefill``, ``PrefillGraphs`` and ``Generator`` take the options as keywords
-(DESIGN §4) and build one of these; each option is checked here, once, and its default resolved
-here, once, whatever path (host or device form, one device or context parallel) plans the step.
+``plan_prefill``, ``mla_prefill``, ``PrefillGraphs`` and ``Generator`` take ``options=`` or the options
+as loose keywords (DESIGN §4), which build one of these (``options_from``); each option is checked
+here, once, and its default resolved here, once, whatever path (host or device form, one device or
+context parallel) plans the step.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -88,18 +89,32 @@ class PlanOptions:
         return self.max_absorbed_tokens
 
 
-def plan_options(*args) -> PlanOptions:
-    """``PlanOptions(*args)``, checked once per distinct arguments: a server plans every step with
+def options_from(options: PlanOptions | None, **loose) -> PlanOptions:
+    """``options``, or the loose keywords (``PlanOptions`` fields) that build one: not both, so a
+    keyword is never silently overridden. Keywords left at their defaults are not "set"."""
+    if options is None:
+        return plan_options(**loose)
+    if not isinstance(options, PlanOptions):
+        raise TypeError(f"options must be a mla_ops.PlanOptions or None, got {type(options).__name__}")
+    defaults = {f.name: f.default for f in fields(PlanOptions)}
+    for name, value in loose.items():
+        if value is not defaults[name] and value != defaults[name]:
+            raise ValueError(f"{name}={value!r} was passed beside options=: set it in the PlanOptions instead")
+    return options
+
+
+def plan_options(**fields_) -> PlanOptions:
+    """``PlanOptions(**fields_)``, checked once per distinct arguments: a server plans every step with
     the same options, and their checks would otherwise be a tenth of a small step's plan."""
     if torch.compiler.is_compiling():  # traced: checked once per compile anyway
-        return PlanOptions(*args)
+        return PlanOptions(**fields_)
     try:
-        hash(args)
+        hash(tuple(fields_.items()))
     except TypeError:
-        return PlanOptions(*args)  # an unhashable argument: its check names it
-    return _cached_options(*args)
+        return PlanOptions(**fields_)  # an unhashable argument: its check names it
+    return _cached_options(**fields_)
 
 
 @functools.lru_cache(maxsize=64, typed=True)  # typed: 16.0 or True must not pass as 16 or 1
-def _cached_options(*args) -> PlanOptions:
-    return PlanOptions(*args)
+def _cached_options(**fields_) -> PlanOptions:
+    return PlanOptions(**fields_)

@@ -18,7 +18,7 @@ frozen dataclass and a pytree: tensors are its leaves, the sizes it was planned 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -26,7 +26,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .. import _checks
-from .._mla import routed_token_loc
+from .._mla import absorbed_token_loc
 from .device_schedule import DeviceSchedule, plan_context_chunks_device
 from .options import PlanOptions
 from .routing import route_context
@@ -49,22 +49,23 @@ class PrefillPlan:
     truncated: torch.Tensor | None  # device form: [B] bool, MHA context running past chunk K
     block_size: int
     workspace_size: int
-    absorb_max_query_len: int  # 0: no absorbed path
+    # The longest query an absorbed request can have (a static bound: FlashMLA's s_q): the routed
+    # requests' longest (host form), the routing threshold (device form) or the token slots (context
+    # parallel's device form); 0: no absorbed path.
+    absorbed_query_bound: int
     num_tokens: int | None  # T, where the lengths were readable
     max_block_id: int  # largest block id a context uses; -1 if none or not readable
     # Rows of the absorbed path's packed scratch: the routed tokens (host form) or its capacity (device
     # form); -1: T.
-    max_absorbed_tokens: int = -1
+    absorbed_rows: int = -1
     # Context parallel (mla_ops/parallel/): this rank's chunk pieces and reorder index; a pytree
     # node whose tensors are leaves and whose ContextParallel config and sizes are static context.
     # Its plans keep ``schedule`` / ``device_schedule`` in stripes of interleave * world_size rows.
     context_parallel: ContextParallelPlan | None = None
     # [B+1] int32: rows of each absorbed request's tokens in the absorbed path's packed scratch
-    # (``_mla.routed_token_loc``), made once per step; None without an absorbed path.
+    # (``_mla.absorbed_token_loc``), made once per step; None without an absorbed path.
     absorbed_token_loc: torch.Tensor | None = None
-    # What an eager kernel schedules once per step, filled by the step's first layer and reused by
-    # the others: FlashMLA's scheduler metadata, by (heads, s_q). Not part of the pytree.
-    kernel_state: dict = field(default_factory=dict, compare=False, repr=False)
+    options: PlanOptions | None = None  # what was asked (the fields above are what was planned)
 
     @property
     def num_requests(self) -> int:
@@ -79,9 +80,31 @@ class PrefillPlan:
     def device(self) -> torch.device:
         return self.block_table.device
 
+    @property
+    def form(self) -> str:
+        """``"host"`` (chunks planned from the lengths' values) or ``"device"`` (K static chunk slots)."""
+        return "host" if self.device_schedule is None else "device"
+
+    def __repr__(self) -> str:
+        planned = [f"form={self.form!r}", f"requests={self.num_requests}", f"tokens={self.num_tokens}"]
+        if self.schedule is not None:
+            planned.append(f"chunks={self.schedule.num_chunks}")
+        else:
+            planned.append(f"max_chunks={self.max_chunks}")
+        if self.absorbed_context_lens is None:
+            planned.append("absorbed=none")
+        else:
+            rows = "T" if self.absorbed_rows < 0 else self.absorbed_rows
+            planned += [f"absorbed_query_bound={self.absorbed_query_bound}", f"absorbed_rows={rows}"]
+        if self.context_parallel is not None:
+            planned.append(f"context_parallel=rank {self.context_parallel.rank} of {self.context_parallel.world_size}")
+        planned += [f"workspace_size={self.workspace_size}", f"block_size={self.block_size}", f"device={self.device}",
+                    f"options={self.options!r}"]
+        return f"PrefillPlan({', '.join(planned)})"
+
 
 def register_plan_pytree(cls, static: tuple[str, ...]) -> None:
-    children = tuple(f.name for f in fields(cls) if f.name not in static and f.name != "kernel_state")
+    children = tuple(f.name for f in fields(cls) if f.name not in static)
 
     def flatten(obj):
         return [getattr(obj, n) for n in children], tuple(getattr(obj, n) for n in static)
@@ -92,8 +115,8 @@ def register_plan_pytree(cls, static: tuple[str, ...]) -> None:
     pytree.register_pytree_node(cls, flatten, unflatten, serialized_type_name=f"mla_ops.{cls.__name__}")
 
 
-register_plan_pytree(PrefillPlan, ("block_size", "workspace_size", "absorb_max_query_len", "num_tokens", "max_block_id",
-                               "max_absorbed_tokens"))
+register_plan_pytree(PrefillPlan, ("block_size", "workspace_size", "absorbed_query_bound", "num_tokens", "max_block_id",
+                                   "absorbed_rows", "options"))
 register_plan_pytree(DeviceSchedule, ("workspace_size",))
 
 
@@ -205,8 +228,8 @@ def plan_host(query_start_loc, context_lens, block_table, options: PlanOptions) 
         block_table=block_table, absorbed_context_lens=absorbed, schedule=schedule, device_schedule=None,
         truncated=None, block_size=block_size, workspace_size=options.workspace_size,
         # the routed requests' longest query: a tighter static bound than the threshold
-        absorb_max_query_len=max(routed, default=0), num_tokens=int(qsl[-1]), max_block_id=max_block_id,
-        max_absorbed_tokens=sum(routed), context_parallel=None, absorbed_token_loc=token_loc, kernel_state={},
+        absorbed_query_bound=max(routed, default=0), num_tokens=int(qsl[-1]), max_block_id=max_block_id,
+        absorbed_rows=sum(routed), context_parallel=None, absorbed_token_loc=token_loc, options=options,
     ))
 
 
@@ -214,7 +237,7 @@ def plan_device(query_start_loc, context_lens, block_table, options: PlanOptions
     """The device form (module doc): tensor code on the block table's device, no host read."""
     check_on_plan_device(query_start_loc, context_lens, block_table)
     block_size, workspace_size, max_chunks = options.block_size, options.workspace_size, options.max_chunks
-    absorb_max_query_len, max_absorbed_tokens = options.absorb_threshold, options.absorbed_capacity
+    threshold, capacity = options.absorb_threshold, options.absorbed_capacity
     num_tokens, max_block_id = None, -1
     if _checks.values_readable(query_start_loc, context_lens, block_table):
         qsl, _, max_block_id = host_values(query_start_loc, context_lens, block_table, block_size)
@@ -223,11 +246,11 @@ def plan_device(query_start_loc, context_lens, block_table, options: PlanOptions
         _checks.assert_lengths_async(query_start_loc, context_lens, block_table, block_size)
     absorbed = None
     mha_lens = context_lens
-    if absorb_max_query_len and max_absorbed_tokens:
-        mha_lens, absorbed = route_context(context_lens, query_start_loc[1:] - query_start_loc[:-1],
-                                           absorb_max_query_len, max_absorbed_tokens)
+    if threshold and capacity:
+        mha_lens, absorbed = route_context(context_lens, query_start_loc[1:] - query_start_loc[:-1], threshold,
+                                           capacity)
     else:
-        absorb_max_query_len = max_absorbed_tokens = 0
+        threshold = capacity = 0
     schedule = plan_context_chunks_device(mha_lens, workspace_size, max_chunks)
     if not torch.compiler.is_compiling():
         # Passed into a compiled function, K stays a constant: under dynamic=True, duck sizing
@@ -240,7 +263,8 @@ def plan_device(query_start_loc, context_lens, block_table, options: PlanOptions
     return PrefillPlan(
         query_start_loc=query_start_loc, context_lens=context_lens, block_table=block_table,
         absorbed_context_lens=absorbed, schedule=None, device_schedule=schedule, truncated=truncated,
-        block_size=block_size, workspace_size=workspace_size, absorb_max_query_len=absorb_max_query_len,
-        num_tokens=num_tokens, max_block_id=max_block_id, max_absorbed_tokens=max_absorbed_tokens,
-        absorbed_token_loc=None if absorbed is None else routed_token_loc(query_start_loc, absorbed),
+        block_size=block_size, workspace_size=workspace_size, absorbed_query_bound=threshold,
+        num_tokens=num_tokens, max_block_id=max_block_id, absorbed_rows=capacity,
+        absorbed_token_loc=None if absorbed is None else absorbed_token_loc(query_start_loc, absorbed),
+        options=options,
     )

@@ -48,7 +48,7 @@ from .. import _checks as checks
 from .._env import own_code
 from ..ops.backends import BACKENDS
 from ..parallel.layout import local_context_lens
-from ..planning.options import PlanOptions
+from ..planning.options import PlanOptions, options_from
 from ..planning.plan import check_inputs
 from ..prefill import plan_with_options
 from .buckets import Bucket, Buckets, padded_lengths
@@ -63,10 +63,11 @@ class PrefillGraphs:
     plan, *, k_scale, backend)`` returning a tensor whose first dim is the step's tokens
     (``MLAModel``: hidden states [T, H]). Sizes: ``max_tokens`` / ``max_requests`` (the largest
     token / request bucket unless the bucket lists say otherwise), ``max_blocks_per_request``
-    (block-table columns), ``block_size`` and ``workspace_size`` of the plan. ``request_buckets``,
-    ``absorb_max_query_len`` and ``max_absorbed_tokens`` (the plan's routing), ``k_scale`` and
-    ``backend`` (passed to the model) and ``compile_backend`` (``torch.compile``'s, mode
-    ``"compile"``) are extensions.
+    (block-table columns). The plan's options: ``options`` (a ``PlanOptions``: the packed policy, no
+    ``max_chunks``, which each bucket sets), or the loose ``block_size``, ``workspace_size``,
+    ``absorb_max_query_len`` and ``max_absorbed_tokens`` (the routing), which build one.
+    ``request_buckets``, ``k_scale`` and ``backend`` (passed to the model) and ``compile_backend``
+    (``torch.compile``'s, mode ``"compile"``) are extensions.
 
     ``stats``: ``graphs`` (buckets captured / compiled / set up), ``replays`` (steps run through
     a bucket), ``eager`` (steps beyond the buckets, run eagerly), ``static_bytes`` (the static
@@ -81,8 +82,8 @@ class PrefillGraphs:
         max_tokens: int,
         max_requests: int,
         max_blocks_per_request: int,
-        block_size: int,
-        workspace_size: int,
+        block_size: int = 16,
+        workspace_size: int = 65536,
         chunk_buckets=(1, 2, 4, 8, 16),
         token_buckets=None,
         mode: str = "cuda_graph",
@@ -92,15 +93,21 @@ class PrefillGraphs:
         k_scale: float | torch.Tensor | None = None,
         backend: str = "auto",
         compile_backend="inductor",
+        options: PlanOptions | None = None,
     ):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         checks.check_choice(mode, "mode", MODES)
         self.max_blocks_per_request = checks.check_positive_int(max_blocks_per_request, "max_blocks_per_request")
         self.buckets = Buckets.build(max_tokens, max_requests, chunk_buckets, token_buckets, request_buckets)
+        options = options_from(options, block_size=block_size, workspace_size=workspace_size,
+                               absorb_max_query_len=absorb_max_query_len, max_absorbed_tokens=max_absorbed_tokens)
+        if options.max_chunks is not None or options.policy != "packed" or options.split_alignment != 1:
+            raise ValueError(
+                "options must plan the packed policy (split_alignment=1) without max_chunks: each bucket plans "
+                f"the device form with its own K (chunk_buckets), got {options!r}")
         # The device plan's options; each bucket plans with its own K (``max_chunks``).
-        self.options = PlanOptions(block_size, workspace_size, max_chunks=self.buckets.chunks[-1],
-                                   absorb_max_query_len=absorb_max_query_len, max_absorbed_tokens=max_absorbed_tokens)
+        self.options = dataclasses.replace(options, max_chunks=self.buckets.chunks[-1])
         tensor = next(itertools.chain(model.parameters(), model.buffers()), None)
         if tensor is None:
             raise ValueError("model has no parameters or buffers to tell its device")

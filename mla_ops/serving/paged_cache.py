@@ -40,9 +40,7 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
         num_blocks = checks.check_positive_int(num_blocks, "num_blocks")
         self.block_size = checks.check_positive_int(block_size, "block_size")
-        if not isinstance(prefix_caching, bool):
-            raise TypeError(f"prefix_caching must be a bool, got {type(prefix_caching).__name__}")
-        self.prefix_caching = prefix_caching
+        self.prefix_caching = checks.check_bool(prefix_caching, "prefix_caching")
         self.num_blocks = 0
         self._free: deque[int] = deque()
         self._refs: list[int] = []

@@ -11,7 +11,7 @@ max_absorbed_tokens  int: rows of the packed scratch (q_lat, o_lat), at least th
 
 Oracle: ``absorbed_reference`` in ``mla_ops/ops/absorbed.py``. Only the tokens of requests with
 context ("routed" here) are touched. They are packed in request order at the device-computed
-offsets ``loc = routed_token_loc(query_start_loc, context_lens)`` ([B+1]), and every launch is
+offsets ``loc = absorbed_token_loc(query_start_loc, context_lens)`` ([B+1]), and every launch is
 persistent and reads its live count ``loc[-1]`` on the device, so no host read is needed (one
 launch sequence serves any batch and can be captured in a CUDA graph), and a batch that routes
 nothing costs three launches that each read one integer:
@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from .._mla import MLADims, split_kv_b_proj
-from .._mla import routed_token_loc as packed_token_loc
+from .._mla import absorbed_token_loc
 from ._common import (
     LN2, LOG2E, device_guard, dot_dtype, dot_precision, e4m3fn_to_float32, find_request, online_softmax_step,
     persistent_grid, persistent_programs,
@@ -365,7 +365,7 @@ def absorbed_context_attention(
         w_uk, w_uv = split_kv_b_proj(kv_b_proj_weight, num_heads, nope)  # [N, P, L], [N, V, L]
         loc = routed_token_loc  # [B+1] packed offsets, on the device: the plan's, or made here
         if loc is None:
-            loc = packed_token_loc(query_start_loc, context_lens)
+            loc = absorbed_token_loc(query_start_loc, context_lens)
         rows_gemm(q, w_uk.transpose(1, 2), q_lat, loc, query_start_loc, map_a=True)  # fold: q_nope @ W_UK
         latent_attention(q_lat, q[..., nope:], kv_cache, block_table, query_start_loc, context_lens,
                          softmax_scale, k_scale, o_lat, lse, latent_loc=loc)

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 import mla_ops
-from mla_ops.models import checkpoint
+from mla_ops.models import checkpoint_files
 from mla_ops.models.config import MLAConfig
 
 FP8 = torch.float8_e4m3fn
@@ -78,7 +78,7 @@ def write(path, config=CONFIG, tensors=None, shards=None):
 
 
 def write_index(path, index):
-    with open(os.path.join(path, checkpoint.INDEX), "w") as f:
+    with open(os.path.join(path, checkpoint_files.INDEX), "w") as f:
         f.write(index if isinstance(index, str) else json.dumps(index))
 
 
@@ -99,8 +99,9 @@ class Counting(mla_ops.MLAForCausalLM):
 def untouched(monkeypatch):
     """Asserts afterwards that no model was built and no tensor read (the error came first)."""
     reads = []
-    real = checkpoint._read
-    monkeypatch.setattr(checkpoint, "_read", lambda f, file, name: reads.append(name) or real(f, file, name))
+    real = checkpoint_files.read_tensor
+    monkeypatch.setattr(checkpoint_files, "read_tensor",
+                        lambda f, file, name: reads.append(name) or real(f, file, name))
     Counting.built = 0
     yield lambda: (Counting.built, len(reads))
     assert reads == []
@@ -491,13 +492,13 @@ BAD_INDEXES = {
 def test_bad_index_is_one_value_error_naming_it(case, tmp_path, untouched):
     path = write(tmp_path / "ckpt", shards=two_shards())
     write_index(path, BAD_INDEXES[case])
-    refused(path, ValueError, [os.path.join(path, checkpoint.INDEX)], untouched)
+    refused(path, ValueError, [os.path.join(path, checkpoint_files.INDEX)], untouched)
 
 
 def test_index_naming_absent_shards_or_tensors(tmp_path, untouched):
     shards = two_shards()
     path = write(tmp_path / "ckpt", shards=shards)
-    index = os.path.join(path, checkpoint.INDEX)
+    index = os.path.join(path, checkpoint_files.INDEX)
     with open(index) as f:
         weight_map = json.load(f)["weight_map"]
     moved = shards["model-00002-of-00002.safetensors"][0]
@@ -522,7 +523,7 @@ def shard_outside(kind):
         path = write(tmp_path / "ckpt", shards=shards)
         moved = str(outside / "stolen.safetensors")
         shutil.move(os.path.join(path, "model-00002-of-00002.safetensors"), moved)
-        with open(os.path.join(path, checkpoint.INDEX)) as f:
+        with open(os.path.join(path, checkpoint_files.INDEX)) as f:
             weight_map = json.load(f)["weight_map"]
         name = {"absolute": moved, "dot-dot": "../outside/stolen.safetensors",
                 "dot-dot inside a path": "sub/../../outside/stolen.safetensors",
@@ -567,7 +568,7 @@ def test_shards_inside_the_directory_load(tmp_path):
     names = sorted(TENSORS)
     path = write(tmp_path / "ckpt", shards={"shards/a.safetensors": names[::2], "real/b.safetensors": names[1::2]})
     os.symlink(os.path.join(path, "real", "b.safetensors"), os.path.join(path, "b-link.safetensors"))
-    with open(os.path.join(path, checkpoint.INDEX)) as f:
+    with open(os.path.join(path, checkpoint_files.INDEX)) as f:
         weight_map = json.load(f)["weight_map"]
     write_index(path, {"weight_map": {k: v.replace("real/b", "b-link") for k, v in weight_map.items()}})
     reference = mla_ops.MLAForCausalLM.from_pretrained(path).state_dict()

@@ -96,26 +96,27 @@ def test_flashmla_metadata_per_call_or_from_the_caller(stand_in):
         torch.testing.assert_close(lse, results[0][1], equal_nan=True, rtol=0, atol=0)
 
 
-def test_run_prefill_makes_the_metadata_once_per_step(stand_in, monkeypatch):
-    """backend="flashmla": the plan holds the step's scheduler metadata, made by its first layer
-    and passed to FlashMLA by the others; s_q is the plan's packed bound, the longest routed query."""
+def test_a_step_makes_the_metadata_once(stand_in, monkeypatch):
+    """backend="flashmla": the step (``begin_step``) holds its scheduler metadata, filled by its first
+    layer and passed to FlashMLA by the others; s_q is the plan's bound, the longest routed query."""
     monkeypatch.setattr(flashmla, "available", lambda *args: (True, ""))
     batch = context_batch([9, 0, 4, 70], [2, 1, 1, 3], block_size=64, dtype=torch.float16, **FLASHMLA_DIMS)
+    plan = mla_ops.plan_prefill(batch.query_start_loc, batch.context_lens, batch.block_table, 64,
+                                absorb_max_query_len=8)
 
-    def plan():
-        return mla_ops.plan_prefill(batch.query_start_loc, batch.context_lens, batch.block_table, 64,
-                                    absorb_max_query_len=8)
+    def layer(step):
+        return step.run(batch.q, batch.kv_c, batch.k_pe, batch.kv_cache, batch.kv_b_proj_weight, batch.softmax_scale)
 
-    def layer(step_plan, backend="flashmla"):
-        return mla_ops.run_prefill(batch.q, batch.kv_c, batch.k_pe, batch.kv_cache, batch.kv_b_proj_weight,
-                                   batch.softmax_scale, step_plan, backend=backend)
-
-    step = plan()
-    outputs = [layer(step), layer(step), layer(plan())]  # two layers of one step, then a new step
-    metas = [call["metadata"] for call in stand_in.calls]
+    step = mla_ops.begin_step(plan, batch.kv_cache, backend="flashmla")
+    outputs = [layer(step), layer(step), layer(mla_ops.begin_step(plan, batch.kv_cache, backend="flashmla"))]
+    metas = [call["metadata"] for call in stand_in.calls]  # two layers of one step, then a new step
     assert metas[0] is metas[1] and metas[2] is not metas[0]
     assert [call["s_q"] for call in stand_in.calls] == [3, 3, 3]  # not the threshold, 8
-    expect = layer(step, backend="torch")
+    with pytest.raises(ValueError, match="one head count"):  # the metadata is valid for one N only
+        step.run(batch.q[:, :1], batch.kv_c, batch.k_pe, batch.kv_cache, batch.kv_b_proj_weight[:32],
+                 batch.softmax_scale)
+    expect = mla_ops.run_prefill(batch.q, batch.kv_c, batch.k_pe, batch.kv_cache, batch.kv_b_proj_weight,
+                                 batch.softmax_scale, plan, backend="torch")
     for out in outputs:
         torch.testing.assert_close(out.float(), expect.float(), rtol=0, atol=ADAPTER_TOL[torch.float16])
 
@@ -159,7 +160,7 @@ def test_flashmla_adapter_against_reference(dtype):
 
 @pytest.mark.cuda
 @needs_cuda
-def test_run_prefill_on_flashmla_shares_the_plans_metadata():
+def test_a_flashmla_step_shares_its_metadata():
     ok, reason = flashmla.available()
     if not ok:
         pytest.skip(reason)
@@ -168,12 +169,15 @@ def test_run_prefill_on_flashmla_shares_the_plans_metadata():
     plan = mla_ops.plan_prefill(batch.query_start_loc, batch.context_lens, batch.block_table, 64,
                                 absorb_max_query_len=64)
 
+    step = mla_ops.begin_step(plan, batch.kv_cache, backend="flashmla")
+
     def layer(backend):
-        return mla_ops.run_prefill(batch.q, batch.kv_c, batch.k_pe, batch.kv_cache, batch.kv_b_proj_weight,
-                                   batch.softmax_scale, plan, backend=backend)
+        run = step.run if backend == "flashmla" else functools.partial(mla_ops.run_prefill, plan=plan, backend=backend)
+        return run(batch.q, batch.kv_c, batch.k_pe, batch.kv_cache, batch.kv_b_proj_weight,
+                   softmax_scale=batch.softmax_scale)
 
     first, second, expect = layer("flashmla"), layer("flashmla"), layer("torch")
-    (metadata,) = plan.kernel_state.values()  # made by the first layer, filled by its kernel call
-    assert metadata.tile_scheduler_metadata is not None
+    metadata = step.kernels.absorbed_context_attention.keywords["metadata"]  # made by begin_step
+    assert metadata.tile_scheduler_metadata is not None  # filled by the first layer's kernel call
     torch.testing.assert_close(second, first, rtol=0, atol=0)
     torch.testing.assert_close(first.float(), expect.float(), rtol=0, atol=ADAPTER_TOL[torch.bfloat16])

@@ -76,7 +76,7 @@ def test_dense_schedule_matches_the_device_form():
 
 @pytest.mark.parametrize("max_chunks", [None, 4])
 def test_the_plan_carries_the_absorbed_tokens_packed_offsets(max_chunks):
-    from mla_ops._mla import routed_token_loc
+    from mla_ops._mla import absorbed_token_loc
 
     qsl = torch.tensor([0, 2, 9, 10, 13], dtype=torch.int32)  # query lens 2, 7, 1, 3
     ctx = torch.tensor([5, 8, 0, 4], dtype=torch.int32)
@@ -84,7 +84,7 @@ def test_the_plan_carries_the_absorbed_tokens_packed_offsets(max_chunks):
     plan = mla_ops.plan_prefill(qsl, ctx, table, 4, workspace_size=8, max_chunks=max_chunks, absorb_max_query_len=3,
                                 max_absorbed_tokens=8)
     assert plan.absorbed_context_lens.tolist() == [5, 0, 0, 4]
-    assert plan.absorbed_token_loc.tolist() == routed_token_loc(qsl, plan.absorbed_context_lens).tolist() == \
+    assert plan.absorbed_token_loc.tolist() == absorbed_token_loc(qsl, plan.absorbed_context_lens).tolist() == \
         [0, 2, 2, 2, 5]
     off = mla_ops.plan_prefill(qsl, ctx, table, 4, workspace_size=8, max_chunks=max_chunks, absorb_max_query_len=0)
     assert off.absorbed_token_loc is None
@@ -93,11 +93,12 @@ def test_the_plan_carries_the_absorbed_tokens_packed_offsets(max_chunks):
 def test_plan_prefill_checks_its_options_once_per_distinct_arguments():
     from mla_ops.planning.options import plan_options
 
-    assert plan_options(16, 64) is plan_options(16, 64)  # a server's steps share one checked object
-    assert plan_options(np.int64(16), 64).block_size == 16
+    once = plan_options(block_size=16, workspace_size=64)
+    assert plan_options(block_size=16, workspace_size=64) is once  # a server's steps share one checked object
+    assert plan_options(block_size=np.int64(16), workspace_size=64).block_size == 16
     with pytest.raises(TypeError, match="block_size must be an int"):
-        plan_options(16.0, 64)  # equal to 16, and still refused
+        plan_options(block_size=16.0, workspace_size=64)  # equal to 16, and still refused
     with pytest.raises(TypeError, match="split_alignment must be an int"):
-        plan_options(16, 64, "packed", True)  # True == 1
+        plan_options(block_size=16, workspace_size=64, policy="packed", split_alignment=True)  # True == 1
     with pytest.raises(TypeError, match="workspace_size must be an int"):
-        plan_options(16, [64])  # unhashable: checked all the same
+        plan_options(block_size=16, workspace_size=[64])  # unhashable: checked all the same

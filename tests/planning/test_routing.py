@@ -62,12 +62,12 @@ def test_capacity_takes_the_first_routed_requests_that_fit(capacity):
     host = mla_ops.plan_prefill(*args, absorb_max_query_len=8, max_absorbed_tokens=capacity)
     device = mla_ops.plan_prefill(*args, max_chunks=16, absorb_max_query_len=8, max_absorbed_tokens=capacity)
     routed_tokens = sum(q for q, a in zip(QUERY_LENS, expect) if a)
-    assert host.max_absorbed_tokens == routed_tokens  # the host form's scratch: exactly the routed tokens
+    assert host.absorbed_rows == routed_tokens  # the host form's scratch: exactly the routed tokens
     def absorbed_lens(plan):  # None: no request takes the path
         return [0] * 8 if plan.absorbed_context_lens is None else plan.absorbed_context_lens.tolist()
 
     assert absorbed_lens(host) == expect and (host.absorbed_context_lens is None) == (routed_tokens == 0)
-    assert device.max_absorbed_tokens == capacity and absorbed_lens(device) == expect
+    assert device.absorbed_rows == capacity and absorbed_lens(device) == expect
     assert host.schedule.num_context_tokens == sum(CONTEXT_LENS) - sum(expect)
     ref = batch.reference()
     for plan in (host, device):
@@ -95,10 +95,10 @@ def test_capacity_routing_is_a_prefix_of_the_candidates_on_every_input_form(requ
 def test_device_capacity_defaults_to_a_quarter_of_the_workspace():
     batch = make_batch(CONTEXT_LENS, QUERY_LENS, seed=8)
     args = (batch.query_start_loc, batch.context_lens, batch.block_table, batch.kv_cache.shape[1])
-    assert mla_ops.plan_prefill(*args, 40, max_chunks=4, absorb_max_query_len=8).max_absorbed_tokens == 10
+    assert mla_ops.plan_prefill(*args, 40, max_chunks=4, absorb_max_query_len=8).absorbed_rows == 10
     host = mla_ops.plan_prefill(*args, 40, absorb_max_query_len=8)
-    assert host.max_absorbed_tokens == 14 and host.absorbed_context_lens.tolist() == CAPACITY_SPLITS[14]
-    assert mla_ops.plan_prefill(*args, 40, max_chunks=4, absorb_max_query_len=0).max_absorbed_tokens == 0
+    assert host.absorbed_rows == 14 and host.absorbed_context_lens.tolist() == CAPACITY_SPLITS[14]
+    assert mla_ops.plan_prefill(*args, 40, max_chunks=4, absorb_max_query_len=0).absorbed_rows == 0
 
 
 def test_default_routes_by_the_cost_model_at_deepseek_dims():

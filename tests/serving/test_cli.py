@@ -1,4 +1,4 @@
-"""``python -m mla_ops generate`` (``main`` in mla_ops/serving/generation.py, mla_ops/__main__.py) on
+"""``python -m mla_ops generate`` (``main`` in mla_ops/serving/cli.py, mla_ops/__main__.py) on
 argparse's conventions: a bad argument value exits 2 with the usage and one error line on stderr;
 an error while loading or generating exits 1 with one line, no traceback unless ``--debug``.
 
@@ -87,7 +87,8 @@ USAGE_ERRORS = [
     (["--dtype", "float31"], "argument --dtype: unknown dtype 'float31': choose from float32, bfloat16"),
     (["--dtype", "int8"], "argument --dtype: unknown dtype 'int8'"),
     (["--device", "nonsense"], "argument --device: unknown device 'nonsense'"),
-    (["--device", "meta"], "argument --device: meta tensors hold no values"),
+    (["--device", "meta"], "argument --device: device 'meta': meta tensors hold no values"),
+    (["--absorb-max-query-len", "-1"], "argument --absorb-max-query-len: must be an int >= 0, got -1"),
     (["--prompt", "hello"], "--prompt needs .*tokenizer.json"),
     (["--bogus"], "unrecognized arguments: --bogus"),
     ([], "give at least one --prompt or --prompt-ids"),
@@ -183,3 +184,60 @@ def test_a_real_process_exits_1_without_a_traceback(tmp_path):
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
     assert done.stderr.startswith(f"{PROG}: error: {no_weights} has neither model.safetensors")
+
+
+def test_absorb_max_query_len_routes_every_step_to_the_chunk_loop(capsys, checkpoint):
+    code, routed, _ = run(capsys, "--model", checkpoint, "--prompt-ids", "2,3,4", "--max-new-tokens", "3")
+    assert code == 0
+    code, out, err = run(capsys, "--model", checkpoint, "--prompt-ids", "2,3,4", "--max-new-tokens", "3",
+                         "--absorb-max-query-len", "0")
+    assert code == 0 and out == routed and "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_device_the_machine_lacks_is_a_usage_error(capsys, checkpoint):
+    for device in ("cuda", "cuda:1"):
+        code, out, err = run(capsys, "--model", checkpoint, "--prompt-ids", "1", "--device", device)
+        assert code == 2 and out == ""
+        assert f"argument --device: device '{device}': CUDA is not available here" in error_line(err)
+
+
+DEMO = "python -m mla_ops demo"
+
+
+def test_demo_refuses_a_backend_the_machine_lacks_in_one_line(capsys, monkeypatch):
+    """Checked before anything runs: the demo's tensors are on the CPU, where Triton needs its
+    interpreter (and the triton package)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        package_main(["demo", "--backend", "triton"])
+    out = capsys.readouterr()
+    assert exit_.value.code == 2 and out.out == "" and "Traceback" not in out.err
+    last = out.err.rstrip("\n").split("\n")[-1]
+    assert last.startswith(f"{DEMO}: error: argument --backend: backend='triton' ")
+    assert "TRITON_INTERPRET=1" in last or "needs the triton package" in last
+
+
+def test_demo_errors_while_running_exit_1_with_one_line(capsys, monkeypatch):
+    from mla_ops import demo
+
+    def fail(**kwargs):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(demo, "run", fail)
+    with pytest.raises(SystemExit) as exit_:
+        package_main(["demo"])
+    out = capsys.readouterr()
+    assert exit_.value.code == 1 and "Traceback" not in out.err
+    assert out.err == (f"{DEMO}: error: RuntimeError: no kernel image is available for execution on the device "
+                       "(--debug shows the traceback)\n")
+    with pytest.raises(RuntimeError, match="no kernel image"):
+        package_main(["demo", "--debug"])
+
+
+def test_demo_on_a_real_process_exits_2_without_a_traceback():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "mla_ops", "demo", "--backend", "triton"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env=dict(env, OMP_NUM_THREADS="1"))
+    assert done.returncode == 2 and done.stdout == "" and "Traceback" not in done.stderr
+    assert done.stderr.rstrip("\n").split("\n")[-1].startswith(f"{DEMO}: error: argument --backend:")

@@ -99,3 +99,61 @@ def test_prefix_caching_equals_recompute_after_an_in_place_weight_edit(one_threa
     with torch.no_grad():
         model.lm_head.weight.add_(0.0)  # a write without a change still clears it (the version moved)
     assert mla_ops.generate(model, a, 5, block_size=4) == expect
+
+
+# ---- the planning options: options= or the loose keywords ---------------------------------------
+
+
+def test_the_routing_options_reach_every_step_plan(one_thread, monkeypatch):
+    """absorb_max_query_len / max_absorbed_tokens (loose or in options=) plan every eager step; the
+    tokens are the same whichever path a request takes."""
+    from mla_ops.serving import generation
+
+    model = tiny_model()
+    a, _ = shared_prompts()
+    expect = recompute(model, a, 4)
+    plans = []
+    real = generation.plan_with_options
+    monkeypatch.setattr(generation, "plan_with_options", lambda *args: plans.append(real(*args)) or plans[-1])
+
+    assert mla_ops.Generator(model, block_size=4).generate(a, 4) == expect
+    assert all(p.absorbed_token_loc is not None for p in plans[1:])  # decode steps: one token and a context
+    for generator in (mla_ops.Generator(model, block_size=4, absorb_max_query_len=0),
+                      mla_ops.Generator(model, options=mla_ops.PlanOptions(4, absorb_max_query_len=0)),
+                      mla_ops.Generator(model, block_size=4, max_absorbed_tokens=0)):
+        plans.clear()
+        assert generator.generate(a, 4) == expect
+        assert plans and all(p.absorbed_token_loc is None for p in plans)  # every request took the chunk loop
+    plans.clear()
+    whole = mla_ops.PlanOptions(4, workspace_size=8, policy="whole_requests", split_alignment=4)
+    assert mla_ops.Generator(model, options=whole).generate(a, 4) == expect
+    assert {(p.workspace_size, p.block_size) for p in plans} == {(8, 4)}
+
+
+def test_generate_keeps_its_generator_while_the_options_are_equal(one_thread):
+    from mla_ops.serving import generation
+
+    model = tiny_model()
+    a, _ = shared_prompts()
+    expect = recompute(model, a, 3)
+    assert mla_ops.generate(model, a, 3, block_size=4) == expect
+    kept = generation._generators[model]
+    assert kept.settings.options == mla_ops.PlanOptions(4)
+    assert mla_ops.generate(model, a, 3, options=mla_ops.PlanOptions(block_size=4)) == expect
+    assert generation._generators[model] is kept  # the same options, spelled differently
+    assert mla_ops.generate(model, a, 3, block_size=4, absorb_max_query_len=0) == expect
+    replaced = generation._generators[model]
+    assert replaced is not kept and replaced.options.absorb_max_query_len == 0
+
+
+def test_compiled_generation_takes_the_routing_options(one_thread):
+    """compile=True: PrefillGraphs plans the packed device form with the Generator's routing."""
+    model = tiny_model()
+    a, _ = shared_prompts()
+    expect = recompute(model, a, 3)
+    torch._dynamo.reset()
+    compiled = mla_ops.Generator(model, block_size=4, absorb_max_query_len=0, max_absorbed_tokens=2, compile=True)
+    assert compiled.generate(a, 3) == expect
+    options = compiled._runner.options
+    assert (options.absorb_max_query_len, options.max_absorbed_tokens, options.block_size) == (0, 2, 4)
+    assert options.device_form and options.policy == "packed"

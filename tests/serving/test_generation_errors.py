@@ -1,4 +1,4 @@
-"""Bad input to ``Generator`` and ``mla_ops.generate`` (mla_ops/serving/generation.py): one
+"""Bad input to ``Generator`` and ``mla_ops.generate`` (mla_ops/serving/generation.py, prompts.py): one
 TypeError or ValueError naming the argument, raised before anything is written. Each refused call
 leaves its inputs, the cache tensor, the block manager and the prefix index bit-identical, and the
 runner usable (a good call afterwards gives the reference tokens).
@@ -186,10 +186,27 @@ BAD_SETTINGS = [
     (dict(compile=1), TypeError, "compile must be a bool, got int"),
     (dict(prefix_caching=0), TypeError, "prefix_caching must be a bool"),
     (dict(prefix_caching=None), TypeError, "prefix_caching must be a bool"),
+    (dict(absorb_max_query_len=-1), ValueError, "absorb_max_query_len must be an int >= 0"),
+    (dict(absorb_max_query_len=1.0), TypeError, "absorb_max_query_len must be an int"),
+    (dict(max_absorbed_tokens=-2), ValueError, "max_absorbed_tokens must be an int >= 0"),
+    (dict(options="packed"), TypeError, "options must be a mla_ops.PlanOptions or None, got str"),
+    (dict(options=dict(block_size=4)), TypeError, "options must be a mla_ops.PlanOptions"),
+    (dict(options=mla_ops.PlanOptions(4), block_size=8), ValueError, "block_size=8 was passed beside options="),
+    (dict(options=mla_ops.PlanOptions(), workspace_size=64), ValueError, "workspace_size=64 was passed beside"),
+    (dict(options=mla_ops.PlanOptions(), absorb_max_query_len=0), ValueError,
+     r"absorb_max_query_len=0 was passed beside options=: set it in the PlanOptions \(options.absorb_max_query_len "
+     "is None\\)"),
+    (dict(options=mla_ops.PlanOptions(), max_absorbed_tokens=8), ValueError, "max_absorbed_tokens=8 was passed"),
+    (dict(options=mla_ops.PlanOptions(max_chunks=2)), ValueError, "options.max_chunks must be None, got 2"),
+    (dict(options=mla_ops.PlanOptions(policy="whole_requests"), compile=True), ValueError,
+     "options: compile=True plans each step on the device.*policy='whole_requests'"),
+    (dict(options=mla_ops.PlanOptions(split_alignment=4), compile=True), ValueError,
+     "options: compile=True .*split_alignment=4"),
 ]
 
 
-@pytest.mark.parametrize("kwargs, error, words", BAD_SETTINGS, ids=[str(k) for k, *_ in BAD_SETTINGS])
+@pytest.mark.parametrize("kwargs, error, words", BAD_SETTINGS,
+                         ids=[f"{i}-{'+'.join(k)}" for i, (k, *_) in enumerate(BAD_SETTINGS)])
 def test_settings_are_refused_by_generator_and_generate(model, kwargs, error, words):
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(error, match=words):

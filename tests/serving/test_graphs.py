@@ -105,6 +105,29 @@ def check_steps(runner, model, steps, caches, *, built=()):
     return touched
 
 
+@pytest.mark.parametrize("options", [
+    mla_ops.PlanOptions(BLOCK_SIZE, WORKSPACE, policy="whole_requests"),
+    mla_ops.PlanOptions(BLOCK_SIZE, WORKSPACE, split_alignment=2),
+    mla_ops.PlanOptions(BLOCK_SIZE, WORKSPACE, max_chunks=4),
+])
+def test_options_must_plan_the_packed_device_form(options):
+    with pytest.raises(ValueError, match="options must plan the packed policy"):
+        mla_ops.PrefillGraphs(make_model(layers=1), max_tokens=32, max_requests=6, max_blocks_per_request=MAX_BLOCKS,
+                              mode="eager", options=options)
+
+
+def test_options_object_equals_its_keywords():
+    model = make_model(layers=1)
+    options = mla_ops.PlanOptions(BLOCK_SIZE, WORKSPACE, absorb_max_query_len=ABSORB,
+                                  max_absorbed_tokens=ABSORBED_CAPACITY)
+    by_object = mla_ops.PrefillGraphs(model, max_tokens=32, max_requests=6, max_blocks_per_request=MAX_BLOCKS,
+                                      mode="eager", options=options, **BUCKETS)
+    assert by_object.options == make_runner(model, "eager").options
+    caches = model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
+    torch.nn.init.normal_(caches)
+    check_steps(by_object, model, EDGE_STEPS[:4], caches)
+
+
 def test_eager_mode_random_steps_equal_the_eager_model():
     model = make_model()
     runner = make_runner(model, "eager")
@@ -236,6 +259,8 @@ def valid_call(model):
     (dict(chunk_buckets=(1, 2.5)), TypeError, "chunk_buckets"),
     (dict(workspace_size=-1), ValueError, "workspace_size"),
     (dict(k_scale=-1.0), ValueError, "k_scale"),
+    (dict(options=mla_ops.PlanOptions(BLOCK_SIZE, WORKSPACE)), ValueError, "was passed beside options="),
+    (dict(options=dict(block_size=BLOCK_SIZE)), TypeError, "options must be a mla_ops.PlanOptions"),
 ])
 def test_bad_construction_names_the_argument(kwargs, error, name):
     with pytest.raises(error, match=name):

@@ -100,13 +100,15 @@ def _mask(q_len, c):
 
 
 def dense_reference(q, kv_c, k_pe, kv_cache, block_table, query_start_loc, context_lens,
-                    kv_b_proj_weight, softmax_scale, k_scale=None):
-    """Float64 [T, N, V]: per request, all keys/values built at once, one masked softmax."""
+                    kv_b_proj_weight, softmax_scale, k_scale=None, *, return_lse=False):
+    """Float64 [T, N, V]: per request, all keys/values built at once, one masked softmax; with
+    ``return_lse``, also the softmax's log-sum-exp [N, T] (natural log)."""
     N, L, P, R, V = _dims(q, k_pe, kv_cache, kv_b_proj_weight)
     qsl = [int(x) for x in query_start_loc.tolist()]
     ctx = [int(x) for x in context_lens.tolist()]
     w = kv_b_proj_weight.double()
     out = torch.zeros(q.shape[0], N, V, dtype=torch.float64)
+    lse = torch.full((N, q.shape[0]), float("-inf"), dtype=torch.float64)
     for r in range(len(ctx)):
         s, e, c = qsl[r], qsl[r + 1], ctx[r]
         if e == s:
@@ -120,7 +122,8 @@ def dense_reference(q, kv_c, k_pe, kv_cache, block_table, query_start_loc, conte
         scores = scores.masked_fill(~_mask(e - s, c), float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[s:e] = torch.einsum("nqk,knd->qnd", probs, v)
-    return out
+        lse[:, s:e] = torch.logsumexp(scores, dim=-1)
+    return (out, lse) if return_lse else out
 
 
 def sdpa_reference(q, kv_c, k_pe, kv_cache, block_table, query_start_loc, context_lens,

@@ -1,0 +1,169 @@
+"""config.json (a Hugging Face config) -> ``MLAConfig`` keyword arguments.
+
+Both forms that exist are read: the released one (``rope_theta`` + ``rope_scaling``, ``torch_dtype``,
+``scoring_func``, ``topk_method``) and the one transformers 5 writes (``rope_parameters`` holding
+``rope_theta`` and the scaling, ``dtype``, and for V3 no ``scoring_func`` / ``topk_method``: its gate
+is always sigmoid with group-limited top-k over ``e_score_correction_bias``-corrected scores,
+"noaux_tc"). What a ``model_type`` implies for the keys its config.json leaves out is one entry of
+``MODEL_TYPES``: a new model type is a new entry.
+
+A key that is absent or null takes its default (required keys have none and are reported missing).
+The values are checked by ``MLAConfig`` (same names) and the rest here, each error naming the key:
+config.json's ``attention_bias`` / ``mlp_bias`` must be false, ``hidden_act`` "silu", ``dtype`` (or
+``torch_dtype``) None or a float dtype's name; ``rope_scaling`` (or ``rope_parameters``) an object,
+for YaRN ``factor`` > 0, ``original_max_position_embeddings`` >= 1, ``beta_fast`` / ``beta_slow`` > 0,
+``mscale`` / ``mscale_all_dim`` real, ``attention_factor`` > 0, ``truncate`` a boolean.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .. import _checks
+from .checkpoint_files import read_json_object
+from .rope import YarnScaling
+
+# model_type -> the MLAConfig values its config.json leaves out (the gate of a model with experts).
+MODEL_TYPES = {
+    "deepseek_v2": dict(scoring_func="softmax", topk_method="greedy", norm_topk_prob=False,
+                        routed_scaling_factor=1.0),
+    "deepseek_v3": dict(scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True,
+                        routed_scaling_factor=2.5),
+}
+# Another model_type names its gate itself (scoring_func and topk_method); the rest defaults as V2's.
+_OTHER_TYPE = MODEL_TYPES["deepseek_v2"]
+
+
+def read_config(config) -> tuple[dict, str | None]:
+    """config.json's object and the file it came from: ``config`` a dict (no file), a config.json path
+    or a checkpoint directory."""
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        path = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        return read_json_object(path), path
+    if not isinstance(config, dict):
+        raise TypeError(f"config must be a dict, a config.json path or a directory, got {type(config).__name__}")
+    return config, None
+
+
+def check_yarn(y: YarnScaling, key: str) -> None:
+    _checks.check_real(y.factor, f"{key}.factor")
+    _checks.check_int(y.original_max_position_embeddings, f"{key}.original_max_position_embeddings", 1)
+    _checks.check_real(y.beta_fast, f"{key}.beta_fast")
+    _checks.check_real(y.beta_slow, f"{key}.beta_slow")
+    _checks.check_real(y.mscale, f"{key}.mscale", None, optional=True)
+    _checks.check_real(y.mscale_all_dim, f"{key}.mscale_all_dim", None, optional=True)
+    _checks.check_real(y.attention_factor, f"{key}.attention_factor", optional=True)
+    _checks.check_bool(y.truncate, f"{key}.truncate")
+
+
+def _object(value, key: str) -> dict:
+    if not isinstance(value, dict):
+        raise TypeError(f"{key} must be an object, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def yarn_from_dict(scaling, max_position_embeddings: int, key: str = "rope_scaling") -> YarnScaling | None:
+    """config.json's ``rope_scaling`` (or ``rope_parameters``) checked and read; None for plain RoPE.
+    A null entry takes its default."""
+    _object(scaling, key)
+    for name in ("rope_type", "type"):
+        if scaling.get(name) is not None:
+            _checks.check_str(scaling[name], f"{key}.{name}")
+    clean = {k: v for k, v in scaling.items() if v is not None}
+    kind = clean.get("rope_type", clean.get("type", "default"))
+    if kind == "yarn":
+        for name, positive in (("factor", True), ("beta_fast", True), ("beta_slow", True),
+                               ("attention_factor", True), ("mscale", None), ("mscale_all_dim", None)):
+            if name in clean:
+                clean[name] = _checks.check_real(clean[name], f"{key}.{name}", positive)
+        if "original_max_position_embeddings" in clean:
+            _checks.check_int(clean["original_max_position_embeddings"], f"{key}.original_max_position_embeddings", 1)
+        if "truncate" in clean:
+            _checks.check_bool(clean["truncate"], f"{key}.truncate")
+    y = YarnScaling.from_dict(clean, max_position_embeddings)  # an unknown type: a ValueError naming it
+    if y is not None:
+        check_yarn(y, key)
+    return y
+
+
+class _Keys:
+    """config.json's values: an absent or null key takes its default, a required one has none."""
+
+    def __init__(self, c: dict):
+        self.c = c
+
+    def get(self, name, default=None):
+        value = self.c.get(name)
+        return default if value is None else value
+
+    def need(self, name):
+        if self.c.get(name) is None:
+            raise ValueError(f"config.json lacks {name!r}, which a DeepSeek-V2/V3 model needs")
+        return self.c[name]
+
+
+def mla_config_kwargs(c: dict) -> dict:
+    """MLAConfig keyword arguments from config.json's keys; the values are checked by MLAConfig
+    (same names), the rest here with the key's name."""
+    keys = _Keys(c)
+    for flag in ("attention_bias", "mlp_bias"):
+        if _checks.check_bool(keys.get(flag, False), flag):
+            raise ValueError(f"config.json sets {flag}=true: biases are not supported (no DeepSeek release has them)")
+    if _checks.check_str(keys.get("hidden_act", "silu"), "hidden_act") != "silu":
+        raise ValueError(f"hidden_act must be 'silu', got {c['hidden_act']!r}")
+    model_type = c.get("model_type")
+    if model_type is not None:
+        _checks.check_str(model_type, "model_type")
+    dtype_key = "dtype" if c.get("dtype") is not None else "torch_dtype"
+    _checks.model_dtype(c.get(dtype_key), dtype_key)
+    return dict(
+        hidden_size=keys.need("hidden_size"), num_attention_heads=keys.need("num_attention_heads"),
+        q_lora_rank=c.get("q_lora_rank"), kv_lora_rank=keys.need("kv_lora_rank"),
+        qk_nope_head_dim=keys.need("qk_nope_head_dim"), qk_rope_head_dim=keys.need("qk_rope_head_dim"),
+        v_head_dim=keys.need("v_head_dim"), rms_norm_eps=keys.get("rms_norm_eps", 1e-6),
+        intermediate_size=keys.need("intermediate_size"), num_hidden_layers=keys.need("num_hidden_layers"),
+        vocab_size=keys.need("vocab_size"), initializer_range=keys.get("initializer_range", 0.02),
+        rope_interleave=keys.get("rope_interleave", True),  # V2 always interleaves; V3 says so, default true
+        tie_word_embeddings=keys.get("tie_word_embeddings", False),
+        dtype=c.get(dtype_key),
+        **_rope(keys), **_experts(keys, model_type),
+    )
+
+
+def _rope(keys: _Keys) -> dict:
+    """rope_theta, max_position_embeddings and the scaling: transformers 5 puts rope_theta and the
+    scaling into rope_parameters; releases keep them apart."""
+    rope = _object(keys.get("rope_parameters", {}), "rope_parameters")
+    if rope.get("rope_theta") is not None:
+        rope_theta = _checks.check_real(rope["rope_theta"], "rope_parameters.rope_theta")
+    else:
+        rope_theta = _checks.check_real(keys.get("rope_theta", 10000.0), "rope_theta")
+    scaling_key, scaling = "rope_scaling", _object(keys.get("rope_scaling", {}), "rope_scaling")
+    if not scaling:
+        scaling_key, scaling = "rope_parameters", rope
+    max_positions = _checks.check_int(keys.get("max_position_embeddings", 4096), "max_position_embeddings", 1)
+    return dict(rope_theta=rope_theta, max_position_embeddings=max_positions,
+                rope_scaling=yarn_from_dict(scaling, max_positions, scaling_key) if scaling else None)
+
+
+def _experts(keys: _Keys, model_type: str | None) -> dict:
+    """The mixture of experts; none (every layer dense) for a null or 0 ``n_routed_experts``."""
+    experts = _checks.check_int(keys.c.get("n_routed_experts"), "n_routed_experts", 0, optional=True)
+    if not experts:
+        return {}
+    defaults = MODEL_TYPES.get(model_type)
+    if defaults is None:
+        if not (keys.c.get("scoring_func") and keys.c.get("topk_method")):
+            raise ValueError(
+                f"config.json has model_type {model_type!r}: without 'scoring_func' and 'topk_method' the gate is "
+                f"known only for {', '.join(map(repr, MODEL_TYPES))}"
+            )
+        defaults = _OTHER_TYPE
+    return dict(
+        n_routed_experts=experts, num_experts_per_tok=keys.need("num_experts_per_tok"),
+        moe_intermediate_size=keys.need("moe_intermediate_size"), n_shared_experts=keys.get("n_shared_experts", 0),
+        first_k_dense_replace=keys.get("first_k_dense_replace", 0), moe_layer_freq=keys.get("moe_layer_freq", 1),
+        n_group=keys.get("n_group", 1), topk_group=keys.get("topk_group", 1),
+        **{name: keys.get(name, default) for name, default in defaults.items()},
+    )

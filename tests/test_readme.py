@@ -3,8 +3,8 @@ one shared namespace (a block may use what an earlier one defined), and likewise
 docs/integration.md. A block that raises, or whose assertion fails, fails the test with the
 page's own line in the traceback, so an example cannot drift from the code.
 
-The README's compiled example compiles a two-layer model with Inductor (the slow part, about half
-a minute on two cores). The pages call ``mla_ops.enable()``, which stays on (it is idempotent, as
+The README's compiled example compiles a two-layer model with Inductor: the slow part, up to a
+minute on two cores. The pages call ``mla_ops.enable()``, which stays on (it is idempotent, as
 for the compile tests); the global RNG and Dynamo's caches are restored or reset around each page.
 """
 

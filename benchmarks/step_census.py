@@ -8,9 +8,9 @@ depends on the layer when one of its inputs derives from the layer's data (its w
 the hidden states it receives); the others, views and uninitialized allocations aside, depend only
 on the step. Counted, not timed: host and device plans, B = 4 and 32, float32 and float8 caches, the
 torch backend and (under ``TRITON_INTERPRET=1``) the Triton one, where a kernel launch counts as one
-op and the torch glue around it as what it is (on a GPU, every op is a launch). On the CPU the count
-includes the host reads of the free checks (a cache write's slot range: ``max`` and
-``_local_scalar_dense``), which a GPU step skips.
+op and the torch glue around it as what it is (on a GPU, every op is a launch). The step's checks
+(the plan's fit, the slots' range) and its tensors run in ``mla_ops.begin_step``, before the first
+layer: a layer counts only its own work.
 
     python -m benchmarks.step_census --json benchmarks/results/step_census.json
     TRITON_INTERPRET=1 python -m benchmarks.step_census --backend triton \
@@ -59,7 +59,7 @@ class LayerCensus(TorchDispatchMode):
     def _enter(self, index: int):
         def hook(module, args):
             self.layer = index
-            for x in (args[0], args[2]):  # the hidden states and the layer's cache
+            for x in args[:2]:  # the hidden states and the layer's cache
                 self._mark(x)
         return hook
 

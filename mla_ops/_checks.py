@@ -150,8 +150,8 @@ def check_device(device, name: str = "device") -> torch.device:
 def check_softmax_scale(softmax_scale) -> float:
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (numbers.Real, torch.SymFloat)):
         raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
-    if not torch.compiler.is_compiling() and not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    if not isinstance(softmax_scale, torch.SymFloat) and not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")  # a host float: free in compiled code too
     return float(softmax_scale)
 
 
@@ -294,20 +294,37 @@ def k_scale_tensor(k_scale, kv_cache: torch.Tensor) -> torch.Tensor | None:
 
 
 def check_k_scale(k_scale, kv_cache: torch.Tensor, device: torch.device) -> None:
-    """``k_scale``: required for a float8_e4m3fn cache; a positive float or a one-element float32
-    tensor on ``device``; ignored for other cache dtypes."""
+    """``k_scale``: required for a float8_e4m3fn cache (``check_scale``); ignored for other cache dtypes."""
     if kv_cache.dtype == torch.float8_e4m3fn and k_scale is None:
         raise ValueError("k_scale is required for a float8_e4m3fn kv_cache (dequantized = stored * k_scale)")
-    if isinstance(k_scale, torch.Tensor):
-        if k_scale.numel() != 1 or k_scale.dtype != torch.float32:
+    if k_scale is not None:
+        check_scale(k_scale, "k_scale", device)
+
+
+def check_scale(scale, name: str, device: torch.device) -> None:
+    """A dequantization scale: a finite positive float or a one-element float32 tensor on ``device``,
+    checked by value where that is free (a float, a CPU tensor; a GPU tensor under the debug switch,
+    as a device-side assert)."""
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1 or scale.dtype != torch.float32:
             raise ValueError(
-                f"k_scale must be a float or a one-element float32 tensor, got {k_scale.numel()} "
-                f"elements of {k_scale.dtype}"
+                f"{name} must be a float or a one-element float32 tensor, got {scale.numel()} "
+                f"elements of {scale.dtype}"
             )
-        if k_scale.device != device:
-            raise ValueError(f"k_scale must be on {device}, got {k_scale.device}")
-    elif k_scale is not None:
-        if isinstance(k_scale, bool) or not isinstance(k_scale, numbers.Real):
-            raise TypeError(f"k_scale must be a float or a one-element float32 tensor, got {type(k_scale).__name__}")
-        if not k_scale > 0:
-            raise ValueError(f"k_scale must be positive, got {k_scale}")
+        if scale.device != device:
+            raise ValueError(f"{name} must be on {device}, got {scale.device}")
+        if values_readable(scale):
+            _check_scale_value(float(scale.reshape(())), name)
+        elif debug_enabled():
+            torch._assert_async(torch.isfinite(scale).all() & (scale > 0).all(),
+                                f"mla_ops debug: {name} must be finite and positive")
+    else:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            raise TypeError(f"{name} must be a float or a one-element float32 tensor, got {type(scale).__name__}")
+        _check_scale_value(float(scale), name)
+
+
+def _check_scale_value(value: float, name: str) -> None:
+    # 0 or inf would store every row as +-448 or 0 (row / scale, saturated) and read it back as 0 or NaN.
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be finite and positive, got {value}")

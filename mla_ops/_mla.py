@@ -10,9 +10,6 @@ from typing import NamedTuple
 
 import torch
 
-# Keys per block in the reference loops: bounds a score matrix at N x m x KEY_BLOCK.
-KEY_BLOCK = 4096
-
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     """LSEs are float32, or float64 when the attention itself runs in float64 (exact oracle)."""

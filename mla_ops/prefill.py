@@ -116,10 +116,14 @@ class PrefillStep:
         self.cache_blocks = tuple(cache.shape[-3:-1])  # (num_blocks, block_size) every layer's cache has
         self.cache_dtype = cache.dtype
         self.num_heads: int | None = None  # set by the first layer: FlashMLA's metadata is per head count
-        self._truncated: tuple[torch.Tensor | None] | None = None  # made by the first layer
+        self._truncated: tuple[torch.Tensor | None] | None = None
+        num_tokens = plan.num_tokens if slot_mapping is None else slot_mapping.shape[0]
+        if num_tokens is not None:
+            self.truncated_tokens(num_tokens)
 
     def truncated_tokens(self, num_tokens: int) -> torch.Tensor | None:
-        """``chunk_loop.truncated_tokens`` of the plan, made once for the step's T (every layer's)."""
+        """``chunk_loop.truncated_tokens`` of the plan, made once for the step's T (here where T is
+        known, else by the first layer)."""
         if self._truncated is None:
             self._truncated = (truncated_tokens(self.plan, num_tokens),)
         return self._truncated[0]

@@ -205,12 +205,9 @@ class Generator:
 
             enable()
             mode = "cuda_graph" if self.kv_caches.device.type == "cuda" else "compile"
-            options = self.options  # its routing; the device plan's K comes from the buckets
-            self._runner = PrefillGraphs(
+            self._runner = PrefillGraphs(  # the device plan's K comes from the buckets
                 self.model.model, max_tokens=sizes[0], max_requests=sizes[1],
-                max_blocks_per_request=max_blocks_per_request, block_size=options.block_size,
-                workspace_size=options.workspace_size, absorb_max_query_len=options.absorb_max_query_len,
-                max_absorbed_tokens=options.max_absorbed_tokens, mode=mode)
+                max_blocks_per_request=max_blocks_per_request, mode=mode, options=self.options)
             self._runner_caches = self.kv_caches
         return self._runner
 

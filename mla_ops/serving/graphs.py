@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import numbers
 from typing import Callable
 
 import numpy as np
@@ -343,11 +342,12 @@ class PrefillGraphs:
     # ---- checks ----------------------------------------------------------------------------
 
     def _device_k_scale(self, k_scale):
-        """A float scale becomes a device tensor once: no host-to-device copy inside a capture."""
-        if k_scale is None or isinstance(k_scale, torch.Tensor):
+        """Checked once; a float scale becomes a device tensor once: no host-to-device copy inside a capture."""
+        if k_scale is None:
+            return None
+        checks.check_scale(k_scale, "k_scale", self.device)
+        if isinstance(k_scale, torch.Tensor):
             return k_scale
-        if isinstance(k_scale, bool) or not isinstance(k_scale, numbers.Real) or not k_scale > 0:
-            raise ValueError(f"k_scale must be a positive float or a one-element float32 tensor, got {k_scale!r}")
         return torch.tensor([float(k_scale)], dtype=torch.float32, device=self.device)
 
     def _check_caches(self, kv_caches) -> None:

@@ -91,6 +91,13 @@ def test_matches_reference(block_size, dtype):
     check(context_batch(CONTEXTS, QUERIES, block_size=block_size, dtype=dtype, seed=block_size, **SMALL), dtype)
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.7])  # 0: uniform weights; < 0: masked keys must stay out
+def test_zero_and_negative_scales(scale):
+    batch = context_batch(CONTEXTS, QUERIES, block_size=4, dtype=torch.float32, seed=7, **SMALL)
+    batch.softmax_scale = scale
+    check(batch, torch.float32)
+
+
 def test_single_query_and_many_head_groups():
     dims = dict(SMALL, N=20)  # 16 heads per tile: two head groups, the second mostly masked
     check(context_batch([7], [1], block_size=4, dtype=torch.float32, **dims), torch.float32)

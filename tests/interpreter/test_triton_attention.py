@@ -123,6 +123,27 @@ def test_suffix_attention(case, heads, dims, dtype):
     assert not out.isnan().any() and not lse.isnan().any(), "suffix_attention must write every token"
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.7])  # 0: uniform weights; < 0: masked keys must stay out
+def test_zero_and_negative_scales(scale):
+    q_lens, k_lens, starts = CONTEXT_CASES["host_chunk"]
+    q, k_nope, k_pe, v = make_qkv(q_lens, k_lens, 3, DIMS["odd"], torch.float32, seed=8)
+    query_start_loc, cu_seq_lens, starts = cu(q_lens), cu(k_lens), torch.tensor(starts, dtype=torch.int32)
+    out, lse = torch.zeros(q.shape[0], 3, 5), torch.full((3, q.shape[0]), float("-inf"))
+    ref_out, ref_lse = out.clone(), lse.clone()
+    context_attention(q, k_nope, k_pe, v, query_start_loc, cu_seq_lens, starts, scale, out, lse)
+    context_attention_reference(q, k_nope, k_pe, v, query_start_loc, cu_seq_lens, starts, scale, ref_out, ref_lse)
+    assert_matches(out, ref_out, OUT_TOL[torch.float32], "context out")
+    assert_matches(lse, ref_lse, LSE_TOL[torch.float32], "context lse")
+    q_lens = SUFFIX_CASES["batch"]
+    q, k_nope, k_pe, v = make_qkv(q_lens, q_lens, 3, DIMS["odd"], torch.float32, seed=9)
+    out, lse = torch.empty(q.shape[0], 3, 5), torch.empty(3, q.shape[0])
+    ref_out, ref_lse = out.clone(), lse.clone()
+    suffix_attention(q, k_nope, k_pe, v, cu(q_lens), scale, out, lse)
+    suffix_attention_reference(q, k_nope, k_pe, v, cu(q_lens), scale, ref_out, ref_lse)
+    assert_matches(out, ref_out, OUT_TOL[torch.float32], "suffix out")
+    assert_matches(lse, ref_lse, LSE_TOL[torch.float32], "suffix lse")
+
+
 def test_context_fp16_inputs_into_fp32_out():
     q_lens, k_lens, starts = CONTEXT_CASES["host_chunk"]
     q, k_nope, k_pe, v = make_qkv(q_lens, k_lens, 3, DIMS["odd"], torch.float16, seed=5)

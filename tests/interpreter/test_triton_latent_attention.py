@@ -24,11 +24,14 @@ TOL = {torch.float32: 1e-4, torch.float16: 1e-2}
 SMALL = dict(N=3, L=32, R=8, P=8, V=8)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("fp8_scale", [None, 0.5])
-def test_matches_reference(dtype, fp8_scale):
+@pytest.mark.parametrize("dtype,fp8_scale,softmax_scale", [(torch.float32, None, None), (torch.float16, None, None),
+                                                         (torch.float32, 0.5, None), (torch.float16, 0.5, None),
+                                                         (torch.float32, None, 0.0), (torch.float32, None, -0.7)])
+def test_matches_reference(dtype, fp8_scale, softmax_scale):
     batch = context_batch([5, 0, 19, 3, 40, 1], [1, 3, 17, 0, 2, 1], block_size=4, dtype=dtype, fp8_scale=fp8_scale,
                           **dict(SMALL, N=5))
+    if softmax_scale is not None:  # 0: uniform weights; < 0: masked keys must stay out
+        batch.softmax_scale = softmax_scale
     tokens, heads, latent = batch.q.shape[0], 5, SMALL["L"]
     g = torch.Generator().manual_seed(1)
     q_abs = torch.randn(tokens, heads, latent + SMALL["R"], generator=g).to(dtype)  # [T, H, L+R]

@@ -5,8 +5,6 @@ the chunk loop's kernels (gather, up-projection, attention) over every chunk of 
 q [T, N, P+R]   k_nope [S, N, P]   k_pe [S, R]   v [S, N, V]   cu_seq_lens [B+1]   -> out [T, N, V], lse [N, T]
 """
 
-import math
-
 import pytest
 import torch
 
@@ -14,42 +12,24 @@ import mla_ops  # noqa: F401  (registers torch.ops.mla_ops)
 from mla_ops.ops import attention
 from mla_ops.ops.backends import REFERENCE
 from mla_ops.planning.device_schedule import device_plan_tensors
-from tests.support.batches import paged_block_table
+from tests.support.batches import dense_attention, paged_block_table, random_varlen
 from tests.support.gpu import DEVICE, TOL, needs_cuda
 
 ops = torch.ops.mla_ops
 OPCHECK_UTILS = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
 
 
-def dense_attention(q, k_nope, k_pe, v, scale, causal):
-    """float64 softmax attention of one request: q [m, N, P+R], keys [s, ...] -> out, lse."""
-    k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, k_nope.shape[1], -1)], dim=-1).double()
-    s = torch.einsum("mnd,snd->nms", q.double(), k) * scale
-    if causal:
-        m, n = q.shape[0], k.shape[0]
-        s = s.masked_fill(torch.arange(n)[None, :] > torch.arange(m)[:, None] + (n - m), -math.inf)
-    lse = torch.logsumexp(s, -1)
-    return torch.einsum("nms,snv->mnv", torch.softmax(s, -1), v.double()), lse
-
-
-def random_varlen(lens, num_heads=2, nope=8, rope=4, value=8, dtype=torch.float64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    total = sum(lens)
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-    make = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(dtype)  # noqa: E731
-    return cu, make(total, num_heads, nope), make(total, rope), make(total, num_heads, value), make
-
-
-@pytest.fixture(params=["fused", "key_blocks"])
-def cpu_path(request, monkeypatch):
-    """The references' two CPU paths: ATen's fused attention where a batch fits, else the key-block loop."""
-    if request.param == "key_blocks":
-        monkeypatch.setattr(attention, "FLASH_LIMIT", 0)
-    return request.param
+@pytest.fixture(params=["op", "oracle"])
+def impl(request):
+    """``(context_attention, suffix_attention)``: the ops (on CPU the engine of ops/cpu_attention.py,
+    whose branches tests/ops/test_cpu_attention.py forces) and the torch oracles."""
+    if request.param == "op":
+        return ops.context_attention, ops.suffix_attention
+    return attention.context_attention_reference, attention.suffix_attention_reference
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_context_attention_writes_and_continues(dtype, tol, cpu_path):
+def test_context_attention_writes_and_continues(dtype, tol, impl):
     # T=1 and 17, a request with no rows (left untouched), one without queries
     q_lens, k_lens = [1, 17, 0, 4], [5, 0, 3, 11]
     cu_q, _, _, _, make = random_varlen(q_lens, dtype=dtype)
@@ -64,7 +44,7 @@ def test_context_attention_writes_and_continues(dtype, tol, cpu_path):
     lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     lse = torch.full((2, sum(q_lens)), float("nan"), dtype=lse_dtype)
     out[:1], lse[:, :1] = prev_out.to(dtype), prev_lse.to(lse_dtype)
-    ops.context_attention(q, k_nope, k_pe, v, cu_q, cu_k, starts, scale, out, lse)
+    impl[0](q, k_nope, k_pe, v, cu_q, cu_k, starts, scale, out, lse)
 
     for i in range(4):
         t0, t1, s0, s1 = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
@@ -84,12 +64,12 @@ def test_context_attention_writes_and_continues(dtype, tol, cpu_path):
 @pytest.mark.parametrize("lens", [[1, 17, 3], [1, 1, 1, 1]])  # the second: a decode step, one key each
 @pytest.mark.parametrize("num_heads,value", [(1, 8), (16, 8), (2, 16)])  # V below and above P+R = 12
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.float16, 1e-2)])
-def test_suffix_attention_is_causal_per_request(lens, num_heads, value, dtype, tol, cpu_path):
+def test_suffix_attention_is_causal_per_request(lens, num_heads, value, dtype, tol, impl):
     cu, k_nope, k_pe, v, make = random_varlen(lens, num_heads=num_heads, value=value, dtype=dtype)
     q = make(sum(lens), num_heads, 12)
     out = torch.empty(sum(lens), num_heads, value, dtype=dtype)
     lse = torch.empty(num_heads, sum(lens))
-    ops.suffix_attention(q, k_nope, k_pe, v, cu, 0.25, out, lse)
+    impl[1](q, k_nope, k_pe, v, cu, 0.25, out, lse)
     for t0, t1 in zip(cu[:-1].tolist(), cu[1:].tolist()):
         expect, expect_lse = dense_attention(q[t0:t1], k_nope[t0:t1], k_pe[t0:t1], v[t0:t1], 0.25, True)
         torch.testing.assert_close(out[t0:t1].double(), expect, atol=tol, rtol=tol)

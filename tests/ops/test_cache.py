@@ -4,6 +4,8 @@ fp8-quantized with k_scale; padding slots (negative) skipped; bad input rejected
 kv_c [T, L]   k_pe [T, R]   slot_mapping [T] (negative = padding)   kv_cache [num_blocks, block_size, L+R]
 """
 
+import math
+
 import pytest
 import torch
 
@@ -126,6 +128,10 @@ BAD_WRITES = {
     "k_scale float64": (lambda a: a.update(k_scale=torch.ones(1, dtype=torch.float64)), ValueError, "k_scale"),
     "k_scale string": (lambda a: a.update(k_scale="0.5"), TypeError, "k_scale"),
     "k_scale zero": (lambda a: a.update(k_scale=0.0), ValueError, "k_scale"),
+    # By value, a float and a CPU tensor alike: 0 would store every element as +-448, inf as 0.
+    **{f"k_scale {kind} {value}": (lambda a, v=value, k=kind: a.update(k_scale=torch.tensor([v]) if k == "tensor"
+                                                                     else v), ValueError, "k_scale must be finite and positive")
+       for kind in ("float", "tensor") for value in (0.0, -0.5, math.inf, -math.inf, math.nan)},
     "kv_c device": (lambda a: a.update(kv_c=a["kv_c"].to("meta")), ValueError, "kv_c"),
     "slot device": (lambda a: a.update(slot_mapping=a["slot_mapping"].to("meta")), ValueError, "slot_mapping"),
 }

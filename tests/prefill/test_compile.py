@@ -3,6 +3,7 @@
 Every test session runs with a fresh Inductor cache directory (tests/conftest.py).
 """
 
+import math
 import os
 import re
 import subprocess
@@ -88,6 +89,16 @@ def test_compile_without_max_chunks_says_what_to_do():
         return mla_ops.mla_prefill(*args, WEIGHT, 0.25, workspace_size=WORKSPACE)
 
     with pytest.raises(Exception, match="max_chunks"):
+        torch.compile(step, fullgraph=True)(*prefill_inputs([3, 4], [2, 2]))
+
+
+@pytest.mark.parametrize("scale", [math.nan, math.inf])
+def test_a_softmax_scale_that_is_not_finite_is_refused_in_compiled_code_too(scale):
+    """The scale is a host float: checking it costs nothing while tracing, as in eager."""
+    def step(*args):
+        return mla_ops.mla_prefill(*args, WEIGHT, scale, workspace_size=WORKSPACE, max_chunks=4)
+
+    with pytest.raises(Exception, match="softmax_scale must be finite"):
         torch.compile(step, fullgraph=True)(*prefill_inputs([3, 4], [2, 2]))
 
 

@@ -275,6 +275,18 @@ def test_k_scale_zero_dim_tensor_and_int_softmax_scale():
     assert_close_to_reference(b.run(workspace_size=6), b.reference(), torch.float64)
 
 
+@pytest.mark.parametrize("path", [{}, {"max_chunks": 16}, {"policy": "whole_requests"}, {"absorb_max_query_len": 64}],
+                         ids=["host_plan", "device_plan", "whole_requests", "absorbed"])
+@pytest.mark.parametrize("softmax_scale", [0.0, -0.7])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_zero_and_negative_softmax_scales_are_exact(path, softmax_scale, dtype):
+    # 0: every visible key weighs the same; < 0: the lowest score wins. A finite scale never gives NaN
+    # (ATen's fused CPU attention masks before it scales: -inf * 0).
+    b = replace(make_batch([5, 0, 37, 1], [3, 2, 4, 1], seed=28, block_size=4, dtype=dtype),
+                softmax_scale=softmax_scale)
+    assert_close_to_reference(b.run(workspace_size=6, **path), b.reference(), dtype, str(path))
+
+
 def test_noncontiguous_cache_and_weight():
     torch.manual_seed(26)
     b = make_batch([5, 20, 0, 7], [2, 1, 2, 3], seed=26, block_size=4, noncontig="step")

@@ -259,6 +259,8 @@ def valid_call(model):
     (dict(chunk_buckets=(1, 2.5)), TypeError, "chunk_buckets"),
     (dict(workspace_size=-1), ValueError, "workspace_size"),
     (dict(k_scale=-1.0), ValueError, "k_scale"),
+    (dict(k_scale=torch.tensor([0.0])), ValueError, "k_scale must be finite and positive"),
+    (dict(k_scale=float("inf")), ValueError, "k_scale must be finite and positive"),
     (dict(options=mla_ops.PlanOptions(BLOCK_SIZE, WORKSPACE)), ValueError, "was passed beside options="),
     (dict(options=dict(block_size=BLOCK_SIZE)), TypeError, "options must be a mla_ops.PlanOptions"),
 ])

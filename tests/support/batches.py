@@ -168,6 +168,53 @@ def absorbed_reference(q, kv_c, k_pe, kv_cache, block_table, query_start_loc, co
 
 
 # --------------------------------------------------------------------------------------------
+# Dense float64 partials of the attention ops (with LSEs)
+# --------------------------------------------------------------------------------------------
+
+
+def dense_attention(q, k_nope, k_pe, v, scale, causal):
+    """float64 softmax attention of one request: q [m, N, P+R], keys [s, ...] -> out, lse."""
+    k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, k_nope.shape[1], -1)], dim=-1).double()
+    s = torch.einsum("mnd,snd->nms", q.double(), k) * scale
+    if causal:
+        m, n = q.shape[0], k.shape[0]
+        s = s.masked_fill(torch.arange(n)[None, :] > torch.arange(m)[:, None] + (n - m), -math.inf)
+    lse = torch.logsumexp(s, -1)
+    return torch.einsum("nms,snv->mnv", torch.softmax(s, -1), v.double()), lse
+
+
+def random_varlen(lens, num_heads=2, nope=8, rope=4, value=8, dtype=torch.float64, seed=0):
+    """``(cu [B+1] int32, k_nope [S, N, P], k_pe [S, R], v [S, N, V], make)`` for requests of ``lens``
+    keys; ``make(*shape)`` draws more from the same generator (the queries)."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lens)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    make = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(dtype)  # noqa: E731
+    return cu, make(total, num_heads, nope), make(total, rope), make(total, num_heads, value), make
+
+
+def dense_mha_partial(batch):
+    """float64 (out [T, N, V], lse [N, T]) by the MHA formula: up-projected keys, one softmax per request."""
+    q, cache, w = batch.q.double(), batch.kv_cache, batch.kv_b_proj_weight.double()
+    num_heads, latent, nope, rope, value = _dims(batch.q, batch.k_pe, cache, batch.kv_b_proj_weight)
+    out = torch.zeros(q.shape[0], num_heads, value, dtype=torch.float64)
+    lse = torch.full((num_heads, q.shape[0]), -math.inf, dtype=torch.float64)
+    qsl, ctx = batch.query_start_loc.tolist(), batch.context_lens.tolist()
+    for r, c in enumerate(ctx):
+        t0, t1 = qsl[r], qsl[r + 1]
+        pos = torch.arange(c)
+        rows = cache[batch.block_table[r].long()[pos // cache.shape[1]], pos % cache.shape[1]].double()
+        if batch.k_scale is not None:
+            rows = rows * batch.k_scale.double()
+        kv = (rows[:, :latent] @ w.T).view(c, num_heads, nope + value)  # [c, N, P+V]
+        k = torch.cat([kv[..., :nope], rows[:, None, latent:].expand(c, num_heads, rope)], dim=-1)
+        scores = torch.einsum("mnd,cnd->nmc", q[t0:t1], k) * batch.softmax_scale  # [N, m, c]
+        lse[:, t0:t1] = torch.logsumexp(scores, -1)
+        out[t0:t1] = torch.einsum("nmc,cnv->mnv", torch.softmax(scores, -1), kv[..., nope:])
+    return out, lse
+
+
+# --------------------------------------------------------------------------------------------
 # Random batches
 # --------------------------------------------------------------------------------------------
 

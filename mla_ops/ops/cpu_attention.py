@@ -1,0 +1,293 @@
+"""The fast CPU attention: what ``torch.ops.mla_ops`` attention ops run on CPU tensors.
+
+It computes what the oracles compute (``ops/attention.py``, ``ops/absorbed.py``: one softmax per
+request, shapes and conventions there), shaped for a CPU, where an op per request costs more than
+its math:
+
+* ``padded_batches``: requests of alike sizes are padded into one batched attention; a request
+  with many keys attends alone, reading its rows in place (``PaddedRows``: a view where it can);
+* a batch of one query over one key each (a decode step's suffix) needs no softmax;
+* an MHA batch that fits runs ATen's fused CPU attention (one call, causal blocks skipped);
+* the other MHA batches, and every latent batch, loop over blocks of ``KEY_BLOCK`` keys and merge.
+
+Every branch is checked against float64 softmaxes in ``tests/ops/test_cpu_attention.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._mla import lse_dtype
+from .merge import merge_into, merge_states_reference
+
+# Keys per block of the key-block loops: bounds a score matrix at N x n x m x KEY_BLOCK.
+KEY_BLOCK = 4096
+# Padding a request into a batch may cost this many multiply-adds for nothing: below it, one more
+# batch (a dozen small ops) costs more than the padded work.
+PAD_SLACK = 1 << 20
+# Score entries (per head) of one key block of a padded batch; a lone request may exceed it.
+SCORE_LIMIT = 1 << 20
+# A request with more key and value elements than this attends alone, reading them in place:
+# batching would copy them heads first, which costs more than the ops it saves.
+ALONE_LIMIT = 1 << 16
+# Gathered key (or value) elements up to which a batch runs ATen's fused CPU attention (one call, the
+# causal half skipped) instead of the key-block loop: 64 MB in float32.
+FLASH_LIMIT = 1 << 24
+_cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def padded_batches(query_lens, key_lens, width, key_block, kv_width=0):
+    """Requests with queries and keys, in batches (lists of request ids, ascending) padded to one shape each.
+
+    Sorted by size, a request joins the previous batch while the padded work (score entries x
+    ``width`` multiply-adds), its own and the batch's, stays within twice the real work plus
+    ``PAD_SLACK`` and a key block's scores within ``SCORE_LIMIT``: one batch when sizes are alike,
+    bounded waste when they are not.
+    A request with more than ``ALONE_LIMIT`` keys x ``kv_width`` elements is a batch of its own.
+    """
+    order = sorted((r for r, (m, s) in enumerate(zip(query_lens, key_lens)) if m > 0 and s > 0),
+                   key=lambda r: (query_lens[r], key_lens[r]), reverse=True)
+    batches, work, max_m, max_s, alone = [], 0, 0, 0, True  # alone: the last batch takes no more
+    for r in order:  # host scalars only: no tensor op per request
+        m, s = query_lens[r], key_lens[r]
+        n, padded_s = len(batches[-1]) + 1 if batches else 1, max(max_s, s)
+        padded = max_m * padded_s * width  # each member's work once padded
+        if (not alone and s * kv_width <= ALONE_LIMIT
+                and padded <= 2 * m * s * width + PAD_SLACK
+                and n * padded <= 2 * (work + m * s) * width + PAD_SLACK
+                and n * max_m * min(padded_s, key_block) <= SCORE_LIMIT):
+            batches[-1].append(r)
+            work, max_s = work + m * s, padded_s
+        else:  # sorted by query length: a batch's first request has its longest queries
+            batches.append([r])
+            work, max_m, max_s, alone = m * s, m, s, s * kv_width > ALONE_LIMIT
+    return [sorted(batch) for batch in batches]  # request order: neighbours' rows stay one run (no index)
+
+
+class PaddedRows:
+    """Rows ``starts[i] + begin .. starts[i] + end`` of n requests with ``lens[i]`` rows each, [n, w].
+
+    One run of rows is a slice (a view, no index); otherwise ``index`` [n, w] repeats a request's
+    first row for its padding (a valid row) and ``valid`` [n, w] marks the real rows.
+    """
+
+    def __init__(self, starts, lens, begin, end, device):
+        self.shape = (len(starts), end - begin)
+        self.padded = min(lens) < end
+        self.run = None
+        if not self.padded and (len(starts) == 1 or begin == 0) and all(
+                b - a == end - begin for a, b in zip(starts, starts[1:])):
+            self.run = slice(starts[0] + begin, starts[0] + begin + len(starts) * (end - begin))
+            return
+        position = torch.arange(begin, end, device=device)
+        self.valid = position < torch.tensor(lens, device=device)[:, None]
+        self.index = torch.tensor(starts, device=device)[:, None] + torch.where(self.valid, position, 0)
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """x's rows, [n, w, ...]."""
+        if self.run is not None:
+            return x[self.run].unflatten(0, self.shape)
+        return x.index_select(0, self.index.flatten()).unflatten(0, self.shape)
+
+    def put(self, dst: torch.Tensor, src: torch.Tensor, dim: int) -> None:
+        """Write the real rows of ``src`` (n*w along ``dim``) to their rows of ``dst``."""
+        src = src.to(dst.dtype)
+        if self.run is not None:
+            dst.narrow(dim, self.run.start, self.run.stop - self.run.start).copy_(src)
+        elif self.padded:
+            real = self.valid.flatten().nonzero().squeeze(1)
+            dst.index_copy_(dim, self.index.flatten()[real], src.index_select(dim, real))
+        else:
+            dst.index_copy_(dim, self.index.flatten(), src)
+
+
+# ---- MHA: context_attention and suffix_attention ------------------------------------------------
+
+
+def attend(q, k_nope, k_pe, v, q_bounds, k_starts, key_lens, softmax_scale, causal, out, lse) -> None:
+    """Request r's queries ``q_bounds[r]:q_bounds[r+1]`` over its ``key_lens[r]`` keys from row
+    ``k_starts[r]`` (host lists), written to its rows of ``out``/``lse``; other rows are untouched."""
+    acc = lse_dtype(q.dtype)
+    num_heads, nope = q.shape[1], k_nope.shape[-1]
+    query_lens = [b - a for a, b in zip(q_bounds, q_bounds[1:])]
+    width, kv_width = num_heads * (q.shape[-1] + v.shape[-1]), num_heads * (nope + v.shape[-1])
+    for batch in padded_batches(query_lens, key_lens, width, KEY_BLOCK, kv_width):
+        # One attention per batch, its requests padded: queries [n, m, ...] over keys [n, s, ...].
+        lens_q, lens_k = [query_lens[r] for r in batch], [key_lens[r] for r in batch]
+        n, m, s = len(batch), max(lens_q), max(lens_k)
+        rows_q = PaddedRows([q_bounds[r] for r in batch], lens_q, 0, m, q.device)
+        k_rows = [k_starts[r] for r in batch]
+        if s == 1 and m == 1:  # one query over one key each (a decode step's suffix)
+            o_i, lse_i = _one_key(q, k_nope, k_pe, v, rows_q, PaddedRows(k_rows, lens_k, 0, 1, q.device),
+                                  softmax_scale, acc)
+        elif _flash_fits(q, n, s, max(q.shape[-1], v.shape[-1])) and (not causal or lens_q == lens_k):
+            o_i, lse_i = _flash_attend(q, k_nope, k_pe, v, rows_q, PaddedRows(k_rows, lens_k, 0, s, q.device),
+                                       softmax_scale, causal, acc)
+        else:
+            o_i, lse_i = _key_blocks(q, k_nope, k_pe, v, rows_q, k_rows, lens_q, lens_k, softmax_scale, causal, acc)
+        rows_q.put(out, o_i, 0)
+        rows_q.put(lse, lse_i, 1)
+
+
+def _one_key(q, k_nope, k_pe, v, rows_q, rows_k, softmax_scale, acc):
+    """One query over one key per request: the softmax is 1, the output the key's value, the LSE its score."""
+    num_heads = q.shape[1]
+    keys = torch.cat([rows_k.take(k_nope), rows_k.take(k_pe).unsqueeze(2).expand(-1, -1, num_heads, -1)], -1)
+    scores = (rows_q.take(q).to(acc) * keys.to(acc)).sum(-1) * softmax_scale  # [n, 1, N]
+    return rows_k.take(v).to(acc).flatten(0, 1), scores.flatten(0, 1).t()
+
+
+def _key_blocks(q, k_nope, k_pe, v, rows_q, k_rows, lens_q, lens_k, softmax_scale, causal, acc):
+    """A padded batch over blocks of ``KEY_BLOCK`` keys, merged: scores stay N x n x m x KEY_BLOCK."""
+    num_heads, nope = q.shape[1], k_nope.shape[-1]
+    n, m, s = len(lens_q), max(lens_q), max(lens_k)
+    qi = rows_q.take(q).to(acc) * softmax_scale  # [n, m, N, P+R]
+    q_nope = qi[..., :nope].permute(2, 0, 1, 3).reshape(num_heads * n, m, nope)  # heads first
+    q_pe = qi[..., nope:].transpose(1, 2).reshape(n, num_heads * m, -1)  # [n, N*m, R]: k_pe is shared
+    if causal and (m > 1 or min(lens_k) < s):  # bottom-right: query j of m_i sees keys 0 .. s_i - m_i + j
+        last_key = torch.tensor([sk - mq for sk, mq in zip(lens_k, lens_q)], device=q.device)[:, None, None]
+        last_key = last_key + torch.arange(m, device=q.device)[:, None]  # [n, m, 1]
+    partial = None  # ([n*m, N, V], [N, n*m]): the rows of merge_states_reference
+    for b0 in range(0, s, KEY_BLOCK):
+        b1 = min(b0 + KEY_BLOCK, s)
+        rows_k = PaddedRows(k_rows, lens_k, b0, b1, q.device)
+        # Keys and values heads first, [N*n, s, ...]: a copy unless the batch is one request.
+        keys = rows_k.take(k_nope).to(acc).permute(2, 0, 1, 3).reshape(num_heads * n, b1 - b0, nope)
+        scores = torch.bmm(q_nope, keys.transpose(1, 2)).view(num_heads, n, m, -1)  # [N, n, m, s]
+        rope = q_pe @ rows_k.take(k_pe).to(acc).transpose(1, 2)  # [n, N*m, s]
+        scores += rope.view(n, num_heads, m, -1).transpose(0, 1)
+        masked = rows_k.padded or (causal and m > 1)
+        if masked:  # the causal mask also hides padding keys: they lie past every real query's last key
+            hidden = torch.arange(b0, b1, device=q.device) > last_key if causal else ~rows_k.valid[:, None, :]
+            scores.masked_fill_(hidden, float("-inf"))
+        block_lse = torch.logsumexp(scores, dim=-1)  # [N, n, m]
+        probs = torch.exp(scores - block_lse.unsqueeze(-1))
+        if masked:
+            probs.nan_to_num_(0.0)  # queries that see no key of this block
+        values = rows_k.take(v).to(acc).permute(2, 0, 1, 3).reshape(num_heads * n, b1 - b0, -1)
+        block_out = torch.bmm(probs.view(num_heads * n, m, -1), values).view(num_heads, n, m, -1)
+        partial = merge_into(partial, (block_out.permute(1, 2, 0, 3).flatten(0, 1), block_lse.flatten(1)))
+    return partial
+
+
+def _flash_fits(q: torch.Tensor, n: int, s: int, width: int) -> bool:
+    """Whether a batch takes ATen's fused CPU attention: CPU tensors, keys and values of at most
+    ``FLASH_LIMIT`` elements once gathered (a larger batch keeps the key-block loop's memory bound)."""
+    return q.device.type == "cpu" and _cpu_flash is not None and n * s * q.shape[1] * width <= FLASH_LIMIT
+
+
+def _flash_attend(q, k_nope, k_pe, v, rows_q, rows_k, softmax_scale, causal, acc):
+    """One padded batch through ATen's fused CPU attention (``_scaled_dot_product_flash_attention_for_cpu``:
+    it returns the LSE and skips the blocks a causal mask hides) -> ``(out [n*m, N, V], lse [N, n*m])``.
+
+    Causal only where every request has as many queries as keys, so that its top-left mask is the
+    bottom-right one and a shorter request's real queries never reach its padding keys. The kernel
+    takes one head width: the narrower of ``[k_nope | k_pe]`` and ``v`` is padded with zeros."""
+    num_heads, value = q.shape[1], v.shape[-1]
+    width = max(q.shape[-1], value)
+    keys = torch.cat([rows_k.take(k_nope), rows_k.take(k_pe).unsqueeze(2).expand(-1, -1, num_heads, -1)], dim=-1)
+
+    def heads_first(x):  # [n, w, N, d] -> [n, N, w, width] in acc
+        return torch.nn.functional.pad(x.to(acc), (0, width - x.shape[-1])).transpose(1, 2)
+
+    mask = None
+    if rows_k.padded and not causal:  # padding keys: -inf (an additive mask, in the inputs' dtype)
+        mask = torch.zeros(rows_k.valid.shape, dtype=acc, device=q.device).masked_fill_(~rows_k.valid, float("-inf"))
+        mask = mask[:, None, None, :]
+    # The kernel masks before it scales: a scale of 0 would make a masked score -inf * 0 = NaN, a
+    # negative one +inf. Scaling q in acc first (one rounding of acc's precision) takes any scale.
+    q_scaled = rows_q.take(q).to(acc) * softmax_scale
+    o, lse = _cpu_flash(heads_first(q_scaled), heads_first(keys), heads_first(rows_k.take(v)), 0.0, causal,
+                        attn_mask=mask, scale=1.0)[:2]
+    return o[..., :value].transpose(1, 2).flatten(0, 1), lse.transpose(0, 1).flatten(1)
+
+
+def context_attention(q, k_nope, k_pe, v, query_start_loc, cu_seq_lens, starts, softmax_scale, out, lse) -> None:
+    """``mla_ops::context_attention`` on CPU (arguments: ``ops/attention.py``)."""
+    q_bounds, k_bounds = query_start_loc.tolist(), cu_seq_lens.tolist()  # host reads: CPU path
+    key_lens = [b - a for a, b in zip(k_bounds, k_bounds[1:])]
+    continues = [start > 0 for start in starts.tolist()]
+    # A request starting here overwrites its rows (those without rows here are untouched) ...
+    fresh = [0 if c else s for c, s in zip(continues, key_lens)]
+    attend(q, k_nope, k_pe, v, q_bounds, k_bounds, fresh, softmax_scale, False, out, lse)
+    # ... one whose rows continue an earlier chunk folds its partial into what earlier chunks left.
+    continuing = [s if c else 0 for c, s in zip(continues, key_lens)]
+    if any(continuing):
+        acc = lse_dtype(q.dtype)
+        part_out = out.new_zeros(out.shape, dtype=acc)
+        part_lse = lse.new_full(lse.shape, float("-inf"), dtype=acc)
+        attend(q, k_nope, k_pe, v, q_bounds, k_bounds, continuing, softmax_scale, False, part_out, part_lse)
+        query_lens = query_start_loc[1:] - query_start_loc[:-1]
+        rows = torch.repeat_interleave(torch.tensor(continuing, device=q.device) > 0, query_lens)
+        rows = torch.cat([rows, rows.new_zeros(q.shape[0] - rows.shape[0])])  # tokens past query_start_loc[-1]
+        out[rows], lse[:, rows] = merge_states_reference(out[rows], lse[:, rows], part_out[rows], part_lse[:, rows])
+
+
+def suffix_attention(q, k_nope, k_pe, v, query_start_loc, softmax_scale, out, lse) -> None:
+    """``mla_ops::suffix_attention`` on CPU (arguments: ``ops/attention.py``)."""
+    out.zero_()  # tokens without keys (and past query_start_loc[-1]) get the empty partial
+    lse.fill_(float("-inf"))
+    bounds = query_start_loc.tolist()  # host read: CPU path
+    key_lens = [b - a for a, b in zip(bounds, bounds[1:])]
+    attend(q, k_nope, k_pe, v, bounds, bounds, key_lens, softmax_scale, True, out, lse)
+
+
+# ---- latent: latent_context_attention (and through it absorbed_context_attention) ---------------
+
+
+def _context_rows(kv_cache, tables, context_lens, begin: int, end: int, k_scale, acc):
+    """Context rows ``begin:end`` of each request (``tables`` [n, max_blocks] its block table rows),
+    dequantized, in ``acc``: ``(rows [n, end - begin, L+R], valid [n, end - begin])``; rows past a
+    request's context repeat its first row (a valid block) and are not valid (None: no padding)."""
+    position, valid = torch.arange(begin, end, device=kv_cache.device).expand(len(context_lens), -1), None
+    if min(context_lens) < end:
+        valid = position < torch.tensor(context_lens, device=kv_cache.device)[:, None]
+        position = torch.where(valid, position, 0)
+    block_size = kv_cache.shape[1]
+    slots = tables.gather(1, position // block_size) * block_size + position % block_size
+    # One gather of whole rows (flatten is a view for any cache whose blocks are evenly strided).
+    rows = kv_cache.flatten(0, 1).index_select(0, slots.flatten()).unflatten(0, slots.shape)
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        rows = rows.float().to(acc) * k_scale.to(acc)
+    return rows.to(acc), valid
+
+
+def _latent_partial(qr, rows, valid, latent: int):
+    """Non-causal attention of a padded batch over one key block in the latent space.
+
+    qr [n, m, H, L+R]: scaled queries ``[q_lat | q_pe]``; rows [n, s, L+R], valid [n, s] or None
+    -> ``(o_lat [n*m, H, L], lse [H, n*m])``, the layout of ``merge_states_reference``.
+    """
+    n, m, heads, _ = qr.shape
+    scores = torch.bmm(qr.flatten(1, 2), rows.transpose(1, 2))  # [n, m*H, s]: q_lat . kv_c + q_pe . k_pe
+    if valid is not None:  # padding rows
+        scores.masked_fill_(~valid[:, None, :], float("-inf"))
+    block_lse = torch.logsumexp(scores, dim=-1)  # [n, m*H]
+    probs = torch.exp(scores - block_lse.unsqueeze(-1))
+    if valid is not None:
+        probs.nan_to_num_(0.0)  # a block past a short context: 0
+    return torch.bmm(probs, rows[..., :latent]).view(n * m, heads, latent), block_lse.view(n * m, heads).t()
+
+
+def latent_context_attention(q, kv_cache, block_table, query_start_loc, context_lens, softmax_scale, k_scale,
+                             out, lse) -> None:
+    """``mla_ops::latent_context_attention`` on CPU (arguments: ``ops/absorbed.py``)."""
+    acc = lse_dtype(q.dtype)
+    latent = out.shape[2]
+    bounds, contexts = query_start_loc.tolist(), context_lens.tolist()  # host reads: CPU path
+    query_lens = [b - a for a, b in zip(bounds, bounds[1:])]
+    for batch in padded_batches(query_lens, contexts, q.shape[1] * (q.shape[2] + latent), KEY_BLOCK):
+        # One attention per batch of requests padded to [n, m] queries and [n, s] context rows.
+        lens_q, lens_k = [query_lens[r] for r in batch], [contexts[r] for r in batch]
+        s = max(lens_k)
+        rows_q = PaddedRows([bounds[r] for r in batch], lens_q, 0, max(lens_q), q.device)
+        qr = rows_q.take(q).to(acc) * softmax_scale  # [n, m, H, L+R]
+        tables = block_table if batch == list(range(len(contexts))) else block_table.index_select(
+            0, torch.tensor(batch, device=block_table.device))
+        partial = None
+        for k0 in range(0, s, KEY_BLOCK):
+            rows, valid = _context_rows(kv_cache, tables, lens_k, k0, min(k0 + KEY_BLOCK, s), k_scale, acc)
+            partial = merge_into(partial, _latent_partial(qr, rows, valid, latent))
+        o_lat, lse_lat = partial
+        rows_q.put(out, o_lat, 0)
+        rows_q.put(lse, lse_lat, 1)

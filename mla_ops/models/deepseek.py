@@ -53,17 +53,41 @@ class ModelStep(NamedTuple):
         return cls(cos, sin, attention)
 
 
-def _tokens_dynamic(region: Callable) -> Callable:
-    """``region(layer, *tensors)`` with the tensors' first dim (the tokens) dynamic, and nothing else:
-    ``dynamic=True`` would make every dim symbolic, and duck sizing then ties a token count to an
-    equal head count. A one-token step gets a graph of its own (0/1 specialise)."""
-    def run(layer, *tensors):
-        if tensors[0].shape[0] >= 2 and not torch.compiler.is_compiling():
-            for t in tensors:
-                torch._dynamo.maybe_mark_dynamic(t, 0)
-        return region(layer, *tensors)
+class CompiledRegion:
+    """One dense region of the decoder layers (``DecoderLayer.attention_inputs`` or ``attention_output``,
+    called ``region(layer, *tensors)``) compiled for ``MLAModel.compile_layers``.
 
-    return run
+    One ``torch.compile`` per (device, dtype, grad mode, inference mode and, for ``by_mlp``, the layer's
+    MLP kind), each with a code object of its own: no combination spends another's recompile budget,
+    so casting the model or switching modes compiles once more, never into the recompile limit. The
+    tensors' first dim (the tokens) is dynamic, and nothing else: ``dynamic=True`` would make every dim
+    symbolic, and duck sizing would tie a token count to an equal head count. Steps of 0 or 1 tokens
+    run padded to 2 (zero rows, sliced off after), since sizes 0 and 1 would specialise and compile anew.
+    """
+
+    def __init__(self, region: Callable, options: dict, owner: str, by_mlp: bool):
+        self.region, self.options, self.owner, self.by_mlp = region, options, owner, by_mlp
+        self.compiled: dict[tuple, Callable] = {}
+
+    def __call__(self, layer: DecoderLayer, *tensors: torch.Tensor):
+        if torch.compiler.is_compiling():  # inside a compiled step: traced inline
+            return self.region(layer, *tensors)
+        num_tokens = tensors[0].shape[0]
+        if num_tokens < 2:
+            tensors = tuple(torch.cat([t, t.new_zeros(2 - num_tokens, *t.shape[1:])]) for t in tensors)
+        first = tensors[0]
+        key = (first.device, first.dtype, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+               type(layer.mlp) if self.by_mlp else None)
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            name = f"{self.region.__name__}_{len(self.compiled)}_{self.owner}"
+            compiled = self.compiled[key] = torch.compile(own_code(self.region, name), **self.options)
+        for t in tensors:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        out = compiled(layer, *tensors)
+        if num_tokens < 2:
+            out = torch.utils._pytree.tree_map(lambda t: t.narrow(0, 0, num_tokens), out)
+        return out
 
 
 class RMSNorm(nn.Module):
@@ -238,16 +262,17 @@ class MLAModel(nn.Module):
     def compile_layers(self, **options) -> MLAModel:
         """Regional compilation: the decoder layers' dense regions (``DecoderLayer.attention_inputs``
         and ``attention_output``) compiled once and shared by every layer of this model, whatever its
-        depth: one graph per region (a second for MoE layers' output; a third for steps of one
-        token), the token count dynamic, so every step size, cache size and plan reuses them. The
-        attention between them runs the library's ops. ``options`` go to ``torch.compile`` (defaults
-        ``fullgraph=True``, ``backend="inductor"``); calling it again with the same options keeps
-        the compiled regions.
+        depth: one graph per region (a second for MoE layers' output) and per dtype, device, grad and
+        inference mode (``CompiledRegion``), the token count dynamic, so every step size (zero and one
+        token included), cache size and plan reuses them. The attention between them runs the
+        library's ops. ``options`` go to ``torch.compile`` (defaults ``fullgraph=True``,
+        ``backend="inductor"``); calling it again with the same options keeps the compiled regions.
         Returns the model."""
         options = {"fullgraph": True, "backend": "inductor", **options}
         if self._compile_options != options:
-            regions = tuple(_tokens_dynamic(torch.compile(own_code(fn, f"{fn.__name__}_{id(self):x}"), **options))
-                            for fn in (DecoderLayer.attention_inputs, DecoderLayer.attention_output))
+            owner = f"{id(self):x}"
+            regions = (CompiledRegion(DecoderLayer.attention_inputs, options, owner, by_mlp=False),
+                       CompiledRegion(DecoderLayer.attention_output, options, owner, by_mlp=True))
             for layer in self.layers:
                 layer.regions = regions
             self._compile_options = options

@@ -79,16 +79,17 @@ class MoEGate(nn.Module):
         group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
         group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)  # [T, G]
         per_group = self.num_experts // self.n_group
-        return group_mask.bool()[:, :, None].expand(-1, -1, per_group).reshape(-1, self.num_experts)
+        return group_mask.bool()[:, :, None].expand(-1, -1, per_group).reshape(group_scores.shape[0], self.num_experts)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens, k = x.shape[0], self.top_k
         logits = F.linear(x.float(), self.weight.float())  # [T, E]
         scores = logits.softmax(dim=-1, dtype=torch.float32) if self.scoring_func == "softmax" else logits.sigmoid()
-        grouped = scores.view(num_tokens, self.n_group, -1)  # [T, G, E/G]
+        per_group = self.num_experts // self.n_group  # not -1: a step may have no tokens
+        grouped = scores.view(num_tokens, self.n_group, per_group)  # [T, G, E/G]
         if self.topk_method == "noaux_tc":
             choice = scores + self.e_score_correction_bias  # [T, E]
-            group_scores = choice.view(num_tokens, self.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+            group_scores = choice.view(num_tokens, self.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
             choice = choice.masked_fill(~self._group_mask(group_scores), float("-inf"))
             indices = torch.topk(choice, k=k, dim=-1, sorted=False)[1]  # [T, k]
             weights = scores.gather(1, indices)

@@ -425,7 +425,7 @@ def model_step(config, context_lens, query_lens, seed, num_blocks=64, block_size
     return (
         torch.randint(0, config.vocab_size, (sum(query_lens),), generator=g),
         torch.cat([torch.arange(c, c + q) for c, q in zip(context_lens, query_lens)]),
-        torch.tensor(slots),
+        torch.tensor(slots, dtype=torch.long),
         table,
         torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32),
         torch.tensor(context_lens, dtype=torch.int32),

@@ -99,7 +99,8 @@ def options_from(options: PlanOptions | None, **loose) -> PlanOptions:
     defaults = {f.name: f.default for f in fields(PlanOptions)}
     for name, value in loose.items():
         if value is not defaults[name] and value != defaults[name]:
-            raise ValueError(f"{name}={value!r} was passed beside options=: set it in the PlanOptions instead")
+            raise ValueError(f"{name}={value!r} was passed beside options=: set it in the PlanOptions "
+                             f"(options.{name} is {getattr(options, name)!r})")
     return options
 
 

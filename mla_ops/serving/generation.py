@@ -45,15 +45,12 @@ import torch
 
 from .. import _checks as checks
 from ..parallel import collectives
-from ..planning.options import PlanOptions
+from ..planning.options import PlanOptions, options_from
 from ..prefill import plan_with_options
 from .graphs import PrefillGraphs
-from .paged_cache import BlockManager
+from .paged_cache import BlockManager, CacheUsage
 from .prompts import check_eos, check_prompts
 from .scheduler import Request, Scheduler
-
-# The planning keywords of Generator / generate and their defaults: they build the PlanOptions.
-_LOOSE_OPTIONS = dict(block_size=16, workspace_size=65536, absorb_max_query_len=None, max_absorbed_tokens=None)
 
 
 @dataclass
@@ -88,15 +85,7 @@ def _next_pow2(n: int) -> int:
 def _settings(options, num_blocks, compile, prefix_caching, **loose) -> GeneratorSettings:
     """The checked settings of ``Generator`` / ``generate``: ``options`` (a ``PlanOptions``) or the
     loose planning keywords that build one, never both."""
-    if options is None:
-        options = PlanOptions(**loose)  # checks each keyword (16.0 must not pass for 16)
-    elif not isinstance(options, PlanOptions):
-        raise TypeError(f"options must be a mla_ops.PlanOptions or None, got {type(options).__name__}")
-    else:
-        for name, value in loose.items():
-            if value != _LOOSE_OPTIONS[name]:
-                raise ValueError(f"{name}={value!r} was passed beside options=: set it in the PlanOptions "
-                                 f"(options.{name} is {getattr(options, name)!r})")
+    options = options_from(options, **loose)
     if options.max_chunks is not None:
         raise ValueError(f"options.max_chunks must be None, got {options.max_chunks}: eager steps plan on the "
                          "host, and compile=True picks each step's chunk capacity from its buckets")
@@ -151,6 +140,12 @@ class Generator:
 
     # ---- the cache -------------------------------------------------------------------------------
 
+    @property
+    def cache_usage(self) -> CacheUsage:
+        """The cache's blocks now: ``total``, ``in_use`` (held by a running sequence: 0 between calls),
+        ``cached`` (prefixes kept for later prompts, evicted when needed) and ``free``."""
+        return self.manager.usage()
+
     def _weights_fingerprint(self):
         """Cached rows are only valid for the weights that wrote them (moves and in-place writes show)."""
         return tuple((t.data_ptr(), t._version, t.dtype) for t in (*self.model.parameters(), *self.model.buffers()))
@@ -179,18 +174,23 @@ class Generator:
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def _run_step(self, batch: list[Request], table_width: int) -> list[int]:
+    def _step_tensors(self, batch: list[Request], table_width: int):
+        """A step's model inputs (the scheduler allocates the blocks its new tokens need)."""
         ids, positions, slots, table, qsl, ctx = self.scheduler.step_inputs(batch, table_width)
         device = self.kv_caches.device
         table = torch.from_numpy(table).to(device)
         input_ids, positions, slots = (torch.as_tensor(x, device=device) for x in (ids, positions, slots))
         qsl_t, ctx_t = torch.tensor(qsl, dtype=torch.int32), torch.tensor(ctx, dtype=torch.int32)
+        return input_ids, positions, slots, table, qsl_t, ctx_t
+
+    def _run_step(self, input_ids, positions, slots, table, qsl, ctx) -> list[int]:
+        """The step's next token per sequence (greedy)."""
         if self.compile:
-            hidden = self._graphs(table_width)(input_ids, positions, self.kv_caches, slots, table, qsl_t, ctx_t)
+            hidden = self._graphs(table.shape[1])(input_ids, positions, self.kv_caches, slots, table, qsl, ctx)
         else:
-            plan = plan_with_options(qsl_t, ctx_t, table, self.options, self.context_parallel)  # host plan, all layers
+            plan = plan_with_options(qsl, ctx, table, self.options, self.context_parallel)  # host plan, all layers
             hidden = self.model.model(input_ids, positions, self.kv_caches, slots, table, plan)
-        last = torch.tensor(qsl[1:], device=device) - 1
+        last = (qsl[1:] - 1).to(hidden.device)
         return self.model.lm_head(hidden.index_select(0, last)).argmax(-1).tolist()
 
     def _graphs(self, max_blocks_per_request: int) -> PrefillGraphs:
@@ -223,11 +223,17 @@ class Generator:
         return prompts, max_new_tokens, stops
 
     def _check_ranks_agree(self, call) -> None:
-        """Across ranks (context parallel): every rank must make the same call, or all raise; ``call``
-        None: this rank refused it (and raises its own error). One small all-gather."""
+        """Across ranks (context parallel): every rank must make the same call on the same state, or all
+        raise; ``call`` None: this rank refused it (and raises its own error). One small all-gather of a
+        digest of the call, the settings, the model's dtype and device type, the cache's geometry and
+        the prefix cache's state: ranks that would compute different steps (or crash in a collective)
+        are named instead."""
         if self.context_parallel is None:
             return
-        digest = hashlib.sha256(repr((call, self.settings)).encode()).digest()
+        weight = self.model.lm_head.weight
+        caches = None if self.kv_caches is None else (tuple(self.kv_caches.shape), str(self.kv_caches.dtype))
+        state = (call, self.settings, str(weight.dtype), weight.device.type, caches, self.manager.fingerprint())
+        digest = hashlib.sha256(repr(state).encode()).digest()
         fingerprint = 0 if call is None else int.from_bytes(digest[:8], "little", signed=True) | 1
         every = collectives.gather_fingerprints(fingerprint, self.context_parallel.process_group)
         if call is None or len(set(every)) == 1:
@@ -235,9 +241,22 @@ class Generator:
         refused = [r for r, f in enumerate(every) if f == 0]
         differ = [r for r, f in enumerate(every) if f not in (0, every[0])]
         why = f"rank(s) {refused} refused the call" if refused else \
-            f"rank(s) {differ} passed other prompts, max_new_tokens, eos_token_id or settings than rank 0"
+            f"rank(s) {differ} passed other prompts, max_new_tokens, eos_token_id or settings than rank 0, or " \
+            "hold the model in another dtype, another cache or another prefix cache state"
         raise ValueError(f"context_parallel: every rank must make the same generate call (this is rank "
                          f"{self._layout[0]}); {why}")
+
+    def _agree_to_go_on(self, failure: BaseException | None) -> None:
+        """Across ranks, once a step: every rank says whether it got here cleanly. A rank that raised
+        (a callback, the scheduler) would otherwise leave the others blocked in the next step's
+        collectives until the group's timeout; now every rank raises at once. One int64 all-gather."""
+        if self.context_parallel is None:
+            return
+        every = collectives.gather_fingerprints(int(failure is None), self.context_parallel.process_group)
+        failed = [r for r, ok in enumerate(every) if not ok]
+        if failed and failure is None:
+            raise RuntimeError(f"context_parallel: rank(s) {failed} raised during generate, so this rank "
+                               f"({self._layout[0]}) stops too (see that rank's error)")
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, eos_token_id=None,
@@ -275,18 +294,35 @@ class Generator:
             table_width = _next_pow2(math.ceil((max(map(len, prompts)) + max_new_tokens) / self.tokens_per_block))
             # The first step runs every prompt (less its cached prefix), the others a token a sequence.
             self._call_sizes = (max(16, _next_pow2(stats.prompt_tokens)), _next_pow2(len(prompts)))
-            while not all(request.done for request in requests):
-                order, cached = scheduler.next_batch(requests)
-                stats.cached_tokens += cached
-                batch = [requests[i] for i in order]
-                for i, request, token in zip(order, batch, self._run_step(batch, table_width)):
-                    outputs[i].append(token)
-                    scheduler.append(request, token, done=len(outputs[i]) == max_new_tokens or token in stops)
-                stats.steps += 1
-                stats.generated_tokens = sum(map(len, outputs))
-                stats.seconds = time.perf_counter() - start
-                if callback is not None:
-                    callback(stats)
+            failure = None
+            while True:  # one agreement a step across ranks, the last when every sequence is done
+                if failure is None:
+                    try:
+                        finished = all(request.done for request in requests)
+                        if not finished:
+                            order, cached = scheduler.next_batch(requests)
+                            batch = [requests[i] for i in order]
+                            inputs = self._step_tensors(batch, table_width)
+                    except Exception as error:
+                        failure = error
+                self._agree_to_go_on(failure)
+                if failure is not None:
+                    raise failure
+                if finished:
+                    break
+                tokens = self._run_step(*inputs)
+                try:
+                    stats.cached_tokens += cached
+                    for i, request, token in zip(order, batch, tokens):
+                        outputs[i].append(token)
+                        scheduler.append(request, token, done=len(outputs[i]) == max_new_tokens or token in stops)
+                    stats.steps += 1
+                    stats.generated_tokens = sum(map(len, outputs))
+                    stats.seconds = time.perf_counter() - start
+                    if callback is not None:
+                        callback(stats)
+                except Exception as error:
+                    failure = error
         finally:
             for request in requests:
                 scheduler.release(request)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict, deque
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from .. import _checks as checks
 
@@ -34,6 +34,19 @@ def block_hashes(tokens: Sequence[int], block_size: int, parent: bytes | None = 
     return out
 
 
+class CacheUsage(NamedTuple):
+    """Where a paged cache's blocks are: ``in_use + cached + free == total``."""
+
+    total: int
+    in_use: int  # held by a running sequence
+    cached: int  # a registered prefix nobody uses now: reused by a later prompt, or evicted when needed
+    free: int  # holding nothing
+
+
+def _entry_digest(block_hash: bytes, block: int) -> int:
+    return int.from_bytes(hashlib.sha256(block_hash + block.to_bytes(8, "little")).digest()[:8], "little")
+
+
 class BlockManager:
     """Blocks 0 .. num_blocks-1 of a cache: allocation, reference counts, the prefix-cache index."""
 
@@ -47,6 +60,7 @@ class BlockManager:
         self._hash_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, registered; oldest first
+        self._index_digest = 0  # XOR of the index's (hash, block) entries: O(1) per change
         self.grow(num_blocks)
 
     def grow(self, extra: int) -> None:
@@ -64,6 +78,15 @@ class BlockManager:
     @property
     def num_cached(self) -> int:
         return len(self._block_of)
+
+    def usage(self) -> CacheUsage:
+        free, cached = len(self._free), len(self._evictable)
+        return CacheUsage(self.num_blocks, self.num_blocks - free - cached, cached, free)
+
+    def fingerprint(self) -> tuple[int, ...]:
+        """A cheap digest of the state that decides what a call reuses and allocates: the block count,
+        the free and evictable blocks and the prefix index (ranks of one model must hold equal ones)."""
+        return self.num_blocks, len(self._free), len(self._evictable), self._index_digest
 
     def match(self, hashes: Sequence[bytes]) -> list[int]:
         """The cached blocks of the longest prefix of ``hashes`` (not yet acquired)."""
@@ -98,7 +121,9 @@ class BlockManager:
             block = self._free.popleft()
         elif self._evictable:
             block, _ = self._evictable.popitem(last=False)
-            del self._block_of[self._hash_of.pop(block)]
+            block_hash = self._hash_of.pop(block)
+            del self._block_of[block_hash]
+            self._index_digest ^= _entry_digest(block_hash, block)
         else:
             raise RuntimeError(f"paged cache is full: all {self.num_blocks} blocks are in use")
         self._refs[block] = 1
@@ -121,6 +146,7 @@ class BlockManager:
         if self.prefix_caching and block_hash not in self._block_of and block not in self._hash_of:
             self._block_of[block_hash] = block
             self._hash_of[block] = block_hash
+            self._index_digest ^= _entry_digest(block_hash, block)
 
     def clear_cache(self) -> None:
         """Forget every registered block (e.g. the weights changed); blocks in use stay allocated."""
@@ -129,3 +155,4 @@ class BlockManager:
         self._evictable.clear()
         self._block_of.clear()
         self._hash_of.clear()
+        self._index_digest = 0

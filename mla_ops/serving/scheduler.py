@@ -81,7 +81,8 @@ class Scheduler:
             while self.manager.prefix_caching and shared < request.max_hits and request.hashes[shared] in seen:
                 shared += 1
             seen.update(request.hashes)
-            need += math.ceil((request.prompt_len + max_new_tokens) / bs) - shared
+            # The last new token is returned, never fed back: its row is never written.
+            need += math.ceil((request.prompt_len + max_new_tokens - 1) / bs) - shared
         pinned = {block for blocks in matches for block in blocks if self.manager.ref_count(block) == 0}
         return matches, need, self.manager.num_available - len(pinned)
 

@@ -148,12 +148,35 @@ def test_generate_refuses_bad_calls_and_keeps_its_generator(model, prompts, max_
 def test_a_refused_call_on_a_fresh_generator_allocates_nothing(model):
     generator = mla_ops.Generator(model, block_size=4, num_blocks=3)
     before = state_of(generator)
-    for prompts, n in (([1, 2, 3], N), (PROMPTS, -1), ([[1] * 9], 4)):  # the last needs 4 blocks of the 3
+    for prompts, n in (([1, 2, 3], N), (PROMPTS, -1), ([[1] * 9], 5)):  # the last writes 13 rows: 4 blocks of the 3
         with pytest.raises((TypeError, ValueError)):
             generator.generate(prompts, n)
         assert generator.kv_caches is None
         assert_same(state_of(generator), before)
     assert generator.generate([[1, 2, 3]], 2) == mla_ops.Generator(model, block_size=4).generate([[1, 2, 3]], 2)
+
+
+def test_the_capacity_counts_the_rows_written(model):
+    """The last new token is returned, never fed back, so its row is never written: 4 prompt tokens and
+    1 new one fit one block of 4; 2 new ones do not."""
+    generator = mla_ops.Generator(model, block_size=4, num_blocks=1)
+    assert generator.generate([[1, 2, 3, 4]], 1) == mla_ops.Generator(model, block_size=4).generate([[1, 2, 3, 4]], 1)
+    with pytest.raises(ValueError, match="num_blocks=1 is too small: this call needs 2 more blocks"):
+        generator.generate([[1, 2, 3, 4]], 2)
+
+
+def test_the_cache_usage_shows_no_leak_after_eviction(model):
+    generator = mla_ops.Generator(model, block_size=4, num_blocks=6)
+    assert generator.cache_usage == (6, 0, 0, 6)
+    seen = []
+    generator.generate(PROMPTS, N, callback=lambda stats: seen.append(generator.cache_usage))
+    assert all(sum(usage[1:]) == 6 for usage in seen) and all(usage.in_use > 0 for usage in seen[:-1])
+    assert generator.cache_usage.in_use == 0 and generator.cache_usage.cached == generator.manager.num_cached
+    for seed in range(4):  # other prompts evict the cached prefixes; nothing stays held
+        prompt = torch.randint(0, 256, (13,), generator=torch.Generator().manual_seed(seed)).tolist()
+        generator.generate([prompt], 3)
+        usage = generator.cache_usage
+        assert usage.in_use == 0 and usage.total == 6 and usage.cached + usage.free == 6
 
 
 def test_a_call_too_big_for_num_blocks_keeps_the_cache_and_the_index(model, expected):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -216,7 +217,40 @@ def check_disagreement(rank: int, world: int) -> dict:
     every = [None] * world
     dist.all_gather_object(every, tokens)
     assert all(t == tokens for t in every), every
-    return {"message": message, "refused": own}
+
+    # The same call on different state: one rank's prefix cache forgotten, then its model in float64.
+    long = [list(range(1, 8 * world + 2))]  # two full blocks of block_size * world tokens: cached
+    generator.generate(long, 2)
+    if rank == world - 1:
+        generator.manager.clear_cache()
+    state = expect_error(lambda: generator.generate(long, 2), "context_parallel", "prefix cache state")
+    generator.manager.clear_cache()  # every rank's: equal again
+    if rank == world - 1:
+        model.double()
+    dtype = expect_error(lambda: generator.generate(good, 2), "context_parallel", "dtype")
+    model.float()
+
+    # A rank that raises mid-call (its callback, at the second step): every rank raises at that step.
+    class Stop(Exception):
+        pass
+
+    def callback(stats):
+        if rank == world - 1 and stats.steps == 2:
+            raise Stop
+    start = time.perf_counter()
+    try:
+        generator.generate(good, 4, callback=callback)
+    except Stop:
+        failed = "own"
+    except RuntimeError as e:
+        assert f"rank(s) [{world - 1}] raised during generate" in str(e), e
+        failed = "told"
+    else:
+        raise AssertionError("a rank that raised mid-call left the others running")
+    seconds = time.perf_counter() - start
+    assert failed == ("own" if rank == world - 1 else "told")
+    assert generator.generate(good, 2) == tokens  # the group still works
+    return {"message": message, "refused": own, "state": state, "dtype": dtype, "failed_in_seconds": seconds}
 
 
 def main(argv: list[str]) -> int:

@@ -138,6 +138,9 @@ BAD_STEPS = {
     "backend": (lambda b, p, c, s: dict(backend="cuda"), ValueError, "backend must be one of"),
     "fp8 without k_scale": (lambda b, p, c, s: dict(kv_cache=c.to(torch.float8_e4m3fn)), ValueError,
                             "k_scale is required"),
+    **{f"fp8 k_scale {value}": (lambda b, p, c, s, v=value: dict(kv_cache=c.to(torch.float8_e4m3fn),
+                                                               k_scale=torch.tensor([v])), ValueError,
+                                "k_scale must be finite and positive") for value in (0.0, -1.0, math.inf, math.nan)},
 }
 
 

@@ -3,6 +3,6 @@ rotary embeddings (YaRN), mixture of experts, checkpoints (``checkpoint_files``:
 ``checkpoint_names``: names and checks; ``checkpoint``: loading) and the model itself (``deepseek``)."""
 
 from .config import MLAConfig
-from .deepseek import MLAAttention, MLAForCausalLM, MLAModel
+from .decoder import MLAAttention, MLAForCausalLM, MLAModel
 
 __all__ = ["MLAAttention", "MLAConfig", "MLAForCausalLM", "MLAModel"]

@@ -201,7 +201,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, progress: _P
             parser.error(f"argument --prompt: {text!r} encodes to no tokens")
     prompts += args.prompt_ids
 
-    from ..models.deepseek import MLAForCausalLM
+    from ..models.decoder import MLAForCausalLM
 
     started = time.perf_counter()
     model = MLAForCausalLM.from_pretrained(args.model, dtype=args.dtype, device=args.device)

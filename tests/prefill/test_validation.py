@@ -7,7 +7,7 @@ table too short for a context, a workspace smaller than one alignment step, fp8 
 and a plan that does not fit the call (made for other tokens, another block size or device, a
 block past the cache; planning options or lengths passed beside ``plan=``). mla_prefill has no
 out= and writes nothing; that a rejected layer call leaves the cache unchanged is checked in
-tests/models/test_deepseek.py.
+tests/models/test_decoder.py.
 
 Each case starts from one valid small call and changes one thing.
 """

@@ -1,4 +1,8 @@
-"""An MLA attention layer and a small DeepSeek-V2-style model on top of the mla_ops operators.
+"""The MLA decoder: an MLA attention layer, the decoder layer and the model, on the mla_ops operators.
+
+DeepSeek-V2/V3's layout is the base; what other MLA families change (gates, MLP layouts, layer
+structures, scalings, RoPE kinds, checkpoint names) is data of ``MLAConfig``, read by the small named
+parts of ``mla_ops.models`` (DESIGN §11), not branches here.
 
 T new tokens (all requests, concatenated)   H hidden_size        N num_attention_heads
 L kv_lora_rank   P qk_nope_head_dim   R qk_rope_head_dim   V v_head_dim   B requests

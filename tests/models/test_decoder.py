@@ -1,4 +1,4 @@
-"""The MLA layer and model (mla_ops/models/deepseek.py): MLAAttention against a dense float64 layer,
+"""The MLA layer and model (mla_ops/models/decoder.py): MLAAttention against a dense float64 layer,
 prefill in steps, the presets, and calls rejected before the cache is written.
 
 kv_cache [num_blocks, block_size, L+R]   slot_mapping [T] (negative = padding)
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import mla_ops
-from mla_ops.models.deepseek import MLAAttention, MLAConfig, MLAModel
+from mla_ops.models.decoder import MLAAttention, MLAConfig, MLAModel
 from tests.support.batches import paged_block_table, spread_weights
 
 

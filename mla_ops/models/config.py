@@ -25,10 +25,13 @@ JSON, or not a JSON object, is one ValueError naming it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 from .. import _checks
+from ..planning.options import PlanOptions
+from ..planning.routing import default_threshold
 from .hf_config import check_yarn, mla_config_kwargs, read_config, yarn_from_dict
 from .rope import YarnScaling
 
@@ -134,6 +137,19 @@ class MLAConfig:
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def default_absorb_max_query_len(self) -> int:
+        """The routing default at this model's dims (``routing.default_threshold``): what its steps'
+        ``absorb_max_query_len=None`` means in ``Generator`` and ``PrefillGraphs``."""
+        return default_threshold(self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim)
+
+    def routed_options(self, options: PlanOptions) -> PlanOptions:
+        """``options`` with ``absorb_max_query_len=None`` resolved at this model's dims (one device: across
+        ranks None stays the context-parallel cost model's)."""
+        if options.absorb_max_query_len is not None:
+            return options
+        return dataclasses.replace(options, absorb_max_query_len=self.default_absorb_max_query_len)
 
     @property
     def softmax_scale(self) -> float:

@@ -28,12 +28,20 @@ def cost_model_threshold(latent: int, nope: int, rope: int, value: int) -> int:
     return int(2 * latent * (nope + value) // per_key_query_extra)
 
 
-# What ``absorb_max_query_len=None`` means: the measured threshold once there is one, else the cost
-# model's break-even at DeepSeek's dims (L=512, P=128, R=64, V=128: 170), which every released
-# DeepSeek-V2/V3 model shares. Other dims: pass ``cost_model_threshold(...)`` explicitly.
-DEFAULT_ABSORB_MAX_QUERY_LEN: int = (
-    MEASURED_ABSORB_MAX_QUERY_LEN if MEASURED_ABSORB_MAX_QUERY_LEN is not None else cost_model_threshold(512, 128, 64, 128)
-)
+DEEPSEEK_DIMS = (512, 128, 64, 128)  # (L, P, R, V) of every released DeepSeek-V2/V3 model
+
+
+def default_threshold(latent: int, nope: int, rope: int, value: int) -> int:
+    """``absorb_max_query_len=None`` at these dims: the measured threshold where there is one (DeepSeek's
+    dims, once the H200 sweep has run), else the cost model's break-even."""
+    if (latent, nope, rope, value) == DEEPSEEK_DIMS and MEASURED_ABSORB_MAX_QUERY_LEN is not None:
+        return MEASURED_ABSORB_MAX_QUERY_LEN
+    return cost_model_threshold(latent, nope, rope, value)
+
+
+# What ``absorb_max_query_len=None`` means where the dims are unknown (``plan_prefill`` alone): DeepSeek's
+# (170). A model's steps (``Generator``, ``PrefillGraphs``) take ``default_threshold`` at its own dims.
+DEFAULT_ABSORB_MAX_QUERY_LEN: int = default_threshold(*DEEPSEEK_DIMS)
 
 
 def route_context(context_lens, query_lens, absorb_max_query_len: int, max_absorbed_tokens: int | None = None):

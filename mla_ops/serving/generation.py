@@ -123,9 +123,11 @@ class Generator:
             options, num_blocks, compile, prefix_caching, block_size=block_size, workspace_size=workspace_size,
             absorb_max_query_len=absorb_max_query_len, max_absorbed_tokens=max_absorbed_tokens)
         self.model = model
-        self.options = self.settings.options  # the host plans of eager steps
-        self.block_size, self.workspace_size = self.options.block_size, self.options.workspace_size
         self.context_parallel = cp = getattr(model, "context_parallel", None)
+        self.options = self.settings.options  # every step's (routing: the default at the model's dims)
+        if cp is None:
+            self.options = model.config.routed_options(self.options)
+        self.block_size, self.workspace_size = self.options.block_size, self.options.workspace_size
         self._layout = (cp.rank, cp.world_size, cp.interleave) if cp is not None else (0, 1, 1)
         self.compile = compile
         self.manager = BlockManager(num_blocks or 1, self.block_size, prefix_caching)

@@ -45,6 +45,7 @@ import torch
 
 from .. import _checks as checks
 from .._env import own_code
+from ..models.config import MLAConfig
 from ..ops.backends import BACKENDS
 from ..parallel.layout import local_context_lens
 from ..planning.options import PlanOptions, options_from
@@ -105,6 +106,10 @@ class PrefillGraphs:
             raise ValueError(
                 "options must plan the packed policy (split_alignment=1) without max_chunks: each bucket plans "
                 f"the device form with its own K (chunk_buckets), got {options!r}")
+        self.context_parallel = getattr(model, "context_parallel", None)  # a model across ranks plans across them
+        config = getattr(model, "config", None)
+        if isinstance(config, MLAConfig) and self.context_parallel is None:
+            options = config.routed_options(options)  # the routing default at the model's own dims
         # The device plan's options; each bucket plans with its own K (``max_chunks``).
         self.options = dataclasses.replace(options, max_chunks=self.buckets.chunks[-1])
         tensor = next(itertools.chain(model.parameters(), model.buffers()), None)
@@ -122,7 +127,6 @@ class PrefillGraphs:
             raise ValueError(f"compile_backend must be a torch.compile backend (a callable or one of "
                              f"torch._dynamo.list_backends()), got {compile_backend!r}")
         self.model, self.mode, self.backend, self.compile_backend = model, mode, backend, compile_backend
-        self.context_parallel = getattr(model, "context_parallel", None)  # a model across ranks plans across them
         # Regional compilation: the model's layers compiled once, the step around them run as is.
         self.regional = mode == "compile" and callable(getattr(model, "compile_layers", None))
         self.k_scale = self._device_k_scale(k_scale)

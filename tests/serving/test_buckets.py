@@ -52,7 +52,9 @@ def test_prefill_graphs_buckets_and_plans_with_one_options_object():
     assert runner.variants == runner.buckets.all() == Buckets.build(32, 2).all()
     options = runner.options
     assert (options.block_size, options.workspace_size, options.max_chunks) == (4, 8, 16)
-    assert options.absorb_threshold == mla_ops.routing.DEFAULT_ABSORB_MAX_QUERY_LEN
+    # None routes by the cost model at the model's own dims (tiny: L=32, P=16, R=8, V=16), not DeepSeek's 170.
+    assert options.absorb_threshold == mla_ops.routing.cost_model_threshold(32, 16, 8, 16) == 32
+    assert model.config.default_absorb_max_query_len == 32
     assert options.absorbed_capacity == 3
     with pytest.raises(ValueError, match="max_absorbed_tokens must be an int >= 0"):
         mla_ops.PrefillGraphs(model, max_tokens=32, max_requests=2, max_blocks_per_request=4, block_size=4,

@@ -27,7 +27,8 @@ def test_a_first_step_runs_every_prompt_and_then_one_token_each():
     scheduler = Scheduler(BlockManager(8, 4))
     requests = scheduler.requests([[1, 2, 3, 4, 5], [6, 7]])
     matches, need, available = scheduler.blocks_needed(requests, 3, stale=False)
-    assert matches == [[], []] and need == 2 + 2 and available == 8  # ceil((5+3)/4) + ceil((2+3)/4)
+    # ceil((5+3-1)/4) + ceil((2+3-1)/4): the last new token's row is never written
+    assert matches == [[], []] and need == 2 + 1 and available == 8
     assert scheduler.reserve(requests, matches, need) == 0
     order, cached, inputs = run_step(scheduler, requests, token=9)
     assert order == [0, 1] and cached == 0
@@ -93,7 +94,7 @@ def test_a_later_call_reuses_the_cached_prefix_unless_the_index_is_stale():
 def test_a_fixed_cache_refuses_a_call_that_does_not_fit_and_a_growing_one_grows():
     fixed = Scheduler(BlockManager(3, 4), num_blocks=3)
     requests = fixed.requests([[1] * 9])
-    matches, need, available = fixed.blocks_needed(requests, 4, stale=False)
+    matches, need, available = fixed.blocks_needed(requests, 5, stale=False)  # writes 9 + 4 rows
     with pytest.raises(ValueError, match="num_blocks=3 is too small: this call needs 4 more blocks of 4 tokens, "
                                          "3 are available"):
         fixed.check_capacity(need, available)
@@ -101,7 +102,7 @@ def test_a_fixed_cache_refuses_a_call_that_does_not_fit_and_a_growing_one_grows(
 
     growing = Scheduler(BlockManager(1, 4))
     requests = growing.requests([[1] * 9])
-    matches, need, available = growing.blocks_needed(requests, 4, stale=False)
+    matches, need, available = growing.blocks_needed(requests, 5, stale=False)
     growing.check_capacity(need, available)  # no limit
     assert growing.reserve(requests, matches, need) == 3 and growing.manager.num_blocks == 4
 

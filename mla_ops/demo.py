@@ -196,10 +196,10 @@ def main(argv: list[str] | None = None) -> None:
         backends.select(args.backend, torch.device("cpu"))  # the demo's tensors are on the CPU
     except ValueError as e:
         parser.error(f"argument --backend: {e}")
-    torch.set_grad_enabled(False)
     try:
-        run(full=args.full, dtype=getattr(torch, args.dtype), seed=args.seed, backend=args.backend)
-        compiled_demo()
+        with torch.no_grad():  # not set_grad_enabled: main() may run inside another program's process
+            run(full=args.full, dtype=getattr(torch, args.dtype), seed=args.seed, backend=args.backend)
+            compiled_demo()
     except Exception as e:
         if args.debug:
             raise

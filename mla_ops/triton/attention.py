@@ -319,9 +319,31 @@ def _attn_fwd(
 # keys: a new batch never recompiles.
 CUDA_CONFIG_16BIT = (64, 64, 4, 2)
 PROGRAMS_PER_SM = 2  # two 16-bit programs fit an SM (above)
+# Wider heads (BLOCK_P + BLOCK_R > 256 or BLOCK_V > 128: GLM-4.7-Flash's P=192, V=256), built for sm90
+# with Triton 3.6 (benchmarks/sm90_build.py): 64 x 64 with 4 warps spills 832 bytes a thread (merging),
+# 64 x 32 with 8 warps 496, 128 x 16 with 8 warps 168 in 116 KB of shared memory (one program an SM).
+CUDA_CONFIG_16BIT_WIDE = (128, 16, 8, 2)
+PROGRAMS_PER_SM_WIDE = 1
 CUDA_CONFIG_FP32 = (32, 32, 8, 2)
 # The interpreter: small tiles, so small test shapes still cover multi-tile loops and merges.
 INTERPRETER_CONFIG = (16, 16, 1, 1)
+
+
+def head_blocks(nope_dim: int, rope_dim: int, value_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_P, BLOCK_R, BLOCK_V): the head dims padded to powers of two, at least 16 (tl.dot's minimum)."""
+    return tuple(max(16, triton.next_power_of_2(d)) for d in (nope_dim, rope_dim, value_dim))
+
+
+def launch_config(dtype: torch.dtype, interpreted: bool, nope_dim: int, rope_dim: int, value_dim: int):
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages, programs per SM)`` for these head dims (above)."""
+    if interpreted:
+        return (*INTERPRETER_CONFIG, PROGRAMS_PER_SM)
+    if dtype == torch.float32:
+        return (*CUDA_CONFIG_FP32, PROGRAMS_PER_SM)
+    block_p, block_r, block_v = head_blocks(nope_dim, rope_dim, value_dim)
+    if block_p + block_r > 256 or block_v > 128:
+        return (*CUDA_CONFIG_16BIT_WIDE, PROGRAMS_PER_SM_WIDE)
+    return (*CUDA_CONFIG_16BIT, PROGRAMS_PER_SM)
 
 
 def slots(num_tokens: int, num_requests: int, block_m: int) -> int:
@@ -342,14 +364,14 @@ def _launch(q, k_nope, k_pe, v, query_start_loc, cu_k, starts, softmax_scale, ou
         if num_tokens == 0 or num_heads == 0 or num_requests <= 0 or k_nope.shape[0] == 0:
             return  # nothing to attend; context rows of requests without keys stay untouched
         nope_dim, rope_dim, value_dim = k_nope.shape[-1], k_pe.shape[-1], v.shape[-1]
-        block_m, block_n, num_warps, num_stages = (
-            INTERPRETER_CONFIG if interpreted else CUDA_CONFIG_FP32 if q.dtype == torch.float32 else CUDA_CONFIG_16BIT
-        )
+        block_m, block_n, num_warps, num_stages, per_sm = launch_config(q.dtype, interpreted, nope_dim, rope_dim,
+                                                                        value_dim)
+        block_p, block_r, block_v = head_blocks(nope_dim, rope_dim, value_dim)
         merge = starts is not None
         if starts is None:
             starts = query_start_loc  # unused (MERGE is off); any valid pointer
 
-        programs = persistent_programs(q, interpreted, PROGRAMS_PER_SM)
+        programs = persistent_programs(q, interpreted, per_sm)
         _attn_fwd[grid(num_tokens, num_requests, num_heads, block_m, programs)](
             q, k_nope, k_pe, v, out, lse,
             query_start_loc, cu_k, starts,
@@ -357,10 +379,7 @@ def _launch(q, k_nope, k_pe, v, query_start_loc, cu_k, starts, softmax_scale, ou
             *q.stride(), *k_nope.stride(), *k_pe.stride(), *v.stride(), *out.stride(), *lse.stride(),
             query_start_loc.stride(0), cu_k.stride(0), starts.stride(0),
             HEAD_P=nope_dim, HEAD_R=rope_dim, HEAD_V=value_dim,
-            BLOCK_P=max(16, triton.next_power_of_2(nope_dim)),
-            BLOCK_R=max(16, triton.next_power_of_2(rope_dim)),
-            BLOCK_V=max(16, triton.next_power_of_2(value_dim)),
-            BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_P=block_p, BLOCK_R=block_r, BLOCK_V=block_v, BLOCK_M=block_m, BLOCK_N=block_n,
             CAUSAL=causal, MERGE=merge,
             DOT_DTYPE=dtype, DOT_PRECISION=dot_precision(dtype), INTERPRETED=interpreted,
             num_warps=num_warps, num_stages=num_stages,

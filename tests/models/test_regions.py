@@ -2,7 +2,6 @@
 modes, dense and MoE layers, steps of 0, 1 and many tokens. Each combination compiles its regions
 once, none meets torch's recompile limit, and every step equals the eager model's."""
 
-import contextlib
 import dataclasses
 
 import pytest
@@ -15,7 +14,7 @@ from tests.support.batches import model_step
 # Tiny with a mixture of experts after the first layer: dense and MoE layers share one model.
 MOE = dataclasses.replace(mla_ops.MLAConfig.from_name("tiny"), num_hidden_layers=3, first_k_dense_replace=1,
                           n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1)
-MODES = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode, "grad": contextlib.nullcontext}
+MODES = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode, "grad": torch.enable_grad}
 STEPS = [([5, 0], [3, 4]), ([0], [0]), ([7], [1]), ([2, 9, 0], [2, 5, 6])]  # 7, 0, 1 and 13 tokens
 
 

@@ -31,7 +31,7 @@ MODEL_TYPES = {
     "deepseek_v3": dict(scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True,
                         routed_scaling_factor=2.5),
 }
-MODEL_TYPES["kimi_k2"] = MODEL_TYPES["deepseek_v3"]  # Kimi K2's remote code's name for DeepSeek-V3 (as transformers reads it)
+MODEL_TYPES["kimi_k2"] = MODEL_TYPES["deepseek_v3"]  # Kimi K2's remote-code name for DeepSeek-V3, as transformers reads it
 # Another model_type names its gate itself (scoring_func and topk_method); the rest defaults as V2's.
 _OTHER_TYPE = MODEL_TYPES["deepseek_v2"]
 
@@ -96,7 +96,7 @@ class _Keys:
         self.c = c
         kind, known = c.get("model_type"), ", ".join(map(repr, [*MODEL_TYPES, *WRAPPERS]))
         # A key missing from an unknown model type's config.json: say so (a wrapper of another layout, ...).
-        self.unknown = f" (model_type {kind!r} is none mla_ops knows: {known})" if (
+        self.unknown = f" (model_type {kind!r} is not one mla_ops reads: {known})" if (
             kind is not None and not (isinstance(kind, str) and kind in MODEL_TYPES)) else ""
 
     def get(self, name, default=None):

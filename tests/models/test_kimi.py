@@ -119,7 +119,7 @@ def test_config_of_both_layouts(kimi):
         MLAConfig.from_hf(dict(raw, text_config=text_raw))
     with pytest.raises(TypeError, match=r"text_config \(the text model of model_type 'kimi_k25'\): kv_lora_rank must be an int"):
         MLAConfig.from_hf(dict(raw, text_config=dict(raw["text_config"], kv_lora_rank="32")))
-    with pytest.raises(ValueError, match=r"lacks 'hidden_size'.*model_type 'mistral3' is none mla_ops knows.*"
+    with pytest.raises(ValueError, match=r"lacks 'hidden_size'.*model_type 'mistral3' is not one mla_ops reads.*"
                                          r"'kimi_k25'"):
         MLAConfig.from_hf(dict(raw, model_type="mistral3"))  # another wrapper: not read as one
     with pytest.raises(ValueError, match="wrapper must be one of"):
@@ -186,10 +186,12 @@ def test_cli_generates(float32_kimi, tmp_path, capsys):
     expect = mla_ops.generate(model, [[5, 6, 7]], 4)[0]
     main(["generate", "--model", str(path), "--prompt-ids", "5,6,7", "--max-new-tokens", "4", "--ignore-eos"])
     assert capsys.readouterr().out.strip() == ",".join(map(str, expect))
-    # eos_token_id sits in text_config: 1 stops generation where it is produced, if at all.
+    config = json.loads((path / "config.json").read_text())
+    assert "eos_token_id" not in config and "vocab_size" not in config  # both sit in text_config
+    config["text_config"]["eos_token_id"] = expect[1]
+    (path / "config.json").write_text(json.dumps(config))
     main(["generate", "--model", str(path), "--prompt-ids", "5,6,7", "--max-new-tokens", "4"])
-    stop = expect[: expect.index(1) + 1] if 1 in expect else expect
-    assert capsys.readouterr().out.strip() == ",".join(map(str, stop))
+    assert capsys.readouterr().out.strip() == ",".join(map(str, expect[: expect.index(expect[1]) + 1]))
 
 
 def rewrite(src, dst, change):

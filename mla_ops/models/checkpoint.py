@@ -10,7 +10,9 @@ A checkpoint directory holds ``config.json`` and either ``model.safetensors`` or
   576 rows) plus Multi-Token-Prediction layers past ``num_hidden_layers``;
 * what transformers 5's ``save_pretrained`` writes: the same per-expert names (it reverts its fused
   experts on save), RoPE rows interleaved too; 3-D ``mlp.experts.gate_up_proj`` / ``down_proj`` are
-  accepted as well.
+  accepted as well;
+* a multimodal wrapper's (Kimi K2.5, either layout): its text model's tensors under the wrapper's prefixes,
+  the vision tower and projector skipped (``mla_ops.models.wrappers``).
 
 Converted once at load, never per step: fp8 blocks dequantized in float32 then cast to the model
 dtype; experts stacked into ``experts.gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``; the R rope
@@ -40,6 +42,7 @@ from .checkpoint_names import SCALE, Source, check_layers, map_tensors, quant_bl
 from .config import MLAConfig
 from .moe import MoEGate
 from .rope import deinterleave_index
+from .wrappers import unwrap
 
 
 def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
@@ -99,7 +102,7 @@ def load_pretrained(cls, path, dtype: torch.dtype | None = None, device=None, *,
     raw = read_json_object(config_file)
     config = MLAConfig._from_hf_dict(raw, config_file)
     try:
-        block = quant_block(raw)
+        block = quant_block(unwrap(raw)[0])  # a wrapper's text model's
     except (TypeError, ValueError) as e:
         raise type(e)(f"{config_file}: {e}") from e
     dtype = dtype or _checks.model_dtype(config.dtype) or torch.float32

@@ -12,7 +12,8 @@ the file headers alone (nothing is read or allocated):
 
 Per-expert tensors (``mlp.experts.{e}.gate_proj.weight``, ``up_proj``, ``down_proj``) map to a part of
 the stacked ``experts.gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``; every other name maps to the
-model tensor of the same name.
+model tensor of the same name. A multimodal wrapper's text model (``config.wrapper``) is read under its
+prefixes (``models.wrappers.text_names``), the wrapper's other tensors left out.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from .. import _checks
 from .checkpoint_files import dtype_name
 from .config import MLAConfig
+from .wrappers import text_names
 
 SCALE = "_scale_inv"  # the suffix of a float8 weight's block scales
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -54,10 +56,11 @@ class Source:
         return self.expert, rows
 
 
-def _source(name: str) -> Source:
-    expert = _EXPERT.match(name)
+def _source(name: str, model_name: str) -> Source:
+    """Checkpoint tensor ``name``, ``model_name`` by the decoder's names."""
+    expert = _EXPERT.match(model_name)
     if not expert:
-        return Source(name, name)
+        return Source(name, model_name)
     prefix, e, part = expert.group(1), int(expert.group(2)), expert.group(3)
     target = f"{prefix}.down_proj" if part == "down_proj" else f"{prefix}.gate_up_proj"
     return Source(name, target, e, part)
@@ -108,20 +111,22 @@ def map_tensors(config: MLAConfig, headers: dict[str, tuple[list, str]], params:
     """Map checkpoint names to model tensors, checking names, shapes, dtypes and fp8 scales (headers only:
     name -> (shape, safetensors dtype))."""
     names = set(headers)
+    model_names = text_names(config.wrapper, names)  # checkpoint name -> the decoder's
     shape_of = lambda name: headers[name][0]  # noqa: E731
     inter = config.moe_intermediate_size
     sources, unexpected, bad, bad_dtypes, found = [], [], [], [], set()
-    for name in sorted(names):
-        layer = LAYER.match(name)
+    for name in sorted(model_names):
+        model_name = model_names[name]
+        layer = LAYER.match(model_name)
         if (layer and int(layer.group(1)) >= config.num_hidden_layers) or name.endswith("rotary_emb.inv_freq"):
             continue  # Multi-Token-Prediction layers (checked in check_layers); buffers of old checkpoints
         if name.endswith(SCALE):
             if name[: -len(SCALE)] not in names:
                 unexpected.append(name)
             continue
-        if name == "lm_head.weight" and config.tie_word_embeddings:
+        if model_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        source = _source(name)
+        source = _source(name, model_name)
         param = params.get(source.target)
         if param is None or (source.expert is not None and source.expert >= param.shape[0]):
             unexpected.append(name)
@@ -180,7 +185,7 @@ def map_tensors(config: MLAConfig, headers: dict[str, tuple[list, str]], params:
             shown = ", ".join(items[:8]) + (f", ... ({len(items) - 8} more)" if len(items) > 8 else "")
             problems.append(f"{title} ({len(items)}): {shown}")
     if problems:
-        hints = _hints(config, unexpected)
+        hints = _hints(config, [model_names[name] for name in unexpected])
         raise ValueError("checkpoint does not fit the model: " + "; ".join(problems)
                          + (f" (config.json: {'; '.join(hints)})" if hints else ""))
     return sources
@@ -214,7 +219,7 @@ def _hints(config: MLAConfig, unexpected: list[str]) -> list[str]:
 def check_layers(config: MLAConfig, names) -> None:
     """num_hidden_layers against the checkpoint's decoder layers; the layers past it must be MTP layers."""
     layers = defaultdict(list)
-    for name in names:
+    for name in text_names(config.wrapper, names).values():
         m = LAYER.match(name)
         if m:
             layers[int(m.group(1))].append(name)
@@ -239,6 +244,9 @@ def quant_block(raw: dict) -> tuple[int, int]:
         return (128, 128)
     if not isinstance(q, dict):
         raise TypeError(f"quantization_config must be an object, got {q!r} ({type(q).__name__})")
+    method = q.get("quant_method")
+    if method is not None and method != "fp8":  # Kimi K2.5's int4 experts: compressed-tensors
+        raise ValueError(f"quantization_config.quant_method is {method!r}: only 'fp8' (float8 block scales) loads")
     block = q.get("weight_block_size")
     if block is None:
         return (128, 128)

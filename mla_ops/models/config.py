@@ -17,7 +17,7 @@ value of the wrong type, a ValueError for one out of range.
   ``tie_word_embeddings``, ``norm_topk_prob``.
 * ``scoring_func`` / ``topk_method``: strings (known values); ``dtype``: None or one of float16,
   bfloat16, float32, float64 (``"torch.bfloat16"`` too); ``rope_scaling``: None, a ``YarnScaling`` or
-  config.json's dict.
+  config.json's dict; ``wrapper``: None or a multimodal wrapper's model type (``models.wrappers``).
 
 ``from_hf`` of a file or directory puts the file's path in front of every message; a file that is not
 JSON, or not a JSON object, is one ValueError naming it.
@@ -34,6 +34,7 @@ from ..planning.options import PlanOptions
 from ..planning.routing import default_threshold
 from .hf_config import check_yarn, mla_config_kwargs, read_config, yarn_from_dict
 from .rope import YarnScaling
+from .wrappers import WRAPPERS, text_config_key
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -84,6 +85,7 @@ class MLAConfig:
     routed_scaling_factor: float = 1.0
     tie_word_embeddings: bool = False
     dtype: Optional[str] = None  # the checkpoint's dtype ("bfloat16"): from_pretrained's default
+    wrapper: Optional[str] = None  # the text model of this multimodal model type ("kimi_k25"): its checkpoint names
 
     def __post_init__(self):
         # Types and ranges of every field (normalized: numpy integers -> int, ints -> float where real).
@@ -98,6 +100,8 @@ class MLAConfig:
         _checks.check_str(self.scoring_func, "scoring_func")
         _checks.check_str(self.topk_method, "topk_method")
         _checks.model_dtype(self.dtype, "dtype")
+        if self.wrapper is not None:
+            _checks.check_str(self.wrapper, "wrapper", tuple(WRAPPERS))
         if isinstance(self.rope_scaling, dict):
             self.rope_scaling = yarn_from_dict(self.rope_scaling, self.max_position_embeddings)
         elif isinstance(self.rope_scaling, YarnScaling):
@@ -174,13 +178,15 @@ class MLAConfig:
 
     @classmethod
     def _from_hf_dict(cls, config: dict, source: str | None) -> MLAConfig:
-        """``from_hf`` of a dict; ``source``: the file it was read from, put in front of any error."""
-        if source is None:
+        """``from_hf`` of a dict; ``source``: the file it was read from, put in front of any error (and for
+        a multimodal wrapper the key of its text model's config)."""
+        where = [w for w in (source, text_config_key(config)) if w]
+        if not where:
             return cls(**mla_config_kwargs(config))
         try:
             return cls(**mla_config_kwargs(config))
         except (TypeError, ValueError) as e:
-            raise (ValueError if isinstance(e, ValueError) else TypeError)(f"{source}: {e}") from e
+            raise (ValueError if isinstance(e, ValueError) else TypeError)(f"{': '.join(where)}: {e}") from e
 
 
 # MLAConfig keyword arguments: the released config.json values (MLAConfig(**mla_configs[name]) works).

@@ -22,6 +22,7 @@ import os
 from .. import _checks
 from .checkpoint_files import read_json_object
 from .rope import YarnScaling
+from .wrappers import WRAPPERS, unwrap
 
 # model_type -> the MLAConfig values its config.json leaves out (the gate of a model with experts).
 MODEL_TYPES = {
@@ -30,6 +31,7 @@ MODEL_TYPES = {
     "deepseek_v3": dict(scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True,
                         routed_scaling_factor=2.5),
 }
+MODEL_TYPES["kimi_k2"] = MODEL_TYPES["deepseek_v3"]  # Kimi K2's remote-code name for DeepSeek-V3, as transformers reads it
 # Another model_type names its gate itself (scoring_func and topk_method); the rest defaults as V2's.
 _OTHER_TYPE = MODEL_TYPES["deepseek_v2"]
 
@@ -92,6 +94,10 @@ class _Keys:
 
     def __init__(self, c: dict):
         self.c = c
+        kind, known = c.get("model_type"), ", ".join(map(repr, [*MODEL_TYPES, *WRAPPERS]))
+        # A key missing from an unknown model type's config.json: say so (a wrapper of another layout, ...).
+        self.unknown = f" (model_type {kind!r} is not one mla_ops reads: {known})" if (
+            kind is not None and not (isinstance(kind, str) and kind in MODEL_TYPES)) else ""
 
     def get(self, name, default=None):
         value = self.c.get(name)
@@ -99,13 +105,19 @@ class _Keys:
 
     def need(self, name):
         if self.c.get(name) is None:
-            raise ValueError(f"config.json lacks {name!r}, which a DeepSeek-V2/V3 model needs")
+            raise ValueError(f"config.json lacks {name!r}, which a DeepSeek-V2/V3 model needs{self.unknown}")
         return self.c[name]
 
 
 def mla_config_kwargs(c: dict) -> dict:
     """MLAConfig keyword arguments from config.json's keys; the values are checked by MLAConfig
-    (same names), the rest here with the key's name."""
+    (same names), the rest here with the key's name. A multimodal wrapper's (``models.wrappers``): its
+    text model's."""
+    c, wrapper = unwrap(c)
+    return _text_model_kwargs(c) if wrapper is None else dict(_text_model_kwargs(c), wrapper=wrapper)
+
+
+def _text_model_kwargs(c: dict) -> dict:
     keys = _Keys(c)
     for flag in ("attention_bias", "mlp_bias"):
         if _checks.check_bool(keys.get(flag, False), flag):

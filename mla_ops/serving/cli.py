@@ -18,6 +18,7 @@ import torch
 
 from .. import _checks as checks
 from ..models.checkpoint_files import read_json_object
+from ..models.wrappers import unwrap
 from .generation import GenerationStats, Generator
 from .prompts import check_eos, is_int
 
@@ -191,7 +192,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, progress: _P
             parser.error(f"--prompt needs {tokenizer_path}; pass --prompt-ids instead")
     if not args.prompt and not args.prompt_ids:
         parser.error("give at least one --prompt or --prompt-ids")
-    raw = read_json_object(os.path.join(args.model, "config.json"))
+    raw, _ = unwrap(read_json_object(os.path.join(args.model, "config.json")))  # a wrapper's: its text model's
     _check_ids_in_vocab(parser, args.prompt_ids, raw.get("vocab_size"), args.model)  # before loading the weights
     if args.prompt:
         tokenizer = Tokenizer.from_file(tokenizer_path)

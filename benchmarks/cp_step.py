@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 import mla_ops
+from benchmarks._lib.ranks import spawn
 from benchmarks._lib.report import write_json_atomic
 from mla_ops.parallel.layout import slot_mapping, tokens_per_block
 
@@ -140,13 +141,6 @@ def run(args) -> dict | None:
     return result
 
 
-def _worker(rank: int, world: int, port: int, argv) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    main(argv)
-    sys.stdout.flush()
-    os._exit(0)  # no interpreter teardown: gloo's threads can abort a process finalizing beside them
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.cp_step", description=__doc__.split("\n")[0])
     p.add_argument("--json")
@@ -163,16 +157,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> dict | None:
     args = parser().parse_args(argv)
     if args.dry_run and "RANK" not in os.environ:  # launch the two processes ourselves
-        import socket
-
-        import torch.multiprocessing as mp
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         given = list(sys.argv[1:] if argv is None else argv)
-        mp.spawn(_worker, args=(2, port, [*given, "--layers", "1", "--block-size", "4", "--workspace", "32",
-                                          "--reps", "2"]), nprocs=2, join=True)
+        spawn(main, [*given, "--layers", "1", "--block-size", "4", "--workspace", "32", "--reps", "2"])
         return None
     backend = "nccl" if torch.cuda.is_available() and not args.dry_run else "gloo"
     dist.init_process_group(backend)

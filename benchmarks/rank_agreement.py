@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import mla_ops
+from benchmarks._lib.ranks import spawn
 from benchmarks._lib.report import write_json_atomic
 from mla_ops.parallel import collectives
 
@@ -57,22 +57,10 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _worker(rank: int, world: int, port: int, argv) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    main(argv)
-    sys.stdout.flush()
-    os._exit(0)  # no interpreter teardown: gloo's threads can abort a process finalizing beside them
-
-
 def main(argv=None) -> list | None:
     args = parser().parse_args(argv)
     if "RANK" not in os.environ:  # launch two gloo processes ourselves
-        import torch.multiprocessing as mp
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.spawn(_worker, args=(2, port, list(sys.argv[1:] if argv is None else argv)), nprocs=2, join=True)
+        spawn(main, sys.argv[1:] if argv is None else argv)
         return None
     torch.set_num_threads(1)
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")

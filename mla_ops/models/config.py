@@ -17,7 +17,8 @@ value of the wrong type, a ValueError for one out of range.
   ``tie_word_embeddings``, ``norm_topk_prob``.
 * ``scoring_func`` / ``topk_method``: strings (known values); ``dtype``: None or one of float16,
   bfloat16, float32, float64 (``"torch.bfloat16"`` too); ``rope_scaling``: None, a ``YarnScaling`` or
-  config.json's dict; ``wrapper``: None or a multimodal wrapper's model type (``models.wrappers``).
+  config.json's dict; ``wrapper``: None or a multimodal wrapper's model type (``models.wrappers``);
+  ``query_scale``: None, a ``QueryScale`` or its fields as a dict.
 
 ``from_hf`` of a file or directory puts the file's path in front of every message; a file that is not
 JSON, or not a JSON object, is one ValueError naming it.
@@ -33,11 +34,13 @@ from .. import _checks
 from ..planning.options import PlanOptions
 from ..planning.routing import default_threshold
 from .hf_config import check_yarn, mla_config_kwargs, read_config, yarn_from_dict
+from .query_scale import QueryScale
 from .rope import YarnScaling
 from .wrappers import WRAPPERS, text_config_key
 
 SCORING_FUNCS = ("softmax", "sigmoid")
-TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc", "group_top2")
+_TOP2_GROUPS = ("noaux_tc", "group_top2")  # groups ranked by their two best scores
 
 # MLAConfig's integer fields and their least value.
 _INTS = dict(hidden_size=1, num_attention_heads=1, kv_lora_rank=1, qk_nope_head_dim=1, qk_rope_head_dim=1,
@@ -78,7 +81,7 @@ class MLAConfig:
     first_k_dense_replace: int = 0  # layers before this one are dense
     moe_layer_freq: int = 1  # after them, every moe_layer_freq-th layer has experts
     scoring_func: str = "softmax"  # "softmax" (V2) or "sigmoid" (V3)
-    topk_method: str = "greedy"  # "greedy", "group_limited_greedy" (V2) or "noaux_tc" (V3)
+    topk_method: str = "greedy"  # "greedy", "group_limited_greedy" (V2), "noaux_tc" (V3), "group_top2" (Mistral 4)
     n_group: int = 1
     topk_group: int = 1
     norm_topk_prob: bool = False
@@ -86,6 +89,7 @@ class MLAConfig:
     tie_word_embeddings: bool = False
     dtype: Optional[str] = None  # the checkpoint's dtype ("bfloat16"): from_pretrained's default
     wrapper: Optional[str] = None  # the text model of this multimodal model type ("kimi_k25"): its checkpoint names
+    query_scale: Optional[QueryScale] = None  # Mistral 4's per-position query scale; a dict is read as its fields
 
     def __post_init__(self):
         # Types and ranges of every field (normalized: numpy integers -> int, ints -> float where real).
@@ -109,6 +113,10 @@ class MLAConfig:
         elif self.rope_scaling is not None:
             raise TypeError(f"rope_scaling must be None, a dict (config.json's) or a YarnScaling, got "
                             f"{type(self.rope_scaling).__name__}")
+        if isinstance(self.query_scale, dict):
+            self.query_scale = QueryScale(**self.query_scale)
+        elif self.query_scale is not None and not isinstance(self.query_scale, QueryScale):
+            raise TypeError(f"query_scale must be None, a dict or a QueryScale, got {type(self.query_scale).__name__}")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
         if self.n_routed_experts is None:
@@ -135,8 +143,9 @@ class MLAConfig:
                     f"topk_group={self.topk_group} groups of {self.n_routed_experts // self.n_group} experts hold "
                     f"fewer than num_experts_per_tok={self.num_experts_per_tok}"
                 )
-        if self.topk_method == "noaux_tc" and self.n_routed_experts // self.n_group < 2:
-            raise ValueError("topk_method 'noaux_tc' scores a group by its top-2 experts: needs >= 2 experts per group")
+        if self.topk_method in _TOP2_GROUPS and self.n_routed_experts // self.n_group < 2:
+            raise ValueError(f"topk_method {self.topk_method!r} scores a group by its top-2 experts: needs >= 2 "
+                             "experts per group")
 
     @property
     def qk_head_dim(self) -> int:
@@ -221,6 +230,18 @@ mla_configs = {
         first_k_dense_replace=3, moe_layer_freq=1, scoring_func="sigmoid", topk_method="noaux_tc", n_group=8,
         topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5, tie_word_embeddings=False,
         dtype="bfloat16",
+    ),
+    # transformers' Mistral4Config defaults, whose docstring names mistralai/Mistral-Small-4-119B-2603.
+    "mistral-small-4": dict(
+        hidden_size=4096, num_attention_heads=32, q_lora_rank=1024, kv_lora_rank=256,
+        qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=128, rope_theta=10000.0, rms_norm_eps=1e-6,
+        intermediate_size=12288, num_hidden_layers=36, vocab_size=131072, max_position_embeddings=1048576,
+        rope_scaling=dict(type="yarn", factor=128, original_max_position_embeddings=8192, beta_fast=32, beta_slow=1,
+                          mscale=1.0, mscale_all_dim=1.0),
+        n_routed_experts=128, num_experts_per_tok=4, moe_intermediate_size=2048, n_shared_experts=1,
+        first_k_dense_replace=0, moe_layer_freq=1, scoring_func="softmax", topk_method="group_top2", n_group=1,
+        topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0, tie_word_embeddings=False,
+        dtype="bfloat16", query_scale=dict(beta=0.1, original_max_position_embeddings=8192),
     ),
     "tiny": dict(  # for tests: dense, no YaRN
         hidden_size=64, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32,

@@ -48,13 +48,15 @@ class ModelStep(NamedTuple):
     cos: torch.Tensor  # [T, R] rotary cos / sin of the step's positions
     sin: torch.Tensor
     attention: PrefillStep  # the plan checked against the caches and slots, the kernels chosen
+    q_scale: torch.Tensor | None = None  # [T] per-token query factors (config.query_scale), or None
 
     @classmethod
     def begin(cls, config: MLAConfig, positions, plan, kv_caches, slot_mapping, k_scale, backend,
               dtype) -> ModelStep:
         attention = begin_step(plan, kv_caches, slot_mapping, k_scale=k_scale, backend=backend)
         cos, sin = rotary_cos_sin(positions, config.qk_rope_head_dim, config.rope_theta, dtype, config.rope_scaling)
-        return cls(cos, sin, attention)
+        q_scale = None if config.query_scale is None else config.query_scale.scales(positions, dtype)
+        return cls(cos, sin, attention, q_scale)
 
 
 class CompiledRegion:
@@ -170,6 +172,8 @@ class MLAAttention(nn.Module):
     def attend(self, q, kv_c, k_pe, kv_cache, step: ModelStep) -> torch.Tensor:
         """Write the new rows into the cache and attend (``PrefillStep.run``): ``[T, N, V]``, before
         ``o_proj``. Everything is checked before the cache is written: a rejected call writes nothing."""
+        if step.q_scale is not None:  # per token, so not in the softmax scale: the same for every attention path
+            q = (q.to(step.q_scale.dtype) * step.q_scale[:, None, None]).to(q.dtype)
         return step.attention.run(q, kv_c, k_pe, kv_cache, self.kv_b_proj.weight, self.softmax_scale)
 
 

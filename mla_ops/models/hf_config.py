@@ -5,7 +5,8 @@ Both forms that exist are read: the released one (``rope_theta`` + ``rope_scalin
 ``rope_theta`` and the scaling, ``dtype``, and for V3 no ``scoring_func`` / ``topk_method``: its gate
 is always sigmoid with group-limited top-k over ``e_score_correction_bias``-corrected scores,
 "noaux_tc"). What a ``model_type`` implies for the keys its config.json leaves out is one entry of
-``MODEL_TYPES``: a new model type is a new entry.
+``MODEL_TYPES``: a new model type is a new entry; the keys only one family has are read by its entry of
+``FAMILY_KEYS`` (``mistral4``: ``mla_ops.models.mistral4``).
 
 A key that is absent or null takes its default (required keys have none and are reported missing).
 The values are checked by ``MLAConfig`` (same names) and the rest here, each error naming the key:
@@ -20,6 +21,7 @@ from __future__ import annotations
 import os
 
 from .. import _checks
+from . import mistral4
 from .checkpoint_files import read_json_object
 from .rope import YarnScaling
 from .wrappers import WRAPPERS, unwrap
@@ -30,8 +32,12 @@ MODEL_TYPES = {
                         routed_scaling_factor=1.0),
     "deepseek_v3": dict(scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True,
                         routed_scaling_factor=2.5),
+    "mistral4": dict(scoring_func="softmax", topk_method="group_top2", norm_topk_prob=True,
+                     routed_scaling_factor=1.0),
 }
 MODEL_TYPES["kimi_k2"] = MODEL_TYPES["deepseek_v3"]  # Kimi K2's remote-code name for DeepSeek-V3, as transformers reads it
+# model_type -> a reader of the keys only that family has: config.json -> MLAConfig keyword arguments.
+FAMILY_KEYS = {"mistral4": mistral4.config_kwargs}
 # Another model_type names its gate itself (scoring_func and topk_method); the rest defaults as V2's.
 _OTHER_TYPE = MODEL_TYPES["deepseek_v2"]
 
@@ -140,6 +146,7 @@ def _text_model_kwargs(c: dict) -> dict:
         tie_word_embeddings=keys.get("tie_word_embeddings", False),
         dtype=c.get(dtype_key),
         **_rope(keys), **_experts(keys, model_type),
+        **(FAMILY_KEYS[model_type](c) if model_type in FAMILY_KEYS else {}),
     )
 
 

@@ -14,6 +14,8 @@ Gates (the reference is transformers' DeepseekV2TopkRouter / DeepseekV3TopkRoute
 * V3 (``noaux_tc``): sigmoid scores; groups ranked by the sum of their two best scores corrected by
   ``e_score_correction_bias`` (a buffer, float32); top-k of the corrected scores in the kept groups;
   weights are the uncorrected scores, normalised if ``norm_topk_prob``, times ``routed_scaling_factor``.
+* Mistral 4 (``group_top2``, transformers' Mistral4TopkRouter): V3's group-limited top-k with no correction
+  bias (softmax scores: groups ranked by the sum of their two best).
 
 Expert compute (``MoE.impl``), both fixed-shape tensor code: no host read, no data-dependent shape,
 so a step compiles to one graph and can be captured in a CUDA graph:
@@ -87,8 +89,8 @@ class MoEGate(nn.Module):
         scores = logits.softmax(dim=-1, dtype=torch.float32) if self.scoring_func == "softmax" else logits.sigmoid()
         per_group = self.num_experts // self.n_group  # not -1: a step may have no tokens
         grouped = scores.view(num_tokens, self.n_group, per_group)  # [T, G, E/G]
-        if self.topk_method == "noaux_tc":
-            choice = scores + self.e_score_correction_bias  # [T, E]
+        if self.topk_method in ("noaux_tc", "group_top2"):
+            choice = scores + self.e_score_correction_bias if self.topk_method == "noaux_tc" else scores  # [T, E]
             group_scores = choice.view(num_tokens, self.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
             choice = choice.masked_fill(~self._group_mask(group_scores), float("-inf"))
             indices = torch.topk(choice, k=k, dim=-1, sorted=False)[1]  # [T, k]

@@ -104,6 +104,8 @@ def test_config_json_reads_into_mla_config(checkpoint):
     assert c.query_scale == QueryScale(beta=0.3, original_max_position_embeddings=ORIGINAL)
     assert (c.rope_scaling.factor, c.rope_scaling.original_max_position_embeddings) == (4.0, ORIGINAL)
     assert c.softmax_scale == pytest.approx(modeling_mistral4.Mistral4Attention(hf_config(), 0).scaling)
+    with pytest.raises(ValueError, match="model_type 'mistral5'"):  # a model type of unknown gate: named
+        MLAConfig.from_hf(dict(written, model_type="mistral5"))
 
     # transformers' defaults are Mistral Small 4's dims (its docstring names mistralai/Mistral-Small-4-119B-2603).
     released = MLAConfig.from_hf(transformers.Mistral4Config().to_dict())
@@ -122,8 +124,6 @@ def test_config_errors_name_the_key(checkpoint, change, message):
     change(written["rope_parameters"])
     with pytest.raises((TypeError, ValueError), match=message):
         MLAConfig.from_hf(written)
-    with pytest.raises(ValueError, match="model_type 'mistral5'"):
-        MLAConfig.from_hf(dict(written, model_type="mistral5"))
 
 
 def test_query_scale_matches_transformers():

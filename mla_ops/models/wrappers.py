@@ -1,5 +1,6 @@
 """Text models inside multimodal wrappers: a config.json whose ``model_type`` wraps an MLA text model
-(Kimi K2.5: a vision tower and a projector around DeepSeek-V3's text weights).
+(Kimi K2.5: a vision tower and a projector around DeepSeek-V3's text weights; Mistral Small 4: the same
+around Mistral 4's).
 
 One ``Wrapper`` entry per wrapper model type says where its text model is: the config.json key of the
 text model's config, the model type that config has when it names none, and the checkpoint name
@@ -33,6 +34,14 @@ WRAPPERS = {
         text_config="text_config", text_model_type="deepseek_v3",
         names=(("language_model.model.layers.", "model.layers."), ("language_model.model.blocks.", "model.layers."),
                ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")),
+        tie_word_embeddings=True,
+    ),
+    # Mistral Small 4: Mistral3ForConditionalGeneration around a mistral4 text model (a Pixtral vision tower);
+    # save_pretrained reverts llava's renames, writing language_model.model.* and language_model.lm_head.*.
+    # A text config naming no model type is Mistral3Config's default, a plain Mistral (no MLA): refused by name.
+    "mistral3": Wrapper(
+        text_config="text_config", text_model_type="mistral",
+        names=(("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")),
         tie_word_embeddings=True,
     ),
 }

@@ -89,7 +89,13 @@ def step(model, caches, prompts, starts, block_size=4, max_blocks=16, **plan_opt
     return logits.split([len(p) - s for p, s in zip(prompts, starts)])
 
 
+# transformers' Mistral 4 keeps its RMSNorm, rotary tables and attention softmax in float32 even as a float64
+# model: measured 6e-7 .. 1.6e-6 here (4e-15 with those three in float64 too). A wrong query scale is 0.7.
+TOLERANCE = 5e-6
+
+
 def relative_error(got, ref):
+    """The largest difference over the largest logit."""
     return float((got - ref).abs().max() / ref.abs().max())
 
 
@@ -167,12 +173,12 @@ def test_float64_logits_match_transformers_with_and_without_a_cached_context(che
     for options in ({}, {"absorb_max_query_len": 0, "workspace_size": 8}):  # absorbed; chunk loop, 2+ chunks
         for got, ref, c in zip(step(model, caches, prompts, cached, **options), expect, cached):
             errors.append(relative_error(got, ref[c:]))
-    assert max(errors) < 1e-6, errors
+    assert max(errors) < TOLERANCE, errors
 
     # The query scale matters here: without it the logits past position 16 are far off.
     model.config.query_scale = None
     unscaled = step(model, model.allocate_kv_caches(3 * 16, 4), prompts, [0, 0, 0])[0]
-    assert relative_error(unscaled[:ORIGINAL], expect[0][:ORIGINAL]) < 1e-6
+    assert relative_error(unscaled[:ORIGINAL], expect[0][:ORIGINAL]) < TOLERANCE
     assert relative_error(unscaled[ORIGINAL:], expect[0][ORIGINAL:]) > 1e-3
 
 
@@ -209,3 +215,30 @@ def test_cli_generates(checkpoint, capsys):
     main(["generate", "--model", path, "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "4",
           "--ignore-eos"])
     assert capsys.readouterr().out.strip() == ",".join(map(str, expect))
+
+
+@torch.no_grad()
+def test_multimodal_wrapper_loads_its_text_model(tmp_path):
+    """Mistral Small 4 as released: Mistral3ForConditionalGeneration (a Pixtral vision tower and a projector,
+    skipped) around the mistral4 text model, written by save_pretrained (``language_model.model.*``,
+    ``language_model.lm_head.weight``); float64 logits of a text prompt equal the wrapper's."""
+    vision = transformers.PixtralVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                              num_attention_heads=2, head_dim=8, image_size=28, patch_size=14)
+    config = transformers.Mistral3Config(text_config=hf_config().to_dict(), vision_config=vision,
+                                         tie_word_embeddings=False)
+    config._attn_implementation = config.text_config._attn_implementation = "eager"
+    config._experts_implementation = config.text_config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    hf = spread(transformers.Mistral3ForConditionalGeneration(config).eval(), seed=6)
+    hf.save_pretrained(tmp_path)
+    with open(tmp_path / "config.json") as f:
+        assert json.load(f)["text_config"]["model_type"] == "mistral4"
+
+    model = mla_ops.MLAForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
+    assert model.config.wrapper == "mistral3" and model.config.query_scale.beta == 0.3
+    prompt = prompts_of([40], 96, seed=7)[0]
+    expect = hf.double()(input_ids=torch.tensor([prompt])).logits[0]
+    got = step(model, model.allocate_kv_caches(16, 4), [prompt], [0])[0]
+    assert relative_error(got, expect) < TOLERANCE
+    with pytest.raises(ValueError, match="model_type 'mistral'"):  # Mistral3Config's default text model: no MLA
+        MLAConfig.from_hf(dict(config.to_dict(), text_config={"hidden_size": 64}))

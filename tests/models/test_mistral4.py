@@ -8,7 +8,8 @@ A tiny random model written here by transformers' own save_pretrained (stacked e
   ``original_max_position_embeddings`` so the query scale 1 + beta * log(1 + floor(pos / original)) is not 1;
 * the gate (softmax, groups ranked by their top-2 sum, no bias) and the query scale alone;
 * greedy ``mla_ops.generate`` / ``Generator`` (prefix caching) and ``python -m mla_ops generate`` vs
-  transformers' ``generate(do_sample=False)``.
+  transformers' ``generate(do_sample=False)``;
+* the release's multimodal wrapper (``mistral3``: Mistral3ForConditionalGeneration, a Pixtral tower skipped).
 """
 
 import copy

@@ -30,10 +30,12 @@ from typing import Optional
 
 from .. import _checks
 from .hf_config import check_yarn, mla_config_kwargs, read_config, yarn_from_dict
+from .longrope import LongRopeScaling
 from .rope import YarnScaling
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+MLP_LAYER_TYPES = ("dense", "sparse")  # mlp_layer_types' entries: the dense MLP, or the experts
 
 # MLAConfig's integer fields and their least value.
 _INTS = dict(hidden_size=1, num_attention_heads=1, kv_lora_rank=1, qk_nope_head_dim=1, qk_rope_head_dim=1,
@@ -81,6 +83,13 @@ class MLAConfig:
     routed_scaling_factor: float = 1.0
     tie_word_embeddings: bool = False
     dtype: Optional[str] = None  # the checkpoint's dtype ("bfloat16"): from_pretrained's default
+    # Per-layer MLP kinds ("dense" / "sparse"), GLM-4.7-Flash's; None: by first_k_dense_replace and moe_layer_freq.
+    mlp_layer_types: Optional[tuple[str, ...]] = None
+    # MiniCPM3's scalings (1: none): the token embeddings times embedding_scale, each attention and MLP
+    # output times residual_scale before its residual add, the final hidden states divided by logits_scaling.
+    embedding_scale: float = 1.0
+    residual_scale: float = 1.0
+    logits_scaling: float = 1.0
 
     def __post_init__(self):
         # Types and ranges of every field (normalized: numpy integers -> int, ints -> float where real).
@@ -99,11 +108,14 @@ class MLAConfig:
             self.rope_scaling = yarn_from_dict(self.rope_scaling, self.max_position_embeddings)
         elif isinstance(self.rope_scaling, YarnScaling):
             check_yarn(self.rope_scaling, "rope_scaling")
-        elif self.rope_scaling is not None:
-            raise TypeError(f"rope_scaling must be None, a dict (config.json's) or a YarnScaling, got "
-                            f"{type(self.rope_scaling).__name__}")
+        elif self.rope_scaling is not None and not isinstance(self.rope_scaling, LongRopeScaling):
+            raise TypeError(f"rope_scaling must be None, a dict (config.json's), a YarnScaling or a LongRopeScaling, "
+                            f"got {type(self.rope_scaling).__name__}")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        if isinstance(self.rope_scaling, LongRopeScaling):
+            self.rope_scaling.check_rope_dim(self.qk_rope_head_dim)
+        _check_layer_types_and_scales(self)
         if self.n_routed_experts is None:
             return
         if self.scoring_func not in SCORING_FUNCS:
@@ -142,6 +154,8 @@ class MLAConfig:
         return scale if self.rope_scaling is None else scale * self.rope_scaling.softmax_scale_factor()
 
     def is_moe_layer(self, layer_idx: int) -> bool:
+        if self.mlp_layer_types is not None:
+            return self.mlp_layer_types[layer_idx] == "sparse"
         return (self.n_routed_experts is not None and layer_idx >= self.first_k_dense_replace
                 and layer_idx % self.moe_layer_freq == 0)
 
@@ -165,6 +179,24 @@ class MLAConfig:
             return cls(**mla_config_kwargs(config))
         except (TypeError, ValueError) as e:
             raise (ValueError if isinstance(e, ValueError) else TypeError)(f"{source}: {e}") from e
+
+
+def _check_layer_types_and_scales(c: MLAConfig) -> None:
+    for name in ("embedding_scale", "residual_scale", "logits_scaling"):
+        setattr(c, name, _checks.check_real(getattr(c, name), name))
+    if c.mlp_layer_types is None:
+        return
+    if not isinstance(c.mlp_layer_types, (list, tuple)):
+        raise TypeError(f"mlp_layer_types must be None or a list of {MLP_LAYER_TYPES}, got {c.mlp_layer_types!r}")
+    c.mlp_layer_types = tuple(c.mlp_layer_types)
+    if len(c.mlp_layer_types) != c.num_hidden_layers:
+        raise ValueError(f"mlp_layer_types must have num_hidden_layers={c.num_hidden_layers} entries, got "
+                         f"{len(c.mlp_layer_types)}")
+    for i, kind in enumerate(c.mlp_layer_types):
+        _checks.check_str(kind, f"mlp_layer_types[{i}]", MLP_LAYER_TYPES)
+    if c.n_routed_experts is None and "sparse" in c.mlp_layer_types:
+        raise ValueError(f"mlp_layer_types[{c.mlp_layer_types.index('sparse')}] is 'sparse' but n_routed_experts is "
+                         "None (no experts)")
 
 
 # MLAConfig keyword arguments: the released config.json values (MLAConfig(**mla_configs[name]) works).

@@ -21,6 +21,8 @@ import os
 
 from .. import _checks
 from .checkpoint_files import read_json_object
+from .hf_families import family_defaults, family_kwargs
+from .longrope import LongRopeScaling
 from .rope import YarnScaling
 
 # model_type -> the MLAConfig values its config.json leaves out (the gate of a model with experts).
@@ -29,6 +31,10 @@ MODEL_TYPES = {
                         routed_scaling_factor=1.0),
     "deepseek_v3": dict(scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True,
                         routed_scaling_factor=2.5),
+    "glm4_moe_lite": dict(scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True,
+                          routed_scaling_factor=1.8),
+    "sarvam_mla": dict(scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True,
+                       routed_scaling_factor=2.5),
 }
 # Another model_type names its gate itself (scoring_func and topk_method); the rest defaults as V2's.
 _OTHER_TYPE = MODEL_TYPES["deepseek_v2"]
@@ -63,15 +69,18 @@ def _object(value, key: str) -> dict:
     return value
 
 
-def yarn_from_dict(scaling, max_position_embeddings: int, key: str = "rope_scaling") -> YarnScaling | None:
-    """config.json's ``rope_scaling`` (or ``rope_parameters``) checked and read; None for plain RoPE.
-    A null entry takes its default."""
+def yarn_from_dict(scaling, max_position_embeddings: int,
+                   key: str = "rope_scaling") -> YarnScaling | LongRopeScaling | None:
+    """config.json's ``rope_scaling`` (or ``rope_parameters``) checked and read: YaRN, LongRoPE
+    (``mla_ops.models.longrope``), or None for plain RoPE. A null entry takes its default."""
     _object(scaling, key)
     for name in ("rope_type", "type"):
         if scaling.get(name) is not None:
             _checks.check_str(scaling[name], f"{key}.{name}")
     clean = {k: v for k, v in scaling.items() if v is not None}
     kind = clean.get("rope_type", clean.get("type", "default"))
+    if kind == "longrope":
+        return LongRopeScaling.from_dict(clean, max_position_embeddings, key)
     if kind == "yarn":
         for name, positive in (("factor", True), ("beta_fast", True), ("beta_slow", True),
                                ("attention_factor", True), ("mscale", None), ("mscale_all_dim", None)):
@@ -106,6 +115,7 @@ class _Keys:
 def mla_config_kwargs(c: dict) -> dict:
     """MLAConfig keyword arguments from config.json's keys; the values are checked by MLAConfig
     (same names), the rest here with the key's name."""
+    c = family_defaults(c)  # what this model_type's transformers config fills in where the file is silent
     keys = _Keys(c)
     for flag in ("attention_bias", "mlp_bias"):
         if _checks.check_bool(keys.get(flag, False), flag):
@@ -127,7 +137,7 @@ def mla_config_kwargs(c: dict) -> dict:
         rope_interleave=keys.get("rope_interleave", True),  # V2 always interleaves; V3 says so, default true
         tie_word_embeddings=keys.get("tie_word_embeddings", False),
         dtype=c.get(dtype_key),
-        **_rope(keys), **_experts(keys, model_type),
+        **_rope(keys), **_experts(keys, model_type), **family_kwargs(keys),
     )
 
 

@@ -12,12 +12,14 @@ value of the wrong type, a ValueError for one out of range.
   ``q_lora_rank``: None (a plain ``q_proj``, DeepSeek-V2-Lite) or at least 1; ``n_routed_experts``: None
   (dense) or at least 1 (config.json's 0 or null both mean dense).
 * real numbers (an int or a float, not a string or a bool, finite): ``rope_theta``, ``rms_norm_eps``,
-  ``lora_norm_eps``, ``routed_scaling_factor`` > 0; ``initializer_range`` >= 0.
+  ``lora_norm_eps``, ``routed_scaling_factor``, ``embedding_scale``, ``residual_scale``, ``logits_scaling`` > 0;
+  ``initializer_range`` >= 0.
+* ``mlp_layer_types``: None, or one of "dense" / "sparse" per layer ("sparse" needs experts).
 * booleans must be booleans (``"false"`` is refused, not read as true): ``rope_interleave``,
   ``tie_word_embeddings``, ``norm_topk_prob``.
 * ``scoring_func`` / ``topk_method``: strings (known values); ``dtype``: None or one of float16,
-  bfloat16, float32, float64 (``"torch.bfloat16"`` too); ``rope_scaling``: None, a ``YarnScaling`` or
-  config.json's dict.
+  bfloat16, float32, float64 (``"torch.bfloat16"`` too); ``rope_scaling``: None, a ``YarnScaling``, a
+  ``LongRopeScaling`` (its ``short_factor`` of R/2 entries) or config.json's dict.
 
 ``from_hf`` of a file or directory puts the file's path in front of every message; a file that is not
 JSON, or not a JSON object, is one ValueError naming it.

@@ -13,7 +13,9 @@ Module and parameter names follow DeepSeek's and transformers' (``q_a_proj``, ``
 ``mla_ops.models.checkpoint`` converts the rest once at load (interleaved RoPE rows to the halves the layers
 rotate, per-expert tensors to stacked ones, float8 blocks to the model dtype). YaRN frequencies and
 their softmax-scale correction come from the config (``mla_ops.models.rope``); layers from
-``first_k_dense_replace`` on have DeepSeek's mixture of experts (``mla_ops.models.moe``).
+``first_k_dense_replace`` on (or those ``mlp_layer_types`` calls "sparse") have DeepSeek's mixture of experts
+(``mla_ops.models.moe``). MiniCPM3's scalings (``embedding_scale``, ``residual_scale``, ``logits_scaling``)
+are config values, 1 (nothing done) for the others.
 
 The cache tensors, slot mapping, block table and the step's ``PrefillPlan`` (``mla_ops.plan_prefill``,
 made once per step) are passed in on every call; nothing is stored in the modules. ``MLAModel``

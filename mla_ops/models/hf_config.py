@@ -5,7 +5,9 @@ Both forms that exist are read: the released one (``rope_theta`` + ``rope_scalin
 ``rope_theta`` and the scaling, ``dtype``, and for V3 no ``scoring_func`` / ``topk_method``: its gate
 is always sigmoid with group-limited top-k over ``e_score_correction_bias``-corrected scores,
 "noaux_tc"). What a ``model_type`` implies for the keys its config.json leaves out is one entry of
-``MODEL_TYPES``: a new model type is a new entry.
+``MODEL_TYPES`` (the gate) and, for the families past DeepSeek, of ``hf_families.FAMILIES`` (other
+defaults, renamed keys); the keys only some families have (``mlp_layer_types``, MiniCPM3's scalings)
+are read there too.
 
 A key that is absent or null takes its default (required keys have none and are reported missing).
 The values are checked by ``MLAConfig`` (same names) and the rest here, each error naming the key:

@@ -19,19 +19,24 @@ import math
 from .. import _checks
 
 
+def _size(c: dict, key: str) -> int | None:
+    """A size a default derives from; None where it is absent or bad (MLAConfig then names the key)."""
+    value = c.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
+
+
 def _glm4_moe_lite(c: dict) -> dict:
     # transformers' Glm4MoeLiteConfig: the first layer dense, the rest sparse. It has no
     # first_k_dense_replace (a release's is ignored), so neither does the default here.
-    layers = _checks.check_int(c.get("num_hidden_layers"), "num_hidden_layers", 1)
-    return {"rms_norm_eps": 1e-5, "mlp_layer_types": ["dense"] + ["sparse"] * (layers - 1), **c}
+    layers = _size(c, "num_hidden_layers")
+    return {"rms_norm_eps": 1e-5, "mlp_layer_types": layers and ["dense"] + ["sparse"] * (layers - 1), **c}
 
 
 def _minicpm3(c: dict) -> dict:
-    heads = _checks.check_int(c.get("num_attention_heads"), "num_attention_heads", 1)
-    hidden = _checks.check_int(c.get("hidden_size"), "hidden_size", 1)
+    hidden, heads = _size(c, "hidden_size"), _size(c, "num_attention_heads")
     return {
         "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "q_lora_rank": 768, "scale_emb": 12, "scale_depth": 1.4,
-        "dim_model_base": 256, "v_head_dim": hidden // heads,  # the release has no v_head_dim
+        "dim_model_base": 256, "v_head_dim": hidden and heads and hidden // heads,  # the release has no v_head_dim
         **c,
         "rope_interleave": False,  # transformers' MiniCPM3 always rotates halves, whatever the file says
     }

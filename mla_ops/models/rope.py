@@ -1,4 +1,5 @@
-"""Rotary position embeddings of DeepSeek's MLA: plain RoPE and YaRN, in the halves layout.
+"""Rotary position embeddings of DeepSeek's MLA: plain RoPE and YaRN, in the halves layout (LongRoPE,
+MiniCPM3's: ``mla_ops.models.longrope``).
 
 positions [T]  ->  cos, sin [T, R]   each of the R/2 frequencies twice: [f_0 .. f_{R/2-1} | f_0 .. f_{R/2-1}]
 

@@ -9,6 +9,7 @@ num_hidden_layers.
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -121,3 +122,13 @@ def test_config_errors_name_the_key(checkpoint, change, error, match):
         config = json.load(f)
     with pytest.raises(error, match=match):
         MLAConfig.from_hf(dict(config, **change))
+
+
+def test_a_layer_type_the_tensors_disagree_with_is_named(checkpoint, tmp_path):
+    shutil.copytree(checkpoint[0], tmp_path, dirs_exist_ok=True)
+    with open(tmp_path / "config.json") as f:
+        config = json.load(f)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(dict(config, mlp_layer_types=["sparse", "sparse", "sparse"]), f)
+    with pytest.raises(ValueError, match=r"layer 1 is MoE by mlp_layer_types\[1\]='sparse', but the checkpoint's is not"):
+        mla_ops.MLAForCausalLM.from_pretrained(tmp_path)

@@ -19,6 +19,7 @@ from mla_ops.models.rope import inverse_frequencies
 from tests.models.family_checks import check_cli, check_generation, check_logits, spread_weights
 
 transformers = pytest.importorskip("transformers")
+from safetensors import safe_open  # noqa: E402
 
 SHORT = [1.0, 1.7, 3.1, 6.4]  # R/2 = 4 frequency divisors
 LONGROPE = dict(rope_type="longrope", rope_theta=10000.0, short_factor=SHORT, long_factor=[2.0] * 4,
@@ -49,7 +50,8 @@ def test_config_reads_the_scalings_and_rope(checkpoint):
     assert config.rope_scaling == LongRopeScaling(tuple(SHORT), 128, 1.0)
     ours = inverse_frequencies(8, config.rope_theta, config.rope_scaling, "cpu", torch.float32)
     torch.testing.assert_close(ours, hf.model.rotary_emb.inv_freq, rtol=1e-6, atol=0)
-    assert not os.path.exists(os.path.join(path, "lm_head.weight"))
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys()  # tied: the loader fills lm_head from the embeddings
 
 
 def test_logits_match_transformers_with_and_without_a_cached_prefix(checkpoint):

@@ -13,6 +13,7 @@ from mla_ops.models.config import MLAConfig
 from tests.models.family_checks import check_cli, check_generation, check_logits, spread_weights
 
 transformers = pytest.importorskip("transformers")
+from safetensors import safe_open  # noqa: E402
 
 SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
@@ -36,6 +37,8 @@ def test_config_is_dense_tied_and_interleaved(checkpoint):
         written = json.load(f)
     config = MLAConfig.from_hf(written)
     assert config.n_routed_experts is None and config.rope_interleave and config.tie_word_embeddings
+    with safe_open(os.path.join(checkpoint[0], "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys()
     del written["tie_word_embeddings"]  # absent: YoutuConfig's default, tied
     assert MLAConfig.from_hf(written).tie_word_embeddings
 

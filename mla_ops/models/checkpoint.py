@@ -125,6 +125,8 @@ def load_pretrained(cls, path, dtype: torch.dtype | None = None, device=None, *,
         model = whole
 
     model.to_empty(device=device)
+    if config.tie_word_embeddings:  # to_empty gives every module a tensor of its own: tie them again
+        model.lm_head.weight = model.model.embed_tokens.weight
     params = dict(model.state_dict(keep_vars=True))
     by_source_file = defaultdict(list)
     for source in sources:

@@ -210,9 +210,11 @@ def _hints(config: MLAConfig, unexpected: list[str]) -> list[str]:
                 misplaced.append(int(layer.group(1)))
     if misplaced:
         layer = min(misplaced)
-        hints.append(f"layer {layer} is {'MoE' if config.is_moe_layer(layer) else 'dense'} by n_routed_experts="
-                     f"{config.n_routed_experts}, first_k_dense_replace={config.first_k_dense_replace}, "
-                     f"moe_layer_freq={config.moe_layer_freq}, but the checkpoint's is not")
+        by = (f"mlp_layer_types[{layer}]={config.mlp_layer_types[layer]!r}" if config.mlp_layer_types is not None
+              else f"n_routed_experts={config.n_routed_experts}, first_k_dense_replace={config.first_k_dense_replace}, "
+                   f"moe_layer_freq={config.moe_layer_freq}")
+        hints.append(f"layer {layer} is {'MoE' if config.is_moe_layer(layer) else 'dense'} by {by}, but the "
+                     "checkpoint's is not")
     return hints
 
 

@@ -12,13 +12,16 @@ value of the wrong type, a ValueError for one out of range.
   ``q_lora_rank``: None (a plain ``q_proj``, DeepSeek-V2-Lite) or at least 1; ``n_routed_experts``: None
   (dense) or at least 1 (config.json's 0 or null both mean dense).
 * real numbers (an int or a float, not a string or a bool, finite): ``rope_theta``, ``rms_norm_eps``,
-  ``lora_norm_eps``, ``routed_scaling_factor`` > 0; ``initializer_range`` >= 0.
+  ``lora_norm_eps``, ``routed_scaling_factor``, ``embedding_scale``, ``residual_scale``, ``logits_scaling`` > 0;
+  ``initializer_range`` >= 0.
+* ``mlp_layer_types``: None, or one of "dense" / "sparse" per layer ("sparse" needs experts).
 * booleans must be booleans (``"false"`` is refused, not read as true): ``rope_interleave``,
   ``tie_word_embeddings``, ``norm_topk_prob``.
 * ``scoring_func`` / ``topk_method``: strings (known values); ``dtype``: None or one of float16,
-  bfloat16, float32, float64 (``"torch.bfloat16"`` too); ``rope_scaling``: None, a ``YarnScaling`` or
-  config.json's dict; ``wrapper``: None or a multimodal wrapper's model type (``models.wrappers``);
-  ``query_scale``: None, a ``QueryScale`` or its fields as a dict.
+  bfloat16, float32, float64 (``"torch.bfloat16"`` too); ``rope_scaling``: None, a ``YarnScaling``, a
+  ``LongRopeScaling`` (its ``short_factor`` of R/2 entries) or config.json's dict; ``wrapper``: None or
+  a multimodal wrapper's model type (``models.wrappers``); ``query_scale``: None, a ``QueryScale`` or
+  its fields as a dict.
 
 ``from_hf`` of a file or directory puts the file's path in front of every message; a file that is not
 JSON, or not a JSON object, is one ValueError naming it.
@@ -34,6 +37,7 @@ from .. import _checks
 from ..planning.options import PlanOptions
 from ..planning.routing import default_threshold
 from .hf_config import check_yarn, mla_config_kwargs, read_config, yarn_from_dict
+from .longrope import LongRopeScaling
 from .query_scale import QueryScale
 from .rope import YarnScaling
 from .wrappers import WRAPPERS, text_config_key
@@ -41,6 +45,7 @@ from .wrappers import WRAPPERS, text_config_key
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc", "group_top2")
 _TOP2_GROUPS = ("noaux_tc", "group_top2")  # groups ranked by their two best scores
+MLP_LAYER_TYPES = ("dense", "sparse")  # mlp_layer_types' entries: the dense MLP, or the experts
 
 # MLAConfig's integer fields and their least value.
 _INTS = dict(hidden_size=1, num_attention_heads=1, kv_lora_rank=1, qk_nope_head_dim=1, qk_rope_head_dim=1,
@@ -90,6 +95,13 @@ class MLAConfig:
     dtype: Optional[str] = None  # the checkpoint's dtype ("bfloat16"): from_pretrained's default
     wrapper: Optional[str] = None  # the text model of this multimodal model type ("kimi_k25"): its checkpoint names
     query_scale: Optional[QueryScale] = None  # Mistral 4's per-position query scale; a dict is read as its fields
+    # Per-layer MLP kinds ("dense" / "sparse"), GLM-4.7-Flash's; None: by first_k_dense_replace and moe_layer_freq.
+    mlp_layer_types: Optional[tuple[str, ...]] = None
+    # MiniCPM3's scalings (1: none): the token embeddings times embedding_scale, each attention and MLP
+    # output times residual_scale before its residual add, the final hidden states divided by logits_scaling.
+    embedding_scale: float = 1.0
+    residual_scale: float = 1.0
+    logits_scaling: float = 1.0
 
     def __post_init__(self):
         # Types and ranges of every field (normalized: numpy integers -> int, ints -> float where real).
@@ -110,15 +122,18 @@ class MLAConfig:
             self.rope_scaling = yarn_from_dict(self.rope_scaling, self.max_position_embeddings)
         elif isinstance(self.rope_scaling, YarnScaling):
             check_yarn(self.rope_scaling, "rope_scaling")
-        elif self.rope_scaling is not None:
-            raise TypeError(f"rope_scaling must be None, a dict (config.json's) or a YarnScaling, got "
-                            f"{type(self.rope_scaling).__name__}")
+        elif self.rope_scaling is not None and not isinstance(self.rope_scaling, LongRopeScaling):
+            raise TypeError(f"rope_scaling must be None, a dict (config.json's), a YarnScaling or a LongRopeScaling, "
+                            f"got {type(self.rope_scaling).__name__}")
         if isinstance(self.query_scale, dict):
             self.query_scale = QueryScale(**self.query_scale)
         elif self.query_scale is not None and not isinstance(self.query_scale, QueryScale):
             raise TypeError(f"query_scale must be None, a dict or a QueryScale, got {type(self.query_scale).__name__}")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        if isinstance(self.rope_scaling, LongRopeScaling):
+            self.rope_scaling.check_rope_dim(self.qk_rope_head_dim)
+        _check_layer_types_and_scales(self)
         if self.n_routed_experts is None:
             return
         if self.scoring_func not in SCORING_FUNCS:
@@ -171,6 +186,8 @@ class MLAConfig:
         return scale if self.rope_scaling is None else scale * self.rope_scaling.softmax_scale_factor()
 
     def is_moe_layer(self, layer_idx: int) -> bool:
+        if self.mlp_layer_types is not None:
+            return self.mlp_layer_types[layer_idx] == "sparse"
         return (self.n_routed_experts is not None and layer_idx >= self.first_k_dense_replace
                 and layer_idx % self.moe_layer_freq == 0)
 
@@ -196,6 +213,24 @@ class MLAConfig:
             return cls(**mla_config_kwargs(config))
         except (TypeError, ValueError) as e:
             raise (ValueError if isinstance(e, ValueError) else TypeError)(f"{': '.join(where)}: {e}") from e
+
+
+def _check_layer_types_and_scales(c: MLAConfig) -> None:
+    for name in ("embedding_scale", "residual_scale", "logits_scaling"):
+        setattr(c, name, _checks.check_real(getattr(c, name), name))
+    if c.mlp_layer_types is None:
+        return
+    if not isinstance(c.mlp_layer_types, (list, tuple)):
+        raise TypeError(f"mlp_layer_types must be None or a list of {MLP_LAYER_TYPES}, got {c.mlp_layer_types!r}")
+    c.mlp_layer_types = tuple(c.mlp_layer_types)
+    if len(c.mlp_layer_types) != c.num_hidden_layers:
+        raise ValueError(f"mlp_layer_types must have num_hidden_layers={c.num_hidden_layers} entries, got "
+                         f"{len(c.mlp_layer_types)}")
+    for i, kind in enumerate(c.mlp_layer_types):
+        _checks.check_str(kind, f"mlp_layer_types[{i}]", MLP_LAYER_TYPES)
+    if c.n_routed_experts is None and "sparse" in c.mlp_layer_types:
+        raise ValueError(f"mlp_layer_types[{c.mlp_layer_types.index('sparse')}] is 'sparse' but n_routed_experts is "
+                         "None (no experts)")
 
 
 # MLAConfig keyword arguments: the released config.json values (MLAConfig(**mla_configs[name]) works).

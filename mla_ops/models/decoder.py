@@ -13,7 +13,9 @@ Module and parameter names follow DeepSeek's and transformers' (``q_a_proj``, ``
 ``mla_ops.models.checkpoint`` converts the rest once at load (interleaved RoPE rows to the halves the layers
 rotate, per-expert tensors to stacked ones, float8 blocks to the model dtype). YaRN frequencies and
 their softmax-scale correction come from the config (``mla_ops.models.rope``); layers from
-``first_k_dense_replace`` on have DeepSeek's mixture of experts (``mla_ops.models.moe``).
+``first_k_dense_replace`` on (or those ``mlp_layer_types`` calls "sparse") have DeepSeek's mixture of experts
+(``mla_ops.models.moe``). MiniCPM3's scalings (``embedding_scale``, ``residual_scale``, ``logits_scaling``)
+are config values, 1 (nothing done) for the others.
 
 The cache tensors, slot mapping, block table and the step's ``PrefillPlan`` (``mla_ops.plan_prefill``,
 made once per step) are passed in on every call; nothing is stored in the modules. ``MLAModel``
@@ -224,6 +226,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: MLAConfig, layer_idx: int = 0, tp_group=None):
         super().__init__()
         self.tp_group = tp_group  # tensor parallel: the partial sums of o_proj and the MLP are all-reduced
+        self.residual_scale = config.residual_scale  # MiniCPM3's; 1: none
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = MLAAttention(config, tp_group)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -246,8 +249,13 @@ class DecoderLayer(nn.Module):
 
     def attention_output(self, x, attention):
         """The residual stream after the layer, from its input ``x`` and the attention's [T, N, V]."""
-        h = x + all_reduce(self.self_attn.o_proj(attention.flatten(1)), self.tp_group)
-        return h + all_reduce(self.mlp(self.post_attention_layernorm(h)), self.tp_group)
+        h = x + scaled(all_reduce(self.self_attn.o_proj(attention.flatten(1)), self.tp_group), self.residual_scale)
+        return h + scaled(all_reduce(self.mlp(self.post_attention_layernorm(h)), self.tp_group), self.residual_scale)
+
+
+def scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x * scale``; nothing for a scale of 1 (DeepSeek's), so its graphs stay as they were."""
+    return x if scale == 1.0 else x * scale
 
 
 class MLAModel(nn.Module):
@@ -319,7 +327,7 @@ class MLAModel(nn.Module):
         check_step_inputs(input_ids, positions, plan, self.embed_tokens.num_embeddings)
         step = ModelStep.begin(self.config, positions, plan, kv_caches, slot_mapping, k_scale, backend,
                                self.embed_tokens.weight.dtype)  # once, not per layer
-        x = self.embed_tokens(input_ids)  # [T, H]
+        x = scaled(self.embed_tokens(input_ids), self.config.embedding_scale)  # [T, H]
         for i, layer in enumerate(self.layers):
             x = layer(x, kv_caches[i], step)
         return self.norm(x)  # [T, H]
@@ -390,4 +398,10 @@ class MLAForCausalLM(nn.Module):
     ) -> torch.Tensor:
         hidden = self.model(input_ids, positions, kv_caches, slot_mapping, block_table, plan,
                             k_scale=k_scale, backend=backend)  # [T, H]
-        return self.lm_head(hidden)  # [T, vocab]
+        return self.logits(hidden)  # [T, vocab]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``MLAModel``'s hidden states [T, H] -> logits [T, vocab] (MiniCPM3 divides by ``logits_scaling`` first)."""
+        if self.config.logits_scaling != 1.0:
+            hidden = hidden / self.config.logits_scaling
+        return self.lm_head(hidden)

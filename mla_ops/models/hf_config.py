@@ -5,8 +5,9 @@ Both forms that exist are read: the released one (``rope_theta`` + ``rope_scalin
 ``rope_theta`` and the scaling, ``dtype``, and for V3 no ``scoring_func`` / ``topk_method``: its gate
 is always sigmoid with group-limited top-k over ``e_score_correction_bias``-corrected scores,
 "noaux_tc"). What a ``model_type`` implies for the keys its config.json leaves out is one entry of
-``MODEL_TYPES``: a new model type is a new entry; the keys only one family has are read by its entry of
-``FAMILY_KEYS`` (``mistral4``: ``mla_ops.models.mistral4``).
+``MODEL_TYPES`` (the gate) and, for the families past DeepSeek, of ``hf_families.FAMILIES`` (other
+defaults, renamed keys); the keys only some families have (``mlp_layer_types``, MiniCPM3's scalings,
+Mistral 4's query scale) are read there too.
 
 A key that is absent or null takes its default (required keys have none and are reported missing).
 The values are checked by ``MLAConfig`` (same names) and the rest here, each error naming the key:
@@ -21,8 +22,9 @@ from __future__ import annotations
 import os
 
 from .. import _checks
-from . import mistral4
 from .checkpoint_files import read_json_object
+from .hf_families import family_defaults, family_kwargs
+from .longrope import LongRopeScaling
 from .rope import YarnScaling
 from .wrappers import WRAPPERS, unwrap
 
@@ -34,10 +36,12 @@ MODEL_TYPES = {
                         routed_scaling_factor=2.5),
     "mistral4": dict(scoring_func="softmax", topk_method="group_top2", norm_topk_prob=True,
                      routed_scaling_factor=1.0),
+    "glm4_moe_lite": dict(scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True,
+                          routed_scaling_factor=1.8),
+    "sarvam_mla": dict(scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True,
+                       routed_scaling_factor=2.5),
 }
 MODEL_TYPES["kimi_k2"] = MODEL_TYPES["deepseek_v3"]  # Kimi K2's remote-code name for DeepSeek-V3, as transformers reads it
-# model_type -> a reader of the keys only that family has: config.json -> MLAConfig keyword arguments.
-FAMILY_KEYS = {"mistral4": mistral4.config_kwargs}
 # Another model_type names its gate itself (scoring_func and topk_method); the rest defaults as V2's.
 _OTHER_TYPE = MODEL_TYPES["deepseek_v2"]
 
@@ -71,15 +75,18 @@ def _object(value, key: str) -> dict:
     return value
 
 
-def yarn_from_dict(scaling, max_position_embeddings: int, key: str = "rope_scaling") -> YarnScaling | None:
-    """config.json's ``rope_scaling`` (or ``rope_parameters``) checked and read; None for plain RoPE.
-    A null entry takes its default."""
+def yarn_from_dict(scaling, max_position_embeddings: int,
+                   key: str = "rope_scaling") -> YarnScaling | LongRopeScaling | None:
+    """config.json's ``rope_scaling`` (or ``rope_parameters``) checked and read: YaRN, LongRoPE
+    (``mla_ops.models.longrope``), or None for plain RoPE. A null entry takes its default."""
     _object(scaling, key)
     for name in ("rope_type", "type"):
         if scaling.get(name) is not None:
             _checks.check_str(scaling[name], f"{key}.{name}")
     clean = {k: v for k, v in scaling.items() if v is not None}
     kind = clean.get("rope_type", clean.get("type", "default"))
+    if kind == "longrope":
+        return LongRopeScaling.from_dict(clean, max_position_embeddings, key)
     if kind == "yarn":
         for name, positive in (("factor", True), ("beta_fast", True), ("beta_slow", True),
                                ("attention_factor", True), ("mscale", None), ("mscale_all_dim", None)):
@@ -124,6 +131,7 @@ def mla_config_kwargs(c: dict) -> dict:
 
 
 def _text_model_kwargs(c: dict) -> dict:
+    c = family_defaults(c)  # what this model_type's transformers config fills in where the file is silent
     keys = _Keys(c)
     for flag in ("attention_bias", "mlp_bias"):
         if _checks.check_bool(keys.get(flag, False), flag):
@@ -145,8 +153,7 @@ def _text_model_kwargs(c: dict) -> dict:
         rope_interleave=keys.get("rope_interleave", True),  # V2 always interleaves; V3 says so, default true
         tie_word_embeddings=keys.get("tie_word_embeddings", False),
         dtype=c.get(dtype_key),
-        **_rope(keys), **_experts(keys, model_type),
-        **(FAMILY_KEYS[model_type](c) if model_type in FAMILY_KEYS else {}),
+        **_rope(keys), **_experts(keys, model_type), **family_kwargs(keys, model_type),
     )
 
 

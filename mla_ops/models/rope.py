@@ -1,4 +1,5 @@
-"""Rotary position embeddings of DeepSeek's MLA: plain RoPE and YaRN, in the halves layout.
+"""Rotary position embeddings of DeepSeek's MLA: plain RoPE and YaRN, in the halves layout (LongRoPE,
+MiniCPM3's: ``mla_ops.models.longrope``).
 
 positions [T]  ->  cos, sin [T, R]   each of the R/2 frequencies twice: [f_0 .. f_{R/2-1} | f_0 .. f_{R/2-1}]
 
@@ -22,6 +23,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from .longrope import LongRopeScaling
 
 
 @dataclass(frozen=True)
@@ -84,12 +87,15 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def inverse_frequencies(rope_dim: int, theta: float, scaling: YarnScaling | None, device, dtype) -> torch.Tensor:
+def inverse_frequencies(rope_dim: int, theta: float, scaling: YarnScaling | LongRopeScaling | None, device,
+                        dtype) -> torch.Tensor:
     """[R/2] angular frequencies (radians per position)."""
     pos_freqs = theta ** (torch.arange(0, rope_dim, 2, device=device, dtype=dtype) / rope_dim)  # [R/2]
     extrapolation = 1.0 / pos_freqs
     if scaling is None:
         return extrapolation
+    if isinstance(scaling, LongRopeScaling):
+        return scaling.inverse_frequencies(pos_freqs)
     interpolation = 1.0 / (scaling.factor * pos_freqs)
     low, high = scaling.correction_range(rope_dim, theta)
     if low == high:
@@ -105,7 +111,8 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def rotary_cos_sin(
-    positions: torch.Tensor, rope_dim: int, theta: float, dtype: torch.dtype, scaling: YarnScaling | None = None
+    positions: torch.Tensor, rope_dim: int, theta: float, dtype: torch.dtype,
+    scaling: YarnScaling | LongRopeScaling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [T, R] in ``acc_dtype(dtype)`` for token positions [T] (halves layout)."""
     acc = acc_dtype(dtype)

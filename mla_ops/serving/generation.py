@@ -193,7 +193,7 @@ class Generator:
             plan = plan_with_options(qsl, ctx, table, self.options, self.context_parallel)  # host plan, all layers
             hidden = self.model.model(input_ids, positions, self.kv_caches, slots, table, plan)
         last = (qsl[1:] - 1).to(hidden.device)
-        return self.model.lm_head(hidden.index_select(0, last)).argmax(-1).tolist()
+        return self.model.logits(hidden.index_select(0, last)).argmax(-1).tolist()
 
     def _graphs(self, max_blocks_per_request: int) -> PrefillGraphs:
         """The step runner of ``compile=True``: ``PrefillGraphs`` over the model (mode ``"cuda_graph"``

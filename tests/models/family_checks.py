@@ -1,0 +1,108 @@
+"""The checks every MLA family's test runs against its transformers model (DESIGN §11), on a tiny checkpoint
+that transformers' own ``save_pretrained`` wrote:
+
+* float64 logits equal to transformers' forward over each whole sequence: batched with nothing cached, and
+  with a cached context then the new tokens, through the absorbed path (the plan's default for short
+  queries) and the chunk loop (``absorb_max_query_len=0``, a workspace of 8 rows: 2+ chunks);
+* greedy ``Generator`` / ``mla_ops.generate`` tokens equal to ``generate(do_sample=False)``, prefix
+  caching included; ``python -m mla_ops generate --model DIR``.
+"""
+
+import torch
+
+import mla_ops
+
+
+@torch.no_grad()
+def spread_weights(model, seed: int):
+    """Weights at ~1/sqrt(fan_in) (norms near 1, a random correction bias), so attention, routing and
+    the greedy tokens are far from uniform and from ties (the default std 0.02 flattens every softmax)."""
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        if p.dim() >= 2:
+            p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5 * 1.5)
+        else:
+            p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(0.1 * torch.randn(b.shape, generator=g))
+    return model.eval()
+
+
+def prompts_of(lengths, vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def step(model, caches, prompts, starts, block_size=4, max_blocks=8, **plan_options):
+    """One batched prefill of prompts[r][starts[r]:], with prompts[r][:starts[r]] already cached."""
+    ids, positions, slots, qsl = [], [], [], [0]
+    table = (torch.arange(len(prompts))[:, None] * max_blocks + torch.arange(max_blocks)).to(torch.int32)
+    for r, (prompt, start) in enumerate(zip(prompts, starts)):
+        ids += prompt[start:]
+        positions += range(start, len(prompt))
+        slots += [int(table[r, p // block_size]) * block_size + p % block_size for p in range(start, len(prompt))]
+        qsl.append(qsl[-1] + len(prompt) - start)
+    plan = mla_ops.plan_prefill(torch.tensor(qsl, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32), table,
+                                block_size, **plan_options)
+    logits = model(torch.tensor(ids), torch.tensor(positions), caches, torch.tensor(slots), table, plan)
+    return logits.split([len(p) - s for p, s in zip(prompts, starts)])
+
+
+def relative_diff(got: torch.Tensor, ref: torch.Tensor) -> float:
+    assert got.shape == ref.shape and bool(got.isfinite().all()), "logits of the wrong shape, or not finite"
+    return float((got - ref).abs().max() / ref.abs().max())
+
+
+@torch.no_grad()
+def check_logits(path, hf, rtol=1e-6) -> float:
+    """The largest logit difference (relative to the largest logit) of ``from_pretrained(path)`` against
+    ``hf`` in float64, over the three kinds of step; each must be within ``rtol``."""
+    model = mla_ops.MLAForCausalLM.from_pretrained(path, dtype=torch.float64)
+    hf = hf.to(torch.float64)
+    prompts = prompts_of([13, 7, 21], model.config.vocab_size, seed=1)
+    expect = [hf(torch.tensor([p])).logits[0] for p in prompts]  # each whole sequence, no cache
+    caches = model.allocate_kv_caches(3 * 8, 4)
+    worst = 0.0
+    for got, ref in zip(step(model, caches, prompts, [0, 0, 0]), expect):  # batched, nothing cached
+        worst = max(worst, relative_diff(got, ref))
+    cached = [8, 0, 17]  # request 1 has no context
+    step(model, caches, [p[:c] for p, c in zip(prompts, cached)], [0, 0, 0])
+    for options in ({"absorb_max_query_len": 64}, {"absorb_max_query_len": 0, "workspace_size": 8}):  # absorbed; chunk loop
+        for got, ref, c in zip(step(model, caches, prompts, cached, **options), expect, cached):
+            worst = max(worst, relative_diff(got, ref[c:]))
+    assert worst <= rtol, f"largest logit difference {worst:.2e} (relative) > {rtol:.0e}"
+    return worst
+
+
+def check_generation(path, hf):
+    """Greedy tokens equal transformers', with prefixes cached across prompts and calls."""
+    model = mla_ops.MLAForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hf = hf.to(torch.float32)
+    vocab = model.config.vocab_size
+    shared, other = prompts_of([10, 9], vocab, seed=2)
+    prompts = [shared + [3, 4, 5], shared + [6], other[:5], shared + [3, 4, 5]]
+    expect = []
+    for p in prompts:
+        out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                          max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=vocab - 1)
+        expect.append(out[0, len(p):].tolist())
+    assert len({t for tokens in expect for t in tokens}) >= 8, f"degenerate greedy tokens {expect}: no test of the cache"
+    generator = mla_ops.Generator(model, block_size=4)
+    assert generator.generate(prompts, 6) == expect
+    # Blocks of 4: prompt 1 reuses prompt 0's 2 shared blocks, prompt 3 (= prompt 0) 3 of them.
+    assert generator.stats.cached_tokens == 8 + 12
+    assert generator.generate(prompts, 6) == expect  # again: every full prompt block is cached now
+    assert generator.stats.cached_tokens == 12 + 8 + 4 + 12
+    assert mla_ops.generate(model, prompts[:2], 6, block_size=16) == expect[:2]
+
+
+def check_cli(path, capsys):
+    from mla_ops.__main__ import main
+
+    model = mla_ops.MLAForCausalLM.from_pretrained(path)
+    expect = mla_ops.generate(model, [[5, 6, 7]], 4)[0]
+    main(["generate", "--model", str(path), "--prompt-ids", "5,6,7", "--max-new-tokens", "4", "--ignore-eos"])
+    out = capsys.readouterr()
+    assert out.out.strip() == ",".join(map(str, expect))
+    assert "4/4 tokens" in out.err

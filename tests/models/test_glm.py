@@ -16,7 +16,7 @@ import torch
 
 import mla_ops
 from mla_ops.models.config import MLAConfig
-from tests.models.family_checks import check_cli, check_generation, check_logits, spread_weights
+from tests.support.families import check_cli, check_generation, check_logits, spread_weights
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402

@@ -24,7 +24,7 @@ from mla_ops.models.rope import inverse_frequencies
 transformers = pytest.importorskip("transformers")
 from tests.support.hf_checkpoints import (  # noqa: E402
     dequantize_reference, make_hf_model, quantize_blocks, save_release_fp8)
-from safetensors.torch import load_file, save_file  # noqa: E402
+from tests.support.families import prompts_of, rewrite_checkpoint, step  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 
@@ -45,24 +45,6 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-def prompts_of(lengths, vocab, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-def step(model, caches, prompts, starts, block_size=4, max_blocks=8, **plan_options):
-    """One batched prefill of prompts[r][starts[r]:], with prompts[r][:starts[r]] already cached."""
-    ids, positions, slots, qsl = [], [], [], [0]
-    table = (torch.arange(len(prompts))[:, None] * max_blocks + torch.arange(max_blocks)).to(torch.int32)
-    for r, (prompt, start) in enumerate(zip(prompts, starts)):
-        ids += prompt[start:]
-        positions += range(start, len(prompt))
-        slots += [int(table[r, p // block_size]) * block_size + p % block_size for p in range(start, len(prompt))]
-        qsl.append(qsl[-1] + len(prompt) - start)
-    plan = mla_ops.plan_prefill(torch.tensor(qsl, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32), table,
-                                block_size, **plan_options)
-    logits = model(torch.tensor(ids), torch.tensor(positions), caches, torch.tensor(slots), table, plan)
-    return logits.split([len(p) - s for p, s in zip(prompts, starts)])
 
 
 @pytest.mark.parametrize("kind", ["v2", "v3", "fp8"])
@@ -226,20 +208,13 @@ def fuse_experts(tensors):
 @torch.no_grad()
 def test_fused_expert_tensors_load_too(checkpoints, tmp_path):
     path = checkpoints["v2"][0]
-    fused = mla_ops.MLAForCausalLM.from_pretrained(rewrite(path, tmp_path / "fused", fuse_experts)).state_dict()
+    fused = mla_ops.MLAForCausalLM.from_pretrained(rewrite_checkpoint(path, tmp_path / "fused", fuse_experts)).state_dict()
     reference = mla_ops.MLAForCausalLM.from_pretrained(path).state_dict()
     assert fused.keys() == reference.keys()
     for name, tensor in fused.items():
         assert torch.equal(tensor, reference[name]), name
 
 
-def rewrite(src, dst, change):
-    shutil.copytree(src, dst)
-    file = os.path.join(dst, "model.safetensors")
-    tensors = load_file(file)
-    change(tensors)
-    save_file(tensors, file)
-    return dst
 
 
 BAD_CHECKPOINTS = {
@@ -259,7 +234,7 @@ BAD_CHECKPOINTS = {
 @pytest.mark.parametrize("case", list(BAD_CHECKPOINTS))
 def test_loading_errors_name_the_tensor(checkpoints, tmp_path, case):
     change, message = BAD_CHECKPOINTS[case]
-    path = rewrite(checkpoints["v2"][0], tmp_path / "ckpt", change)
+    path = rewrite_checkpoint(checkpoints["v2"][0], tmp_path / "ckpt", change)
     with pytest.raises(ValueError, match=message):
         mla_ops.MLAForCausalLM.from_pretrained(path)
 

@@ -20,7 +20,7 @@ from mla_ops.models.config import MLAConfig
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from tests.models.test_hf import prompts_of, step  # noqa: E402
+from tests.support.families import prompts_of, rewrite_checkpoint, step  # noqa: E402
 
 TEXT = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
@@ -194,13 +194,6 @@ def test_cli_generates(float32_kimi, tmp_path, capsys):
     assert capsys.readouterr().out.strip() == ",".join(map(str, expect[: expect.index(expect[1]) + 1]))
 
 
-def rewrite(src, dst, change):
-    shutil.copytree(src, dst)
-    file = os.path.join(dst, "model.safetensors")
-    tensors = load_file(file)
-    change(tensors)
-    save_file(tensors, file)
-    return dst
 
 
 BAD = {
@@ -219,7 +212,7 @@ BAD = {
 @pytest.mark.parametrize("case", list(BAD))
 def test_loading_errors_name_the_tensor(kimi, tmp_path, case):
     change, message = BAD[case]
-    path = rewrite(kimi[0]["transformers"], tmp_path / "ckpt", change)
+    path = rewrite_checkpoint(kimi[0]["transformers"], tmp_path / "ckpt", change)
     with pytest.raises(ValueError, match=message):
         mla_ops.MLAForCausalLM.from_pretrained(path)
 

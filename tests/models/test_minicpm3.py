@@ -16,7 +16,7 @@ import mla_ops
 from mla_ops.models.config import MLAConfig
 from mla_ops.models.longrope import LongRopeScaling
 from mla_ops.models.rope import inverse_frequencies
-from tests.models.family_checks import check_cli, check_generation, check_logits, spread_weights
+from tests.support.families import check_cli, check_generation, check_logits, spread_weights
 
 transformers = pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402

@@ -28,6 +28,8 @@ from mla_ops.models.query_scale import QueryScale
 transformers = pytest.importorskip("transformers")
 from transformers.models.mistral4 import modeling_mistral4  # noqa: E402
 
+from tests.support.families import prompts_of, step  # noqa: E402
+
 ORIGINAL = 16  # YaRN's original_max_position_embeddings: the query scale steps every 16 positions
 ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=ORIGINAL,
             beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.3)
@@ -70,24 +72,6 @@ def checkpoint(tmp_path_factory):
     return str(path), hf
 
 
-def prompts_of(lengths, vocab, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-def step(model, caches, prompts, starts, block_size=4, max_blocks=16, **plan_options):
-    """One batched prefill of prompts[r][starts[r]:], with prompts[r][:starts[r]] already cached."""
-    ids, positions, slots, qsl = [], [], [], [0]
-    table = (torch.arange(len(prompts))[:, None] * max_blocks + torch.arange(max_blocks)).to(torch.int32)
-    for r, (prompt, start) in enumerate(zip(prompts, starts)):
-        ids += prompt[start:]
-        positions += range(start, len(prompt))
-        slots += [int(table[r, p // block_size]) * block_size + p % block_size for p in range(start, len(prompt))]
-        qsl.append(qsl[-1] + len(prompt) - start)
-    plan = mla_ops.plan_prefill(torch.tensor(qsl, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32), table,
-                                block_size, **plan_options)
-    logits = model(torch.tensor(ids), torch.tensor(positions), caches, torch.tensor(slots), table, plan)
-    return logits.split([len(p) - s for p, s in zip(prompts, starts)])
 
 
 # transformers' Mistral 4 keeps its RMSNorm, rotary tables and attention softmax in float32 even as a float64
@@ -167,18 +151,18 @@ def test_float64_logits_match_transformers_with_and_without_a_cached_context(che
     caches = model.allocate_kv_caches(3 * 16, 4)
 
     errors = []
-    for got, ref in zip(step(model, caches, prompts, [0, 0, 0]), expect):  # batched, nothing cached
+    for got, ref in zip(step(model, caches, prompts, [0, 0, 0], max_blocks=16), expect):  # batched, nothing cached
         errors.append(relative_error(got, ref))
     cached = [35, 0, 20]  # request 1 has no context; the others' new tokens sit past 2 * ORIGINAL / ORIGINAL
-    step(model, caches, [p[:c] for p, c in zip(prompts, cached)], [0, 0, 0])
+    step(model, caches, [p[:c] for p, c in zip(prompts, cached)], [0, 0, 0], max_blocks=16)
     for options in ({}, {"absorb_max_query_len": 0, "workspace_size": 8}):  # absorbed; chunk loop, 2+ chunks
-        for got, ref, c in zip(step(model, caches, prompts, cached, **options), expect, cached):
+        for got, ref, c in zip(step(model, caches, prompts, cached, max_blocks=16, **options), expect, cached):
             errors.append(relative_error(got, ref[c:]))
     assert max(errors) < TOLERANCE, errors
 
     # The query scale matters here: without it the logits past position 16 are far off.
     model.config.query_scale = None
-    unscaled = step(model, model.allocate_kv_caches(3 * 16, 4), prompts, [0, 0, 0])[0]
+    unscaled = step(model, model.allocate_kv_caches(3 * 16, 4), prompts, [0, 0, 0], max_blocks=16)[0]
     assert relative_error(unscaled[:ORIGINAL], expect[0][:ORIGINAL]) < TOLERANCE
     assert relative_error(unscaled[ORIGINAL:], expect[0][ORIGINAL:]) > 1e-3
 
@@ -239,7 +223,7 @@ def test_multimodal_wrapper_loads_its_text_model(tmp_path):
     assert model.config.wrapper == "mistral3" and model.config.query_scale.beta == 0.3
     prompt = prompts_of([40], 96, seed=7)[0]
     expect = hf.double()(input_ids=torch.tensor([prompt])).logits[0]
-    got = step(model, model.allocate_kv_caches(16, 4), [prompt], [0])[0]
+    got = step(model, model.allocate_kv_caches(16, 4), [prompt], [0], max_blocks=16)[0]
     assert relative_error(got, expect) < TOLERANCE
     with pytest.raises(ValueError, match="model_type 'mistral'"):  # Mistral3Config's default text model: no MLA
         MLAConfig.from_hf(dict(config.to_dict(), text_config={"hidden_size": 64}))

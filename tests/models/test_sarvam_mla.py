@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mla_ops.models.config import MLAConfig
-from tests.models.family_checks import check_cli, check_generation, check_logits, spread_weights
+from tests.support.families import check_cli, check_generation, check_logits, spread_weights
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,6 +8,9 @@ that transformers' own ``save_pretrained`` wrote:
   caching included; ``python -m mla_ops generate --model DIR``.
 """
 
+import os
+import shutil
+
 import torch
 
 import mla_ops
@@ -47,6 +50,18 @@ def step(model, caches, prompts, starts, block_size=4, max_blocks=8, **plan_opti
                                 block_size, **plan_options)
     logits = model(torch.tensor(ids), torch.tensor(positions), caches, torch.tensor(slots), table, plan)
     return logits.split([len(p) - s for p, s in zip(prompts, starts)])
+
+
+def rewrite_checkpoint(src, dst, change):
+    """A copy of the one-file checkpoint ``src`` at ``dst`` with its tensors edited by ``change(tensors)``."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    file = os.path.join(dst, "model.safetensors")
+    tensors = load_file(file)
+    change(tensors)
+    save_file(tensors, file)
+    return dst
 
 
 def relative_diff(got: torch.Tensor, ref: torch.Tensor) -> float:

@@ -23,7 +23,7 @@ import os
 
 from .. import _checks
 from .checkpoint_files import read_json_object
-from .hf_families import family_defaults, family_kwargs
+from .hf_families import FAMILIES, family_defaults, family_kwargs
 from .longrope import LongRopeScaling
 from .rope import YarnScaling
 from .wrappers import WRAPPERS, unwrap
@@ -107,10 +107,6 @@ class _Keys:
 
     def __init__(self, c: dict):
         self.c = c
-        kind, known = c.get("model_type"), ", ".join(map(repr, [*MODEL_TYPES, *WRAPPERS]))
-        # A key missing from an unknown model type's config.json: say so (a wrapper of another layout, ...).
-        self.unknown = f" (model_type {kind!r} is not one mla_ops reads: {known})" if (
-            kind is not None and not (isinstance(kind, str) and kind in MODEL_TYPES)) else ""
 
     def get(self, name, default=None):
         value = self.c.get(name)
@@ -118,7 +114,7 @@ class _Keys:
 
     def need(self, name):
         if self.c.get(name) is None:
-            raise ValueError(f"config.json lacks {name!r}, which a DeepSeek-V2/V3 model needs{self.unknown}")
+            raise ValueError(f"config.json lacks {name!r}, which an MLA model needs")
         return self.c[name]
 
 
@@ -141,6 +137,9 @@ def _text_model_kwargs(c: dict) -> dict:
     model_type = c.get("model_type")
     if model_type is not None:
         _checks.check_str(model_type, "model_type")
+        if model_type not in MODEL_TYPES and model_type not in FAMILIES:
+            known = ", ".join(map(repr, sorted({*MODEL_TYPES, *FAMILIES, *WRAPPERS})))
+            raise ValueError(f"model_type {model_type!r} is not one mla_ops reads (it reads {known})")
     dtype_key = "dtype" if c.get("dtype") is not None else "torch_dtype"
     _checks.model_dtype(c.get(dtype_key), dtype_key)
     return dict(

@@ -9,7 +9,6 @@ to identity experts (``save_pretrained`` writes junk gate/up weights for them: t
 
 import json
 import os
-import shutil
 import types
 
 import pytest
@@ -19,9 +18,7 @@ import mla_ops
 from mla_ops.models.config import MLAConfig
 
 transformers = pytest.importorskip("transformers")
-from safetensors.torch import load_file, save_file  # noqa: E402
-
-from tests.models.test_hf import prompts_of, step  # noqa: E402
+from tests.support.families import prompts_of, relative_diff, rewrite_checkpoint, step  # noqa: E402
 
 ROUTED, IDENTITY = 6, 3
 HF_CONFIG = dict(
@@ -148,7 +145,7 @@ def test_logits_match_transformers_with_and_without_a_cached_prefix(checkpoint):
 
     def check(got, ref):
         nonlocal worst
-        worst = max(worst, ((got - ref).abs().max() / ref.abs().max()).item())
+        worst = max(worst, relative_diff(got, ref))
         torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
 
     indices = routed_indices(model, lambda: [check(g, r) for g, r in zip(step(model, caches, prompts, [0, 0, 0]),
@@ -209,15 +206,6 @@ def test_cli_generates(checkpoint, capsys):
     assert capsys.readouterr().out.strip() == ",".join(map(str, expect))
 
 
-def rewrite(src, dst, change):
-    shutil.copytree(src, dst)
-    file = os.path.join(dst, "model.safetensors")
-    tensors = load_file(file)
-    change(tensors)
-    save_file(tensors, file)
-    return dst
-
-
 @torch.no_grad()
 def test_release_layout_loads_and_identity_junk_is_not_read(checkpoint, tmp_path):
     """The release lacks the identity experts' gate/up tensors and has Multi-Token-Prediction weights
@@ -234,15 +222,16 @@ def test_release_layout_loads_and_identity_junk_is_not_read(checkpoint, tmp_path
         tensors[f"model.layers.1.mlp.experts.{ROUTED}.gate_proj.weight"] = torch.full((32, 64), float("nan"))
 
     for change in (release, junk):
-        loaded = mla_ops.MLAForCausalLM.from_pretrained(rewrite(path, tmp_path / change.__name__, change)).state_dict()
+        changed = rewrite_checkpoint(path, tmp_path / change.__name__, change)
+        loaded = mla_ops.MLAForCausalLM.from_pretrained(changed).state_dict()
         assert loaded.keys() == reference.keys()
         assert all(torch.equal(loaded[k], reference[k]) for k in reference)
     with pytest.raises(ValueError, match=rf"unexpected tensors \(1\): model\.layers\.0\.mlp\.experts\.{ROUTED}\."
                                          r"down_proj\.weight"):
-        mla_ops.MLAForCausalLM.from_pretrained(rewrite(path, tmp_path / "down", lambda t: t.update(
+        mla_ops.MLAForCausalLM.from_pretrained(rewrite_checkpoint(path, tmp_path / "down", lambda t: t.update(
             {f"model.layers.0.mlp.experts.{ROUTED}.down_proj.weight": torch.zeros(64, 32)})))
     with pytest.raises(ValueError, match=r"missing tensors \(1\): model\.layers\.0\.mlp\.gate\.weight"):
-        mla_ops.MLAForCausalLM.from_pretrained(rewrite(path, tmp_path / "router", lambda t: t.pop(
+        mla_ops.MLAForCausalLM.from_pretrained(rewrite_checkpoint(path, tmp_path / "router", lambda t: t.pop(
             "model.layers.0.mlp.router.classifier.weight")))
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections import defaultdict
 
 import torch
@@ -66,15 +67,20 @@ def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tupl
     return weight.float() * scale_inv.float()[row_block][:, col_block]
 
 
+# The attention's projections with RoPE rows; self_attn.{i}: one of LongCat-Flash's two attentions.
+_QUERY = re.compile(r"\.self_attn(\.\d+)?\.(q_proj|q_b_proj)\.weight$")
+_LATENT = re.compile(r"\.self_attn(\.\d+)?\.kv_a_proj_with_mqa\.weight$")
+
+
 def _convert(config: MLAConfig, source: Source, tensor: torch.Tensor) -> torch.Tensor:
     """RoPE rows to halves (``tensor`` already dequantized; whole heads, all or a rank's)."""
     if config.rope_interleave:
         P, R = config.qk_nope_head_dim, config.qk_rope_head_dim
         order = deinterleave_index(R)
-        if source.target.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
+        if _QUERY.search(source.target):
             heads = tensor.view(-1, P + R, tensor.shape[-1])  # [N, P+R, in]
             tensor = torch.cat([heads[:, :P], heads[:, P:][:, order]], dim=1).reshape(tensor.shape)
-        elif source.target.endswith("self_attn.kv_a_proj_with_mqa.weight"):
+        elif _LATENT.search(source.target):
             L = config.kv_lora_rank
             tensor = torch.cat([tensor[:L], tensor[L:][order]])
     return tensor
@@ -116,7 +122,8 @@ def load_pretrained(cls, path, dtype: torch.dtype | None = None, device=None, *,
     check_layers(config, headers)
 
     whole = _meta_model(cls, config, dtype)  # the checkpoint's shapes, checked against the file headers
-    sources = map_tensors(config, headers, dict(whole.state_dict(keep_vars=True)), block)
+    sources = map_tensors(config, headers, dict(whole.state_dict(keep_vars=True)), block,
+                          whole.model.layer_class.checkpoint_name)
     shard = None
     if context_parallel is not None:
         model = _meta_model(cls, config, dtype, context_parallel=context_parallel)  # checks N % D and the like

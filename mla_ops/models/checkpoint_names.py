@@ -13,7 +13,9 @@ the file headers alone (nothing is read or allocated):
 Per-expert tensors (``mlp.experts.{e}.gate_proj.weight``, ``up_proj``, ``down_proj``) map to a part of
 the stacked ``experts.gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``; every other name maps to the
 model tensor of the same name. A multimodal wrapper's text model (``config.wrapper``) is read under its
-prefixes (``models.wrappers.text_names``), the wrapper's other tensors left out.
+prefixes (``models.wrappers.text_names``), the wrapper's other tensors left out. The layer structure's
+``checkpoint_name`` has the last word (LongCat-Flash renames its router and skips its identity experts' and
+Multi-Token-Prediction tensors).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Callable
 
 from .. import _checks
 from .checkpoint_files import dtype_name
@@ -107,9 +110,11 @@ def _shape_keys(source: Source) -> str:
 
 
 def map_tensors(config: MLAConfig, headers: dict[str, tuple[list, str]], params: dict,
-          block: tuple[int, int] = (128, 128)) -> list[Source]:
+          block: tuple[int, int] = (128, 128),
+          rename: Callable[[MLAConfig, str], str | None] | None = None) -> list[Source]:
     """Map checkpoint names to model tensors, checking names, shapes, dtypes and fp8 scales (headers only:
-    name -> (shape, safetensors dtype))."""
+    name -> (shape, safetensors dtype)). ``rename(config, name)``: the model's name of a decoder tensor,
+    None to skip it (the layer class's ``checkpoint_name``; None: the names are the model's)."""
     names = set(headers)
     model_names = text_names(config.wrapper, names)  # checkpoint name -> the decoder's
     shape_of = lambda name: headers[name][0]  # noqa: E731
@@ -126,6 +131,10 @@ def map_tensors(config: MLAConfig, headers: dict[str, tuple[list, str]], params:
             continue
         if model_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
+        if rename is not None:
+            model_name = rename(config, model_name)
+            if model_name is None:
+                continue
         source = _source(name, model_name)
         param = params.get(source.target)
         if param is None or (source.expert is not None and source.expert >= param.shape[0]):

@@ -8,7 +8,8 @@ value of the wrong type, a ValueError for one out of range.
   ``num_attention_heads``, ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim`` (also even),
   ``v_head_dim``, ``intermediate_size``, ``num_hidden_layers``, ``vocab_size``, ``max_position_embeddings``,
   ``num_experts_per_tok``, ``moe_layer_freq``, ``n_group``, ``topk_group``; at least 0:
-  ``moe_intermediate_size`` (at least 1 with experts), ``n_shared_experts``, ``first_k_dense_replace``.
+  ``moe_intermediate_size`` (at least 1 with experts), ``n_shared_experts``, ``first_k_dense_replace``,
+  ``zero_expert_num``.
   ``q_lora_rank``: None (a plain ``q_proj``, DeepSeek-V2-Lite) or at least 1; ``n_routed_experts``: None
   (dense) or at least 1 (config.json's 0 or null both mean dense).
 * real numbers (an int or a float, not a string or a bool, finite): ``rope_theta``, ``rms_norm_eps``,
@@ -17,11 +18,15 @@ value of the wrong type, a ValueError for one out of range.
 * ``mlp_layer_types``: None, or one of "dense" / "sparse" per layer ("sparse" needs experts).
 * booleans must be booleans (``"false"`` is refused, not read as true): ``rope_interleave``,
   ``tie_word_embeddings``, ``norm_topk_prob``.
-* ``scoring_func`` / ``topk_method``: strings (known values); ``dtype``: None or one of float16,
+* ``scoring_func`` / ``topk_method`` / ``decoder_layer``: strings (known values); ``dtype``: None or one of float16,
   bfloat16, float32, float64 (``"torch.bfloat16"`` too); ``rope_scaling``: None, a ``YarnScaling``, a
   ``LongRopeScaling`` (its ``short_factor`` of R/2 entries) or config.json's dict; ``wrapper``: None or
   a multimodal wrapper's model type (``models.wrappers``); ``query_scale``: None, a ``QueryScale`` or
   its fields as a dict.
+
+LongCat-Flash's layer (``decoder_layer="longcat"``, ``mla_ops.models.longcat``) needs experts; identity
+experts (``zero_expert_num``) need ``n_group`` 1; ``mla_scale_q_lora`` (which needs ``q_lora_rank``) and
+``mla_scale_kv_lora`` are its layer's only.
 
 ``from_hf`` of a file or directory puts the file's path in front of every message; a file that is not
 JSON, or not a JSON object, is one ValueError naming it.
@@ -46,17 +51,18 @@ SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc", "group_top2")
 _TOP2_GROUPS = ("noaux_tc", "group_top2")  # groups ranked by their two best scores
 MLP_LAYER_TYPES = ("dense", "sparse")  # mlp_layer_types' entries: the dense MLP, or the experts
+DECODER_LAYERS = ("deepseek", "longcat")  # the layer structures (MLAModel.layer_classes)
 
 # MLAConfig's integer fields and their least value.
 _INTS = dict(hidden_size=1, num_attention_heads=1, kv_lora_rank=1, qk_nope_head_dim=1, qk_rope_head_dim=1,
              v_head_dim=1, intermediate_size=1, num_hidden_layers=1, vocab_size=1, max_position_embeddings=1,
              num_experts_per_tok=1, moe_intermediate_size=0, n_shared_experts=0, first_k_dense_replace=0,
-             moe_layer_freq=1, n_group=1, topk_group=1)
+             moe_layer_freq=1, n_group=1, topk_group=1, zero_expert_num=0)
 _OPTIONAL_INTS = ("q_lora_rank", "n_routed_experts")  # None, or at least 1
 # Real fields: True if they must be > 0, False if >= 0.
 _REALS = dict(rope_theta=True, rms_norm_eps=True, lora_norm_eps=True, routed_scaling_factor=True,
               initializer_range=False)
-_BOOLS = ("rope_interleave", "tie_word_embeddings", "norm_topk_prob")
+_BOOLS = ("rope_interleave", "tie_word_embeddings", "norm_topk_prob", "mla_scale_q_lora", "mla_scale_kv_lora")
 
 
 @dataclass
@@ -102,6 +108,12 @@ class MLAConfig:
     embedding_scale: float = 1.0
     residual_scale: float = 1.0
     logits_scaling: float = 1.0
+    # The layer structure: "deepseek" (attention + MLP or MoE) or "longcat" (LongCat-Flash: two attention
+    # sublayers, two dense MLPs and a shortcut MoE per layer; mla_ops.models.longcat).
+    decoder_layer: str = "deepseek"
+    zero_expert_num: int = 0  # identity experts routed after the n_routed_experts (LongCat-Flash)
+    mla_scale_q_lora: bool = False  # q times sqrt(hidden_size / q_lora_rank) (LongCat-Flash)
+    mla_scale_kv_lora: bool = False  # the latent kv_c times sqrt(hidden_size / kv_lora_rank) (LongCat-Flash)
 
     def __post_init__(self):
         # Types and ranges of every field (normalized: numpy integers -> int, ints -> float where real).
@@ -115,6 +127,7 @@ class MLAConfig:
             _checks.check_bool(getattr(self, name), name)
         _checks.check_str(self.scoring_func, "scoring_func")
         _checks.check_str(self.topk_method, "topk_method")
+        _checks.check_str(self.decoder_layer, "decoder_layer", DECODER_LAYERS)
         _checks.model_dtype(self.dtype, "dtype")
         if self.wrapper is not None:
             _checks.check_str(self.wrapper, "wrapper", tuple(WRAPPERS))
@@ -134,15 +147,17 @@ class MLAConfig:
         if isinstance(self.rope_scaling, LongRopeScaling):
             self.rope_scaling.check_rope_dim(self.qk_rope_head_dim)
         _check_layer_types_and_scales(self)
+        self._check_layer_structure()
         if self.n_routed_experts is None:
             return
         if self.scoring_func not in SCORING_FUNCS:
             raise ValueError(f"scoring_func must be one of {SCORING_FUNCS}, got {self.scoring_func!r}")
         if self.topk_method not in TOPK_METHODS:
             raise ValueError(f"topk_method must be one of {TOPK_METHODS}, got {self.topk_method!r}")
-        if not 1 <= self.num_experts_per_tok <= self.n_routed_experts:
+        experts = self.n_routed_experts + self.zero_expert_num  # identity experts are routed to as well
+        if not 1 <= self.num_experts_per_tok <= experts:
             raise ValueError(
-                f"num_experts_per_tok must be in [1, n_routed_experts={self.n_routed_experts}], "
+                f"num_experts_per_tok must be in [1, n_routed_experts + zero_expert_num={experts}], "
                 f"got {self.num_experts_per_tok}"
             )
         if self.moe_intermediate_size <= 0:
@@ -161,6 +176,22 @@ class MLAConfig:
         if self.topk_method in _TOP2_GROUPS and self.n_routed_experts // self.n_group < 2:
             raise ValueError(f"topk_method {self.topk_method!r} scores a group by its top-2 experts: needs >= 2 "
                              "experts per group")
+
+    def _check_layer_structure(self) -> None:
+        longcat = self.decoder_layer == "longcat"
+        if longcat and self.n_routed_experts is None:
+            raise ValueError("decoder_layer 'longcat' has a shortcut MoE in every layer: n_routed_experts must be set")
+        for name in ("mla_scale_q_lora", "mla_scale_kv_lora"):
+            if getattr(self, name) and not longcat:
+                raise ValueError(f"{name}=True scales LongCat-Flash's attention: it needs decoder_layer 'longcat', "
+                                 f"got {self.decoder_layer!r}")
+        if self.mla_scale_q_lora and self.q_lora_rank is None:
+            raise ValueError("mla_scale_q_lora=True scales q by sqrt(hidden_size / q_lora_rank): q_lora_rank must be "
+                             "set")
+        if self.zero_expert_num and (self.n_routed_experts is None or self.n_group != 1):
+            raise ValueError(f"zero_expert_num={self.zero_expert_num} identity experts need routed experts and "
+                             f"n_group 1 (one group over all experts), got n_routed_experts={self.n_routed_experts}, "
+                             f"n_group={self.n_group}")
 
     @property
     def qk_head_dim(self) -> int:

@@ -223,6 +223,8 @@ class DecoderLayer(nn.Module):
     ``attention_output``, are the regions ``MLAModel.compile_layers`` compiles; the attention
     between them (cache write, plan, chunk loop) runs the library's ops."""
 
+    num_kv_caches = 1  # cache layers per layer: one attention
+
     def __init__(self, config: MLAConfig, layer_idx: int = 0, tp_group=None):
         super().__init__()
         self.tp_group = tp_group  # tensor parallel: the partial sums of o_proj and the MLP are all-reduced
@@ -252,6 +254,14 @@ class DecoderLayer(nn.Module):
         h = x + scaled(all_reduce(self.self_attn.o_proj(attention.flatten(1)), self.tp_group), self.residual_scale)
         return h + scaled(all_reduce(self.mlp(self.post_attention_layernorm(h)), self.tp_group), self.residual_scale)
 
+    # MLAModel.compile_layers' regions: (function, compiled per MLP kind)
+    compiled_regions = ((attention_inputs, False), (attention_output, True))
+
+    @staticmethod
+    def checkpoint_name(config: MLAConfig, name: str) -> str | None:
+        """The model tensor that checkpoint tensor ``name`` fills (None: skipped): DeepSeek's names are the model's."""
+        return name
+
 
 def scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
     """``x * scale``; nothing for a scale of 1 (DeepSeek's), so its graphs stay as they were."""
@@ -262,6 +272,10 @@ class MLAModel(nn.Module):
     """``context_parallel``: the group over which the layers are sharded (``MLAForCausalLM``); ``config``
     stays the whole model's."""
 
+    # config.decoder_layer -> its layer class; a family with a layer structure of its own adds it from its
+    # module (mla_ops.models.longcat, imported by the package).
+    layer_classes: dict[str, type[nn.Module]] = {"deepseek": DecoderLayer}
+
     def __init__(self, config: MLAConfig, *, context_parallel: ContextParallel | None = None):
         super().__init__()
         self.config = config
@@ -271,24 +285,26 @@ class MLAModel(nn.Module):
             layer_config, group = local_config(config, context_parallel), context_parallel.process_group
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         nn.init.normal_(self.embed_tokens.weight, std=config.initializer_range)
-        self.layers = nn.ModuleList(DecoderLayer(layer_config, i, group) for i in range(config.num_hidden_layers))
+        self.layer_class = self.layer_classes[config.decoder_layer]
+        self.layers = nn.ModuleList(self.layer_class(layer_config, i, group) for i in range(config.num_hidden_layers))
+        self.num_cache_layers = sum(layer.num_kv_caches for layer in self.layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self._compile_options: dict | None = None  # compile_layers'
 
     def compile_layers(self, **options) -> MLAModel:
-        """Regional compilation: the decoder layers' dense regions (``DecoderLayer.attention_inputs``
-        and ``attention_output``) compiled once and shared by every layer of this model, whatever its
-        depth: one graph per region (a second for MoE layers' output) and per dtype, device, grad and
-        inference mode (``CompiledRegion``), the token count dynamic, so every step size (zero and one
-        token included), cache size and plan reuses them. The attention between them runs the
-        library's ops. ``options`` go to ``torch.compile`` (defaults ``fullgraph=True``,
-        ``backend="inductor"``); calling it again with the same options keeps the compiled regions.
-        Returns the model."""
+        """Regional compilation: the decoder layers' dense regions (their class's ``compiled_regions``:
+        ``DecoderLayer.attention_inputs`` and ``attention_output``; LongCat-Flash's three) compiled once and
+        shared by every layer of this model, whatever its depth: one graph per region (a second for MoE
+        layers' output) and per dtype, device, grad and inference mode (``CompiledRegion``), the token
+        count dynamic, so every step size (zero and one token included), cache size and plan reuses them.
+        The attention between them runs the library's ops. ``options`` go to ``torch.compile`` (defaults
+        ``fullgraph=True``, ``backend="inductor"``); calling it again with the same options keeps the
+        compiled regions. Returns the model."""
         options = {"fullgraph": True, "backend": "inductor", **options}
         if self._compile_options != options:
             owner = f"{id(self):x}"
-            regions = (CompiledRegion(DecoderLayer.attention_inputs, options, owner, by_mlp=False),
-                       CompiledRegion(DecoderLayer.attention_output, options, owner, by_mlp=True))
+            regions = tuple(CompiledRegion(region, options, owner, by_mlp)
+                            for region, by_mlp in self.layer_class.compiled_regions)
             for layer in self.layers:
                 layer.regions = regions
             self._compile_options = options
@@ -297,12 +313,13 @@ class MLAModel(nn.Module):
     def allocate_kv_caches(
         self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None, device=None
     ) -> torch.Tensor:
-        """Zeroed caches [num_hidden_layers, num_blocks, block_size, L+R]; dtype and device default
-        to the model's (a float8_e4m3fn cache then needs ``k_scale`` in ``forward``)."""
+        """Zeroed caches [num_cache_layers, num_blocks, block_size, L+R] (one per attention: num_hidden_layers,
+        twice that for LongCat-Flash); dtype and device default to the model's (a float8_e4m3fn cache then needs
+        ``k_scale`` in ``forward``)."""
         c = self.config
         weight = self.embed_tokens.weight
         return torch.zeros(
-            c.num_hidden_layers, num_blocks, block_size, c.kv_lora_rank + c.qk_rope_head_dim,
+            self.num_cache_layers, num_blocks, block_size, c.kv_lora_rank + c.qk_rope_head_dim,
             dtype=dtype or weight.dtype, device=device or weight.device,
         )
 
@@ -310,7 +327,7 @@ class MLAModel(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: torch.Tensor,  # [num_hidden_layers, num_blocks, block_size, L+R]
+        kv_caches: torch.Tensor,  # [num_cache_layers, num_blocks, block_size, L+R] (allocate_kv_caches)
         slot_mapping: torch.Tensor,  # [T]
         block_table: torch.Tensor,  # [B, max_blocks] int32, shared by all layers: the plan's
         plan: PrefillPlan,  # one plan per step (mla_ops.plan_prefill), shared by all layers
@@ -318,9 +335,9 @@ class MLAModel(nn.Module):
         k_scale: float | torch.Tensor | None = None,
         backend: str = "auto",
     ) -> torch.Tensor:
-        if kv_caches.dim() != 4 or kv_caches.shape[0] != len(self.layers):
+        if kv_caches.dim() != 4 or kv_caches.shape[0] != self.num_cache_layers:
             raise ValueError(
-                f"kv_caches must be [num_hidden_layers={len(self.layers)}, num_blocks, block_size, L+R], "
+                f"kv_caches must be [num_cache_layers={self.num_cache_layers}, num_blocks, block_size, L+R], "
                 f"got shape {tuple(kv_caches.shape)} (see allocate_kv_caches)"
             )
         check_plan_block_table(block_table, plan)
@@ -328,8 +345,11 @@ class MLAModel(nn.Module):
         step = ModelStep.begin(self.config, positions, plan, kv_caches, slot_mapping, k_scale, backend,
                                self.embed_tokens.weight.dtype)  # once, not per layer
         x = scaled(self.embed_tokens(input_ids), self.config.embedding_scale)  # [T, H]
-        for i, layer in enumerate(self.layers):
-            x = layer(x, kv_caches[i], step)
+        first = 0
+        for layer in self.layers:  # a layer of several attentions gets its caches [n, num_blocks, block_size, L+R]
+            n = layer.num_kv_caches
+            x = layer(x, kv_caches[first] if n == 1 else kv_caches[first : first + n], step)
+            first += n
         return self.norm(x)  # [T, H]
 
 
@@ -340,6 +360,9 @@ def local_config(config: MLAConfig, context_parallel: ContextParallel) -> MLACon
     if not isinstance(context_parallel, ContextParallel):
         raise TypeError(f"context_parallel must be a mla_ops.ContextParallel or None, got "
                         f"{type(context_parallel).__name__}")
+    if config.decoder_layer != "deepseek" or config.zero_expert_num:  # an identity expert's x would be summed D times
+        raise ValueError(f"context_parallel: only DeepSeek's layers without identity experts are sharded, got "
+                         f"decoder_layer {config.decoder_layer!r}, zero_expert_num={config.zero_expert_num}")
     world_size = context_parallel.world_size
     sizes = {"num_attention_heads": config.num_attention_heads, "intermediate_size": config.intermediate_size}
     if config.n_routed_experts is not None:
@@ -388,7 +411,7 @@ class MLAForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: torch.Tensor,  # [num_hidden_layers, num_blocks, block_size, L+R]
+        kv_caches: torch.Tensor,  # [num_cache_layers, num_blocks, block_size, L+R]
         slot_mapping: torch.Tensor,  # [T]
         block_table: torch.Tensor,  # [B, max_blocks] int32: the plan's
         plan: PrefillPlan,

@@ -40,6 +40,10 @@ MODEL_TYPES = {
                           routed_scaling_factor=1.8),
     "sarvam_mla": dict(scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True,
                        routed_scaling_factor=2.5),
+    # Softmax over routed + identity experts, top-k of the bias-corrected scores (one group), weights the
+    # uncorrected scores times the factor (LongcatFlashTopkRouter)
+    "longcat_flash": dict(scoring_func="softmax", topk_method="noaux_tc", norm_topk_prob=False,
+                          routed_scaling_factor=6.0),
 }
 MODEL_TYPES["kimi_k2"] = MODEL_TYPES["deepseek_v3"]  # Kimi K2's remote-code name for DeepSeek-V3, as transformers reads it
 # Another model_type names its gate itself (scoring_func and topk_method); the rest defaults as V2's.

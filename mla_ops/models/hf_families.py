@@ -9,7 +9,8 @@
   null: none) and ``dim_model_base`` (-> ``logits_scaling = hidden_size / dim_model_base``; null: none).
   A ``partial_rotary_factor`` other than 1 is refused, naming the key (every MLA model here rotates all R),
   but by a family that reads its own keys: ``FAMILY_KEYS`` (Mistral 4's factor is over the whole q/k head,
-  and its query scale is its own; ``mla_ops.models.mistral4``).
+  and its query scale is its own; ``mla_ops.models.mistral4``; LongCat-Flash's layer structure, identity
+  experts and LoRA scalings: ``_longcat_flash_kwargs``).
 
 The gate a model type implies stays in ``hf_config.MODEL_TYPES``.
 """
@@ -59,12 +60,47 @@ def _sarvam_mla(c: dict) -> dict:
     return {"first_k_dense_replace": 1, "n_shared_experts": 1, **c}
 
 
+# LongCat-Flash's names of four keys (LongcatFlashConfig's attribute_map) -> DeepSeek's.
+_LONGCAT_KEYS = {"num_layers": "num_hidden_layers", "ffn_hidden_size": "intermediate_size",
+                 "expert_ffn_hidden_size": "moe_intermediate_size", "moe_topk": "num_experts_per_tok"}
+
+
+def _longcat_flash(c: dict) -> dict:
+    c = dict(c)
+    for old, new in _LONGCAT_KEYS.items():
+        if c.get(old) is None:  # LongCat's own key named, not the DeepSeek key it becomes
+            raise ValueError(f"config.json lacks {old!r}, which a LongCat-Flash model needs")
+        c[new] = c.pop(old)
+    # LongcatFlashConfig's defaults; its num_hidden_layers is 2 * num_layers (attentions), ours num_layers.
+    return {"rms_norm_eps": 1e-5, "rope_theta": 1e7, "max_position_embeddings": 131072, "zero_expert_num": 256, **c}
+
+
+def _longcat_flash_kwargs(c: dict) -> dict:
+    """LongCat-Flash's layer structure and its keys, after those its layers do not read are checked."""
+    if _checks.check_bool(c.get("router_bias") or False, "router_bias"):
+        raise ValueError("config.json sets router_bias=true: transformers' LongCat-Flash router ignores the bias "
+                         "and no release has one; it is not supported")
+    kind = _checks.check_str(c.get("zero_expert_type") or "identity", "zero_expert_type")
+    if kind != "identity":
+        raise ValueError(f"zero_expert_type must be 'identity' (the only zero-computation expert), got {kind!r}")
+    rope = _checks.check_int(c.get("qk_rope_head_dim"), "qk_rope_head_dim", 1)
+    nope = _checks.check_int(c.get("qk_nope_head_dim"), "qk_nope_head_dim", 1)
+    for key, expect, meaning in (("head_dim", rope, "qk_rope_head_dim"),  # transformers' rotary dim
+                                 ("qk_head_dim", nope + rope, "qk_nope_head_dim + qk_rope_head_dim")):
+        if c.get(key) is not None and c[key] != expect:
+            raise ValueError(f"{key} must equal {meaning} ({expect}), got {c[key]!r}")
+    # The release's mla_scale_* flags (transformers applies both scalings always).
+    scales = {name: True if c.get(name) is None else c[name] for name in ("mla_scale_q_lora", "mla_scale_kv_lora")}
+    return dict(decoder_layer="longcat", zero_expert_num=c["zero_expert_num"], **scales)
+
+
 # model_type -> (config.json dict -> a copy with what its transformers config fills in for absent keys)
 FAMILIES = {
     "glm4_moe_lite": _glm4_moe_lite,
     "minicpm3": _minicpm3,
     "youtu": lambda c: {"tie_word_embeddings": True, **c},
     "sarvam_mla": _sarvam_mla,
+    "longcat_flash": _longcat_flash,
 }
 
 
@@ -75,7 +111,7 @@ def family_defaults(c: dict) -> dict:
 
 
 # model_type -> a reader of the keys only that family has: config.json -> MLAConfig keyword arguments.
-FAMILY_KEYS = {"mistral4": mistral4.config_kwargs}
+FAMILY_KEYS = {"mistral4": mistral4.config_kwargs, "longcat_flash": _longcat_flash_kwargs}
 
 
 def family_kwargs(keys, model_type) -> dict:

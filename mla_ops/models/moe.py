@@ -5,6 +5,9 @@ gate: router logits [T, E] (float32) -> top-k experts per token: indices [T, k],
 experts.gate_up_proj [E, 2I, H]   experts.down_proj [E, H, I]   (the names and layout of transformers 5)
 -> out [T, H] = sum_k weight * expert(x) + shared_experts(x)
 
+Z ``zero_expert_num`` identity experts (LongCat-Flash's zero-computation experts) follow the E routed ones:
+the gate scores all E + Z, and a token routed to expert E + z gets ``weight * x``, with no weights at all.
+
 Gates (the reference is transformers' DeepseekV2TopkRouter / DeepseekV3TopkRouter):
 
 * V2: softmax scores; ``greedy`` top-k, or ``group_limited_greedy``: keep the ``topk_group`` groups with
@@ -67,14 +70,14 @@ class MoEGate(nn.Module):
     def __init__(self, config):
         super().__init__()
         c = config
-        self.top_k, self.num_experts = c.num_experts_per_tok, c.n_routed_experts
+        self.top_k, self.num_experts = c.num_experts_per_tok, c.n_routed_experts + c.zero_expert_num
         self.scoring_func, self.topk_method = c.scoring_func, c.topk_method
         self.n_group, self.topk_group = c.n_group, c.topk_group
         self.norm_topk_prob, self.routed_scaling_factor = c.norm_topk_prob, c.routed_scaling_factor
-        self.weight = nn.Parameter(torch.empty(c.n_routed_experts, c.hidden_size, dtype=torch.float32))
+        self.weight = nn.Parameter(torch.empty(self.num_experts, c.hidden_size, dtype=torch.float32))
         nn.init.normal_(self.weight, std=c.initializer_range)
         if c.topk_method == "noaux_tc":
-            self.register_buffer("e_score_correction_bias", torch.zeros(c.n_routed_experts, dtype=torch.float32))
+            self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
 
     def _group_mask(self, group_scores: torch.Tensor) -> torch.Tensor:
         """[T, G] group scores -> [T, E] bool, true for the experts of the topk_group best groups."""
@@ -123,7 +126,8 @@ class Experts(nn.Module):
 
     def dense(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         num_experts = self.gate_up_proj.shape[0]
-        combine = x.new_zeros(x.shape[0], num_experts).scatter_(1, indices, weights.to(x.dtype))  # [T, E]
+        # scatter_add_: MoE.forward parks identity experts' pairs on expert 0 with weight 0
+        combine = x.new_zeros(x.shape[0], num_experts).scatter_add_(1, indices, weights.to(x.dtype))  # [T, E]
         h = torch.matmul(x.unsqueeze(0), self.gate_up_proj.transpose(1, 2))  # [E, T, 2I]
         y = torch.matmul(self._act(h), self.down_proj.transpose(1, 2))  # [E, T, H]
         return torch.einsum("eth,te->th", y, combine)  # [T, H]
@@ -156,6 +160,7 @@ class MoE(nn.Module):
         if c.n_shared_experts:
             self.shared_experts = FeedForward(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts,
                                               c.initializer_range)
+        self.zero_expert_num = c.zero_expert_num
         self.impl = impl
 
     @property
@@ -176,9 +181,15 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, indices = self.gate(x)  # [T, k] each
+        if self.zero_expert_num:  # identity experts: x times their weights; their pairs weigh 0 on expert 0
+            identity = indices >= self.experts.gate_up_proj.shape[0]  # [T, k]
+            identity_weight = weights.masked_fill(~identity, 0.0).sum(dim=-1, keepdim=True)  # [T, 1]
+            weights, indices = weights.masked_fill(identity, 0.0), indices.masked_fill(identity, 0)
         impl = self.resolved_impl(x)
         if impl == "grouped" and x.dtype != torch.bfloat16 and torch.compiler.is_compiling():
             raise ValueError(f"MoE impl 'grouped' compiles for bfloat16 only (torch._grouped_mm), got {x.dtype}")
         routed = self.experts.grouped if impl == "grouped" else self.experts.dense
         out = routed(x, weights, indices)
+        if self.zero_expert_num:
+            out = out + x * identity_weight.to(x.dtype)
         return out if self.shared_experts is None else out + self.shared_experts(x)

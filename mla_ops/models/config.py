@@ -51,7 +51,7 @@ SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc", "group_top2")
 _TOP2_GROUPS = ("noaux_tc", "group_top2")  # groups ranked by their two best scores
 MLP_LAYER_TYPES = ("dense", "sparse")  # mlp_layer_types' entries: the dense MLP, or the experts
-DECODER_LAYERS = ("deepseek", "longcat")  # the layer structures (MLAModel.layer_classes)
+DECODER_LAYERS = ("deepseek", "longcat")  # the layer structures (decoder.LAYER_CLASSES)
 
 # MLAConfig's integer fields and their least value.
 _INTS = dict(hidden_size=1, num_attention_heads=1, kv_lora_rank=1, qk_nope_head_dim=1, qk_rope_head_dim=1,

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from .config import MLAConfig
-from .decoder import MLAAttention, MLAModel, ModelStep, RMSNorm
+from .layer import MLAAttention, ModelStep, RMSNorm
 from .moe import FeedForward, MoE
 
 _ROUTER = re.compile(r"^(model\.layers\.\d+\.mlp)\.router\.(classifier\.weight|e_score_correction_bias)$")
@@ -117,6 +117,3 @@ class LongcatDecoderLayer(nn.Module):
         if router:
             return f"{router.group(1)}.gate.{'weight' if router.group(2) == 'classifier.weight' else router.group(2)}"
         return name
-
-
-MLAModel.layer_classes["longcat"] = LongcatDecoderLayer

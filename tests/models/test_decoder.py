@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import mla_ops
-from mla_ops.models.decoder import MLAAttention, MLAConfig, MLAModel
+from mla_ops import MLAAttention, MLAConfig, MLAModel
 from tests.support.batches import paged_block_table, spread_weights
 
 

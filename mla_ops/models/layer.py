@@ -1,0 +1,223 @@
+"""One decoder layer of the MLA decoder (DeepSeek-V2/V3's): its attention (``MLAAttention``), its norms,
+the step it runs on (``ModelStep``) and its regions for regional compilation (``CompiledRegion``).
+
+T new tokens (all requests, concatenated)   H hidden_size        N num_attention_heads
+L kv_lora_rank   P qk_nope_head_dim   R qk_rope_head_dim   V v_head_dim
+kv_cache  [num_blocks, block_size, L+R]   one latent row [kv_c | k_pe] per token, k_pe rotated
+
+Families with a layer structure of their own (LongCat-Flash: ``mla_ops.models.longcat``) build theirs
+from these parts; ``mla_ops.models.decoder`` picks a model's layer class by ``MLAConfig.decoder_layer``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+from torch import nn
+
+from .._env import own_code
+from ..parallel.tensor_parallel import all_reduce
+from ..planning.plan import PrefillPlan, check_step_tensors
+from ..prefill import PrefillStep, begin_step
+from .config import MLAConfig
+from .moe import FeedForward, MoE, linear
+from .rope import acc_dtype, apply_rotary_emb, rotary_cos_sin
+
+
+class ModelStep(NamedTuple):
+    """What the layers use that depends only on the step: made once per step, shared by every layer."""
+
+    cos: torch.Tensor  # [T, R] rotary cos / sin of the step's positions
+    sin: torch.Tensor
+    attention: PrefillStep  # the plan checked against the caches and slots, the kernels chosen
+    q_scale: torch.Tensor | None = None  # [T] per-token query factors (config.query_scale), or None
+
+    @classmethod
+    def begin(cls, config: MLAConfig, positions, plan, kv_caches, slot_mapping, k_scale, backend,
+              dtype) -> ModelStep:
+        attention = begin_step(plan, kv_caches, slot_mapping, k_scale=k_scale, backend=backend)
+        cos, sin = rotary_cos_sin(positions, config.qk_rope_head_dim, config.rope_theta, dtype, config.rope_scaling)
+        q_scale = None if config.query_scale is None else config.query_scale.scales(positions, dtype)
+        return cls(cos, sin, attention, q_scale)
+
+
+class CompiledRegion:
+    """One dense region of the decoder layers (``DecoderLayer.attention_inputs`` or ``attention_output``,
+    called ``region(layer, *tensors)``) compiled for ``MLAModel.compile_layers``.
+
+    One ``torch.compile`` per (device, dtype, grad mode, inference mode and, for ``by_mlp``, the layer's
+    MLP kind), each with a code object of its own: no combination spends another's recompile budget,
+    so casting the model or switching modes compiles once more, never into the recompile limit. The
+    tensors' first dim (the tokens) is dynamic, and nothing else: ``dynamic=True`` would make every dim
+    symbolic, and duck sizing would tie a token count to an equal head count. Steps of 0 or 1 tokens
+    run padded to 2 (zero rows, sliced off after), since sizes 0 and 1 would specialise and compile anew.
+    """
+
+    def __init__(self, region: Callable, options: dict, owner: str, by_mlp: bool):
+        self.region, self.options, self.owner, self.by_mlp = region, options, owner, by_mlp
+        self.compiled: dict[tuple, Callable] = {}
+
+    def __call__(self, layer: DecoderLayer, *tensors: torch.Tensor):
+        if torch.compiler.is_compiling():  # inside a compiled step: traced inline
+            return self.region(layer, *tensors)
+        num_tokens = tensors[0].shape[0]
+        if num_tokens < 2:
+            tensors = tuple(torch.cat([t, t.new_zeros(2 - num_tokens, *t.shape[1:])]) for t in tensors)
+        first = tensors[0]
+        key = (first.device, first.dtype, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+               type(layer.mlp) if self.by_mlp else None)
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            name = f"{self.region.__name__}_{len(self.compiled)}_{self.owner}"
+            compiled = self.compiled[key] = torch.compile(own_code(self.region, name), **self.options)
+        for t in tensors:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        out = compiled(layer, *tensors)
+        if num_tokens < 2:
+            out = torch.utils._pytree.tree_map(lambda t: t.narrow(0, 0, num_tokens), out)
+        return out
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.to(acc_dtype(x.dtype))
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y.to(x.dtype) * self.weight
+
+
+class MLAAttention(nn.Module):
+    """``config``: the rank's own config under tensor parallel (``local_config``: N / D heads); ``tp_group``:
+    the group whose ``o_proj`` partial sums are added up (None: one device)."""
+
+    def __init__(self, config: MLAConfig, tp_group=None):
+        super().__init__()
+        c, std = config, config.initializer_range
+        self.tp_group = tp_group
+        self.num_heads = c.num_attention_heads
+        self.kv_lora_rank = c.kv_lora_rank
+        self.qk_nope_head_dim = c.qk_nope_head_dim
+        self.qk_rope_head_dim = c.qk_rope_head_dim
+        self.v_head_dim = c.v_head_dim
+        self.config = config  # rotary frequencies (YaRN or plain RoPE): ModelStep.begin
+        self.softmax_scale = c.softmax_scale  # 1/sqrt(P+R), times YaRN's mscale correction
+
+        self.q_lora_rank = c.q_lora_rank
+        if c.q_lora_rank is None:
+            self.q_proj = linear(c.hidden_size, c.num_attention_heads * c.qk_head_dim, std)
+        else:
+            self.q_a_proj = linear(c.hidden_size, c.q_lora_rank, std)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.lora_norm_eps)
+            self.q_b_proj = linear(c.q_lora_rank, c.num_attention_heads * c.qk_head_dim, std)
+        self.kv_a_proj_with_mqa = linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, std)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.lora_norm_eps)
+        self.kv_b_proj = linear(c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), std)
+        self.o_proj = linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, std)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, H]
+        positions: torch.Tensor,  # [T]
+        kv_cache: torch.Tensor,  # [num_blocks, block_size, L+R]
+        slot_mapping: torch.Tensor,  # [T] int64/int32, negative = padding (not written)
+        block_table: torch.Tensor,  # [B, max_blocks] int32: the plan's
+        plan: PrefillPlan,
+        *,
+        k_scale: float | torch.Tensor | None = None,
+        backend: str = "auto",
+    ) -> torch.Tensor:
+        """The layer alone: a step of its own (``MLAModel`` begins one for all its layers)."""
+        check_plan_block_table(block_table, plan)
+        step = ModelStep.begin(self.config, positions, plan, kv_cache, slot_mapping, k_scale, backend, hidden.dtype)
+        q, kv_c, k_pe = self.project(hidden, step.cos, step.sin)
+        return all_reduce(self.o_proj(self.attend(q, kv_c, k_pe, kv_cache, step).flatten(1)), self.tp_group)
+
+    def project(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """The dense part before attention: rotated queries ``q`` [T, N, P+R] and the new tokens'
+        latent rows ``kv_c`` [T, L] and rotated ``k_pe`` [T, R]."""
+        num_tokens = hidden.shape[0]
+        N, L, P, R = self.num_heads, self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim
+        if self.q_lora_rank is None:
+            q = self.q_proj(hidden)  # [T, N*(P+R)]
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))  # [T, q_lora_rank] -> [T, N*(P+R)]
+        q_nope, q_pe = q.view(num_tokens, N, P + R).split([P, R], dim=-1)  # [T, N, P], [T, N, R]
+        kv_c, k_pe = self.kv_a_proj_with_mqa(hidden).split([L, R], dim=-1)  # [T, L], [T, R]
+        q_pe = apply_rotary_emb(q_pe, cos[:, None, :], sin[:, None, :])
+        q = torch.cat([q_nope, q_pe], dim=-1)  # [T, N, P+R]
+        return q, self.kv_a_layernorm(kv_c), apply_rotary_emb(k_pe, cos, sin)
+
+    def attend(self, q, kv_c, k_pe, kv_cache, step: ModelStep) -> torch.Tensor:
+        """Write the new rows into the cache and attend (``PrefillStep.run``): ``[T, N, V]``, before
+        ``o_proj``. Everything is checked before the cache is written: a rejected call writes nothing."""
+        if step.q_scale is not None:  # per token, so not in the softmax scale: the same for every attention path
+            q = (q.to(step.q_scale.dtype) * step.q_scale[:, None, None]).to(q.dtype)
+        return step.attention.run(q, kv_c, k_pe, kv_cache, self.kv_b_proj.weight, self.softmax_scale)
+
+
+def check_plan_block_table(block_table: torch.Tensor, plan: PrefillPlan) -> None:
+    """The layers read ``plan.block_table``; the ``block_table`` argument must be that table."""
+    if not isinstance(plan, PrefillPlan):
+        raise TypeError(f"plan must be a PrefillPlan (mla_ops.plan_prefill), got {type(plan).__name__}")
+    if not isinstance(block_table, torch.Tensor) or block_table.shape != plan.block_table.shape \
+            or block_table.device != plan.block_table.device:
+        raise ValueError(
+            f"block_table does not fit plan: shape {tuple(getattr(block_table, 'shape', ()))}, the plan's "
+            f"block table is {tuple(plan.block_table.shape)} on {plan.block_table.device}"
+        )
+    check_step_tensors(plan, block_table=block_table)
+
+
+class DecoderLayer(nn.Module):
+    """Attention and MLP with pre-norm residuals. Its dense parts, ``attention_inputs`` and
+    ``attention_output``, are the regions ``MLAModel.compile_layers`` compiles; the attention
+    between them (cache write, plan, chunk loop) runs the library's ops."""
+
+    num_kv_caches = 1  # cache layers per layer: one attention
+
+    def __init__(self, config: MLAConfig, layer_idx: int = 0, tp_group=None):
+        super().__init__()
+        self.tp_group = tp_group  # tensor parallel: the partial sums of o_proj and the MLP are all-reduced
+        self.residual_scale = config.residual_scale  # MiniCPM3's; 1: none
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = MLAAttention(config, tp_group)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.is_moe_layer(layer_idx):
+            self.mlp = MoE(config)
+        else:
+            self.mlp = FeedForward(config.hidden_size, config.intermediate_size, config.initializer_range)
+        self.regions: tuple[Callable, Callable] | None = None  # compiled by MLAModel.compile_layers
+
+    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, step: ModelStep) -> torch.Tensor:
+        """``x`` [T, H] -> the residual stream after the layer; ``step``: ``ModelStep.begin``'s, shared
+        by every layer of the step."""
+        inputs, output = self.regions or (DecoderLayer.attention_inputs, DecoderLayer.attention_output)
+        q, kv_c, k_pe = inputs(self, x, step.cos, step.sin)
+        return output(self, x, self.self_attn.attend(q, kv_c, k_pe, kv_cache, step))
+
+    def attention_inputs(self, x, cos, sin):
+        """``x`` [T, H] -> the attention's ``q``, ``kv_c``, ``k_pe`` (``MLAAttention.project``)."""
+        return self.self_attn.project(self.input_layernorm(x), cos, sin)
+
+    def attention_output(self, x, attention):
+        """The residual stream after the layer, from its input ``x`` and the attention's [T, N, V]."""
+        h = x + scaled(all_reduce(self.self_attn.o_proj(attention.flatten(1)), self.tp_group), self.residual_scale)
+        return h + scaled(all_reduce(self.mlp(self.post_attention_layernorm(h)), self.tp_group), self.residual_scale)
+
+    # MLAModel.compile_layers' regions: (function, compiled per MLP kind)
+    compiled_regions = ((attention_inputs, False), (attention_output, True))
+
+    @staticmethod
+    def checkpoint_name(config: MLAConfig, name: str) -> str | None:
+        """The model tensor that checkpoint tensor ``name`` fills (None: skipped): DeepSeek's names are the model's."""
+        return name
+
+
+def scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x * scale``; nothing for a scale of 1 (DeepSeek's), so its graphs stay as they were."""
+    return x if scale == 1.0 else x * scale

@@ -108,25 +108,16 @@ def plan_with_options(query_start_loc, context_lens, block_table, options: PlanO
 class PrefillStep:
     """A step's attention set up once for every layer (``begin_step``): the plan checked against the
     caches, the slot mapping and the scale, the kernels selected (and any per-step kernel metadata,
-    FlashMLA's), the truncated-token map made. ``run`` is one layer's call."""
+    FlashMLA's), the truncated-token map made. ``run`` is one layer's call; no layer writes to it."""
 
-    def __init__(self, plan: PrefillPlan, kernels: backends.Kernels, cache: torch.Tensor,
-                 slot_mapping: torch.Tensor | None, k_scale: torch.Tensor | None):
-        self.plan, self.kernels, self.slot_mapping, self.k_scale = plan, kernels, slot_mapping, k_scale
+    def __init__(self, plan: PrefillPlan, slot_mapping: torch.Tensor | None, k_scale: torch.Tensor | None,
+                 truncated: torch.Tensor | None, kernels: backends.Kernels, cache: torch.Tensor,
+                 truncated_made: bool):
+        self.plan, self.slot_mapping, self.k_scale, self.kernels = plan, slot_mapping, k_scale, kernels
+        self.truncated = truncated  # [T] bool, chunk_loop.truncated_tokens (where truncated_made)
+        self.truncated_made = truncated_made  # T was known at begin_step: else each layer makes it
         self.cache_blocks = tuple(cache.shape[-3:-1])  # (num_blocks, block_size) every layer's cache has
         self.cache_dtype = cache.dtype
-        self.num_heads: int | None = None  # set by the first layer: FlashMLA's metadata is per head count
-        self._truncated: tuple[torch.Tensor | None] | None = None
-        num_tokens = plan.num_tokens if slot_mapping is None else slot_mapping.shape[0]
-        if num_tokens is not None:
-            self.truncated_tokens(num_tokens)
-
-    def truncated_tokens(self, num_tokens: int) -> torch.Tensor | None:
-        """``chunk_loop.truncated_tokens`` of the plan, made once for the step's T (here where T is
-        known, else by the first layer)."""
-        if self._truncated is None:
-            self._truncated = (truncated_tokens(self.plan, num_tokens),)
-        return self._truncated[0]
 
     def run(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
             kv_b_proj_weight: torch.Tensor, softmax_scale: float, *, out: torch.Tensor | None = None,
@@ -138,8 +129,9 @@ class PrefillStep:
         dims = self._check_layer(q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, out, return_lse)
         if self.slot_mapping is not None:
             write_checked(kv_c, k_pe, self.slot_mapping, kv_cache, self.k_scale)
+        truncated = self.truncated if self.truncated_made else truncated_tokens(self.plan, q.shape[0])
         step = Step(self.kernels, dims, q, kv_cache, kv_b_proj_weight, float(softmax_scale), self.k_scale, self.plan,
-                    self.truncated_tokens(q.shape[0]))
+                    truncated)
         suffix_out, suffix_lse = step.suffix(kv_c, k_pe)
         if self.plan.context_parallel is not None:  # a sharded cache
             result, lse = run_context_parallel(step, suffix_out, suffix_lse)
@@ -197,11 +189,8 @@ class PrefillStep:
             raise ValueError(f"plan was made for T={plan_tokens} tokens (its query_start_loc[-1]), but q has {num_tokens}")
         if self.slot_mapping is not None and self.slot_mapping.shape[0] != num_tokens:
             raise ValueError(f"slot_mapping has {self.slot_mapping.shape[0]} entries, but q has {num_tokens} tokens")
-        if self.num_heads is None:
-            self.num_heads = num_heads
-        elif self.num_heads != num_heads:
-            raise ValueError(f"q has {num_heads} heads, but the step's first layer had {self.num_heads}: one step "
-                             "serves layers of one head count")
+        if isinstance(self.kernels.absorbed_context_attention, backends.FlashMLAStep):
+            self.kernels.absorbed_context_attention.check_heads(num_heads)
         if out is not None:
             checks.check_tensor(out, "out", 3, "[T, N, V]", device, "q", dtype=q.dtype)
             if tuple(out.shape) != (num_tokens, num_heads, dims.value):
@@ -253,7 +242,10 @@ def begin_step(plan: PrefillPlan, kv_cache: torch.Tensor, slot_mapping: torch.Te
             raise ValueError(f"plan was made for T={plan.num_tokens} tokens (its query_start_loc[-1]), but "
                              f"slot_mapping has {slot_mapping.shape[0]}")
     kernels = backends.select(backend, device, plan.absorbed_query_bound)
-    return PrefillStep(plan, kernels, kv_cache, slot_mapping, checks.k_scale_tensor(k_scale, kv_cache))
+    num_tokens = plan.num_tokens if slot_mapping is None else slot_mapping.shape[0]
+    truncated = None if num_tokens is None else truncated_tokens(plan, num_tokens)
+    return PrefillStep(plan, slot_mapping, checks.k_scale_tensor(k_scale, kv_cache), truncated, kernels, kv_cache,
+                       num_tokens is not None)
 
 
 def run_prefill(

@@ -84,9 +84,7 @@ def select(backend: str, device: torch.device, absorbed_query_bound: int = 0) ->
             raise ValueError(f"backend='flashmla' is unavailable: {reason}")
         if torch.compiler.is_compiling():
             raise ValueError("backend='flashmla' runs eagerly; under torch.compile use 'auto' (Triton)")
-        absorbed = functools.partial(flashmla.absorbed_context_attention, max_query_len=absorbed_query_bound or None,
-                                     metadata=flashmla.new_metadata())
-        return select("auto", device)._replace(absorbed_context_attention=absorbed)
+        return select("auto", device)._replace(absorbed_context_attention=FlashMLAStep(absorbed_query_bound))
     if backend == "triton" and not triton_available():
         raise ValueError("backend='triton' needs the triton package (pip install 'mla-ops[triton]')")
     if device.type == "cpu":
@@ -103,6 +101,31 @@ def select(backend: str, device: torch.device, absorbed_query_bound: int = 0) ->
             raise ValueError("backend='torch' on a GPU is for eager checking; under torch.compile use 'auto'")
         return REFERENCE
     return OPS
+
+
+class FlashMLAStep:
+    """FlashMLA's absorbed partial for one step: its scheduler metadata is made here, filled by the first
+    layer's call and reused by every later layer, so it is valid for one head count (``check_heads``)
+    and one static ``s_q`` (the plan's ``absorbed_query_bound``; 0: T). Eager only, as FlashMLA is."""
+
+    def __init__(self, absorbed_query_bound: int):
+        from . import flashmla
+
+        self.max_query_len = absorbed_query_bound or None
+        self.metadata = flashmla.new_metadata()
+        self.num_heads: int | None = None
+
+    def check_heads(self, num_heads: int) -> None:
+        if self.num_heads is None:
+            self.num_heads = num_heads
+        elif self.num_heads != num_heads:
+            raise ValueError(f"q has {num_heads} heads, but the step's first layer had {self.num_heads}: a "
+                             "backend='flashmla' step serves layers of one head count")
+
+    def __call__(self, *args) -> None:
+        from . import flashmla
+
+        flashmla.absorbed_context_attention(*args, max_query_len=self.max_query_len, metadata=self.metadata)
 
 
 def _cuda_kernel(name: str, reference: Callable) -> Callable:

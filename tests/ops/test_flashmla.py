@@ -177,7 +177,7 @@ def test_a_flashmla_step_shares_its_metadata():
                    softmax_scale=batch.softmax_scale)
 
     first, second, expect = layer("flashmla"), layer("flashmla"), layer("torch")
-    metadata = step.kernels.absorbed_context_attention.keywords["metadata"]  # made by begin_step
+    metadata = step.kernels.absorbed_context_attention.metadata  # made by begin_step
     assert metadata.tile_scheduler_metadata is not None  # filled by the first layer's kernel call
     torch.testing.assert_close(second, first, rtol=0, atol=0)
     torch.testing.assert_close(first.float(), expect.float(), rtol=0, atol=ADAPTER_TOL[torch.bfloat16])

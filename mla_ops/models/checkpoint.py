@@ -18,6 +18,7 @@ Converted once at load, never per step: fp8 blocks dequantized in float32 then c
 dtype; experts stacked into ``experts.gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``; the R rope
 rows of each head in ``q_proj`` / ``q_b_proj`` and of ``kv_a_proj_with_mqa`` permuted to halves when
 ``rope_interleave`` (``mla_ops.models.rope``). MTP layers and ``rotary_emb.inv_freq`` buffers are skipped.
+A.X-K1's releases have no ``e_score_correction_bias`` (``MLAConfig.optional_correction_bias``): zeros.
 
 Everything is checked before any weight is allocated or read (names, shapes and dtypes against a model
 built on the meta device, all else before it is built), each error one ValueError (TypeError for a value of
@@ -135,6 +136,10 @@ def load_pretrained(cls, path, dtype: torch.dtype | None = None, device=None, *,
     if config.tie_word_embeddings:  # to_empty gives every module a tensor of its own: tie them again
         model.lm_head.weight = model.model.embed_tokens.weight
     params = dict(model.state_dict(keep_vars=True))
+    if config.optional_correction_bias:  # a checkpoint without the correction bias routes with zeros
+        for name, tensor in params.items():
+            if name.endswith("mlp.gate.e_score_correction_bias"):
+                tensor.detach().zero_()
     by_source_file = defaultdict(list)
     for source in sources:
         by_source_file[files[source.name]].append(source)

@@ -15,7 +15,8 @@ the stacked ``experts.gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``; every
 model tensor of the same name. A multimodal wrapper's text model (``config.wrapper``) is read under its
 prefixes (``models.wrappers.text_names``), the wrapper's other tensors left out. The layer structure's
 ``checkpoint_name`` has the last word (LongCat-Flash renames its router and skips its identity experts' and
-Multi-Token-Prediction tensors).
+Multi-Token-Prediction tensors; DeepSeek's layer places A.X-K1's ``post_mlp_layernorm``). With
+``optional_correction_bias`` (A.X-K1) a missing ``e_score_correction_bias`` is zeros, not an error.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ _SHAPE_KEYS = {
     "self_attn.o_proj.weight": ["hidden_size", "num_attention_heads * v_head_dim"],
     "input_layernorm.weight": ["hidden_size"],
     "post_attention_layernorm.weight": ["hidden_size"],
+    "post_mlp_layernorm.weight": ["hidden_size"],
     "mlp.gate_proj.weight": ["intermediate_size", "hidden_size"],
     "mlp.up_proj.weight": ["intermediate_size", "hidden_size"],
     "mlp.down_proj.weight": ["hidden_size", "intermediate_size"],
@@ -179,6 +181,8 @@ def map_tensors(config: MLAConfig, headers: dict[str, tuple[list, str]], params:
     for target, param in params.items():
         if (target == "lm_head.weight" and config.tie_word_embeddings) or (target, None, None) in found:
             continue
+        if config.optional_correction_bias and target.endswith("mlp.gate.e_score_correction_bias"):
+            continue  # zeros (checkpoint.load_pretrained), as transformers' A.X-K1 loads a release without one
         if target.endswith(("experts.gate_up_proj", "experts.down_proj")):
             parts = ("down_proj",) if target.endswith("down_proj") else ("gate_proj", "up_proj")
             prefix = target.rsplit(".", 1)[0]

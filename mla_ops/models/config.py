@@ -17,7 +17,7 @@ value of the wrong type, a ValueError for one out of range.
   ``initializer_range`` >= 0.
 * ``mlp_layer_types``: None, or one of "dense" / "sparse" per layer ("sparse" needs experts).
 * booleans must be booleans (``"false"`` is refused, not read as true): ``rope_interleave``,
-  ``tie_word_embeddings``, ``norm_topk_prob``.
+  ``tie_word_embeddings``, ``norm_topk_prob``, ``post_mlp_layernorm``, ``optional_correction_bias``.
 * ``scoring_func`` / ``topk_method`` / ``decoder_layer``: strings (known values); ``dtype``: None or one of float16,
   bfloat16, float32, float64 (``"torch.bfloat16"`` too); ``rope_scaling``: None, a ``YarnScaling``, a
   ``LongRopeScaling`` (its ``short_factor`` of R/2 entries) or config.json's dict; ``wrapper``: None or
@@ -62,7 +62,8 @@ _OPTIONAL_INTS = ("q_lora_rank", "n_routed_experts")  # None, or at least 1
 # Real fields: True if they must be > 0, False if >= 0.
 _REALS = dict(rope_theta=True, rms_norm_eps=True, lora_norm_eps=True, routed_scaling_factor=True,
               initializer_range=False)
-_BOOLS = ("rope_interleave", "tie_word_embeddings", "norm_topk_prob", "mla_scale_q_lora", "mla_scale_kv_lora")
+_BOOLS = ("rope_interleave", "tie_word_embeddings", "norm_topk_prob", "mla_scale_q_lora", "mla_scale_kv_lora",
+          "post_mlp_layernorm", "optional_correction_bias")
 
 
 @dataclass
@@ -114,6 +115,10 @@ class MLAConfig:
     zero_expert_num: int = 0  # identity experts routed after the n_routed_experts (LongCat-Flash)
     mla_scale_q_lora: bool = False  # q times sqrt(hidden_size / q_lora_rank) (LongCat-Flash)
     mla_scale_kv_lora: bool = False  # the latent kv_c times sqrt(hidden_size / kv_lora_rank) (LongCat-Flash)
+    # A.X-K1's: an RMSNorm (the layer's post_mlp_layernorm) on the MoE layers' MLP output, before its
+    # residual add; and a checkpoint may leave out e_score_correction_bias (zeros: its releases have none).
+    post_mlp_layernorm: bool = False
+    optional_correction_bias: bool = False
 
     def __post_init__(self):
         # Types and ranges of every field (normalized: numpy integers -> int, ints -> float where real).
@@ -185,6 +190,9 @@ class MLAConfig:
             if getattr(self, name) and not longcat:
                 raise ValueError(f"{name}=True scales LongCat-Flash's attention: it needs decoder_layer 'longcat', "
                                  f"got {self.decoder_layer!r}")
+        if self.post_mlp_layernorm and longcat:
+            raise ValueError("post_mlp_layernorm=True norms the MoE output of decoder_layer 'deepseek' (A.X-K1's); "
+                             "decoder_layer 'longcat' has none")
         if self.mla_scale_q_lora and self.q_lora_rank is None:
             raise ValueError("mla_scale_q_lora=True scales q by sqrt(hidden_size / q_lora_rank): q_lora_rank must be "
                              "set")

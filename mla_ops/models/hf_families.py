@@ -10,7 +10,8 @@
   A ``partial_rotary_factor`` other than 1 is refused, naming the key (every MLA model here rotates all R),
   but by a family that reads its own keys: ``FAMILY_KEYS`` (Mistral 4's factor is over the whole q/k head,
   and its query scale is its own; ``mla_ops.models.mistral4``; LongCat-Flash's layer structure, identity
-  experts and LoRA scalings: ``_longcat_flash_kwargs``).
+  experts and LoRA scalings: ``_longcat_flash_kwargs``). What a model type implies that no key says (A.X-K1's
+  MoE output norm and its optional correction bias) is ``FAMILY_FIXED``.
 
 The gate a model type implies stays in ``hf_config.MODEL_TYPES``.
 """
@@ -60,6 +61,16 @@ def _sarvam_mla(c: dict) -> dict:
     return {"first_k_dense_replace": 1, "n_shared_experts": 1, **c}
 
 
+def _axk1(c: dict) -> dict:
+    # transformers' AXK1Config: without mlp_layer_types, layers from first_k_dense_replace (default 1) on are
+    # sparse; its attention always has q_a_proj / q_b_proj (q_lora_rank an int, null refused).
+    if "q_lora_rank" in c and c["q_lora_rank"] is None:
+        raise ValueError("config.json sets q_lora_rank=null: A.X-K1's attention always has a q_lora_rank "
+                         "(q_a_proj / q_b_proj)")
+    return {"q_lora_rank": 1536, "first_k_dense_replace": 1, "n_shared_experts": 1, "n_group": 8, "topk_group": 4,
+            "max_position_embeddings": 32768, **c}
+
+
 # LongCat-Flash's names of four keys (LongcatFlashConfig's attribute_map) -> DeepSeek's.
 _LONGCAT_KEYS = {"num_layers": "num_hidden_layers", "ffn_hidden_size": "intermediate_size",
                  "expert_ffn_hidden_size": "moe_intermediate_size", "moe_topk": "num_experts_per_tok"}
@@ -101,6 +112,7 @@ FAMILIES = {
     "youtu": lambda c: {"tie_word_embeddings": True, **c},
     "sarvam_mla": _sarvam_mla,
     "longcat_flash": _longcat_flash,
+    "axk1": _axk1,
 }
 
 
@@ -108,6 +120,10 @@ def family_defaults(c: dict) -> dict:
     """config.json's dict as its model type's transformers config reads it (``FAMILIES``; others unchanged)."""
     model_type = c.get("model_type")
     return FAMILIES[model_type](c) if isinstance(model_type, str) and model_type in FAMILIES else c
+
+
+# model_type -> the MLAConfig values it implies that no config.json key says
+FAMILY_FIXED = {"axk1": dict(post_mlp_layernorm=True, optional_correction_bias=True)}  # A.X-K1's MoE output norm
 
 
 # model_type -> a reader of the keys only that family has: config.json -> MLAConfig keyword arguments.
@@ -125,7 +141,7 @@ def family_kwargs(keys, model_type) -> dict:
         if factor is not None and _checks.check_real(factor, f"{where}partial_rotary_factor") != 1:
             raise ValueError(f"config.json sets {where}partial_rotary_factor={factor}: only 1 (RoPE over all "
                              "qk_rope_head_dim) is supported")
-    out = {}
+    out = dict(FAMILY_FIXED.get(model_type, {}))
     if keys.get("mlp_layer_types") is not None:
         out["mlp_layer_types"] = keys.get("mlp_layer_types")
     if keys.get("scale_emb") is not None:

@@ -11,6 +11,7 @@ from these parts; ``mla_ops.models.decoder`` picks a model's layer class by ``ML
 
 from __future__ import annotations
 
+import re
 from typing import Callable, NamedTuple
 
 import torch
@@ -173,6 +174,10 @@ def check_plan_block_table(block_table: torch.Tensor, plan: PrefillPlan) -> None
     check_step_tensors(plan, block_table=block_table)
 
 
+# A.X-K1's MoE output norm, by a checkpoint's names (DecoderLayer.checkpoint_name)
+_POST_MLP_NORM = re.compile(r"^model\.layers\.(\d+)\.(?:mlp\.)?post_mlp_layernorm\.weight$")
+
+
 class DecoderLayer(nn.Module):
     """Attention and MLP with pre-norm residuals. Its dense parts, ``attention_inputs`` and
     ``attention_output``, are the regions ``MLAModel.compile_layers`` compiles; the attention
@@ -191,6 +196,10 @@ class DecoderLayer(nn.Module):
             self.mlp = MoE(config)
         else:
             self.mlp = FeedForward(config.hidden_size, config.intermediate_size, config.initializer_range)
+        # A.X-K1's norm of the MoE output (after the all-reduce: whole, not on partial sums); None: none
+        self.post_mlp_layernorm = None
+        if config.post_mlp_layernorm and config.is_moe_layer(layer_idx):
+            self.post_mlp_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.regions: tuple[Callable, Callable] | None = None  # compiled by MLAModel.compile_layers
 
     def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, step: ModelStep) -> torch.Tensor:
@@ -207,15 +216,25 @@ class DecoderLayer(nn.Module):
     def attention_output(self, x, attention):
         """The residual stream after the layer, from its input ``x`` and the attention's [T, N, V]."""
         h = x + scaled(all_reduce(self.self_attn.o_proj(attention.flatten(1)), self.tp_group), self.residual_scale)
-        return h + scaled(all_reduce(self.mlp(self.post_attention_layernorm(h)), self.tp_group), self.residual_scale)
+        mlp = all_reduce(self.mlp(self.post_attention_layernorm(h)), self.tp_group)
+        if self.post_mlp_layernorm is not None:
+            mlp = self.post_mlp_layernorm(mlp)
+        return h + scaled(mlp, self.residual_scale)
 
     # MLAModel.compile_layers' regions: (function, compiled per MLP kind)
     compiled_regions = ((attention_inputs, False), (attention_output, True))
 
     @staticmethod
     def checkpoint_name(config: MLAConfig, name: str) -> str | None:
-        """The model tensor that checkpoint tensor ``name`` fills (None: skipped): DeepSeek's names are the model's."""
-        return name
+        """The model tensor that checkpoint tensor ``name`` fills (None: skipped): DeepSeek's names are the model's.
+        With ``post_mlp_layernorm`` (A.X-K1) a layer's ``post_mlp_layernorm`` or ``mlp.post_mlp_layernorm`` (the
+        name in transformers' model) is the MoE layer's norm, and skipped in a dense layer (its releases keep an
+        unused copy there, which transformers ignores)."""
+        norm = _POST_MLP_NORM.match(name) if config.post_mlp_layernorm else None
+        if norm is None:
+            return name
+        layer = int(norm.group(1))
+        return f"model.layers.{layer}.post_mlp_layernorm.weight" if config.is_moe_layer(layer) else None
 
 
 def scaled(x: torch.Tensor, scale: float) -> torch.Tensor:

@@ -24,7 +24,7 @@ from mla_ops.models.rope import inverse_frequencies
 transformers = pytest.importorskip("transformers")
 from tests.support.hf_checkpoints import (  # noqa: E402
     dequantize_reference, make_hf_model, quantize_blocks, save_release_fp8)
-from tests.support.families import prompts_of, rewrite_checkpoint, step  # noqa: E402
+from tests.support.families import prompts_of, rewrite_checkpoint, step, transformers_greedy  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 
@@ -72,11 +72,7 @@ def test_greedy_generation_matches_transformers_and_reuses_prefixes(checkpoints,
     vocab = model.config.vocab_size
     shared, other = prompts_of([10, 9], vocab, seed=2)
     prompts = [shared + [3, 4, 5], shared + [6], other[:5], shared + [3, 4, 5], other[5:6]]
-    expect = []
-    for p in prompts:
-        out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                          max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=vocab - 1)
-        expect.append(out[0, len(p):].tolist())
+    expect = transformers_greedy(hf, prompts, 6, pad_token_id=vocab - 1)
 
     generator = mla_ops.Generator(model, block_size=4)
     assert generator.generate(prompts, 6) == expect

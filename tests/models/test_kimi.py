@@ -20,7 +20,7 @@ from mla_ops.models.config import MLAConfig
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from tests.support.families import prompts_of, rewrite_checkpoint, step  # noqa: E402
+from tests.support.families import prompts_of, rewrite_checkpoint, step, transformers_greedy  # noqa: E402
 
 TEXT = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
@@ -163,11 +163,7 @@ def test_greedy_generation_equals_transformers_with_prefix_caching(float32_kimi)
     vocab = model.config.vocab_size
     shared, other = prompts_of([10, 9], vocab, seed=2)
     prompts = [shared + [3, 4, 5], shared + [6], other[:5], shared + [3, 4, 5]]
-    expect = []
-    for p in prompts:  # the multimodal class, text only
-        out = hf.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                          max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=vocab - 1)
-        expect.append(out[0, len(p):].tolist())
+    expect = transformers_greedy(hf, prompts, 6, pad_token_id=vocab - 1)  # the multimodal class, text only
     generator = mla_ops.Generator(model, block_size=4)
     assert generator.generate(prompts, 6) == expect
     assert generator.stats.cached_tokens == 8 + 12  # prompt 1 reuses 2 of prompt 0's blocks, prompt 3 all 3

@@ -18,7 +18,7 @@ import mla_ops
 from mla_ops.models.config import MLAConfig
 
 transformers = pytest.importorskip("transformers")
-from tests.support.families import prompts_of, relative_diff, rewrite_checkpoint, step  # noqa: E402
+from tests.support.families import prompts_of, relative_diff, rewrite_checkpoint, step, transformers_greedy  # noqa: E402
 
 ROUTED, IDENTITY = 6, 3
 HF_CONFIG = dict(
@@ -183,11 +183,7 @@ def test_greedy_generation_matches_transformers_and_reuses_prefixes(checkpoint):
     vocab = model.config.vocab_size
     shared, other = prompts_of([10, 9], vocab, seed=2)
     prompts = [shared + [3, 4, 5], shared + [6], other[:5], shared + [3, 4, 5]]
-    expect = []
-    for p in prompts:
-        out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                          max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=vocab - 1)
-        expect.append(out[0, len(p):].tolist())
+    expect = transformers_greedy(hf, prompts, 6, pad_token_id=vocab - 1)
     generator = mla_ops.Generator(model, block_size=4)
     assert generator.generate(prompts, 6) == expect
     # Blocks of 4: prompt 1 reuses prompt 0's 2 shared blocks, prompt 3 (= prompt 0) 3 of them.

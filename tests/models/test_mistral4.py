@@ -28,7 +28,7 @@ from mla_ops.models.query_scale import QueryScale
 transformers = pytest.importorskip("transformers")
 from transformers.models.mistral4 import modeling_mistral4  # noqa: E402
 
-from tests.support.families import prompts_of, step  # noqa: E402
+from tests.support.families import prompts_of, step, transformers_greedy  # noqa: E402
 
 ORIGINAL = 16  # YaRN's original_max_position_embeddings: the query scale steps every 16 positions
 ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=ORIGINAL,
@@ -167,21 +167,12 @@ def test_float64_logits_match_transformers_with_and_without_a_cached_context(che
     assert relative_error(unscaled[ORIGINAL:], expect[0][ORIGINAL:]) > 1e-3
 
 
-def hf_greedy(hf, prompts, max_new_tokens):
-    out = []
-    for p in prompts:
-        tokens = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-        out.append(tokens[0, len(p):].tolist())
-    return out
-
-
 def test_greedy_generation_matches_transformers_and_reuses_prefixes(checkpoint):
     path, hf = checkpoint
     model = mla_ops.MLAForCausalLM.from_pretrained(path)  # config.json's dtype: float32
     shared, other = prompts_of([18, 9], model.config.vocab_size, seed=2)
     prompts = [shared + [3, 4, 5], shared + [6], other, shared + [3, 4, 5]]  # generation runs past position 16
-    expect = hf_greedy(hf, prompts, 6)
+    expect = transformers_greedy(hf, prompts, 6)
 
     generator = mla_ops.Generator(model, block_size=4)
     assert generator.generate(prompts, 6) == expect

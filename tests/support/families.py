@@ -90,6 +90,16 @@ def check_logits(path, hf, rtol=1e-6) -> float:
     return worst
 
 
+def transformers_greedy(hf, prompts, max_new_tokens: int, pad_token_id: int = 0) -> list[list[int]]:
+    """transformers' greedy new tokens for each prompt alone (``generate(do_sample=False)``, no EOS stop)."""
+    out = []
+    for p in prompts:
+        tokens = hf.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=pad_token_id)
+        out.append(tokens[0, len(p):].tolist())
+    return out
+
+
 def check_generation(path, hf):
     """Greedy tokens equal transformers', with prefixes cached across prompts and calls."""
     model = mla_ops.MLAForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -97,11 +107,7 @@ def check_generation(path, hf):
     vocab = model.config.vocab_size
     shared, other = prompts_of([10, 9], vocab, seed=2)
     prompts = [shared + [3, 4, 5], shared + [6], other[:5], shared + [3, 4, 5]]
-    expect = []
-    for p in prompts:
-        out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                          max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=vocab - 1)
-        expect.append(out[0, len(p):].tolist())
+    expect = transformers_greedy(hf, prompts, 6, pad_token_id=vocab - 1)
     assert len({t for tokens in expect for t in tokens}) >= 8, f"degenerate greedy tokens {expect}: no test of the cache"
     generator = mla_ops.Generator(model, block_size=4)
     assert generator.generate(prompts, 6) == expect

@@ -19,6 +19,8 @@ import os
 
 import torch
 
+from tests.support.families import spread_weights
+
 FP8 = torch.float8_e4m3fn
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32,
             beta_fast=32, beta_slow=1)
@@ -62,17 +64,7 @@ def make_hf_model(kind: str, seed: int = 0):
     config = hf_config(kind)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = cls(config).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    for name, p in model.named_parameters():
-        if p.dim() >= 2:
-            p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5 * 1.5)
-        else:
-            p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
-    for name, b in model.named_buffers():
-        if name.endswith("e_score_correction_bias"):
-            b.copy_(0.1 * torch.randn(b.shape, generator=g))
-    return model
+    return spread_weights(cls(config), seed + 1)
 
 
 def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]):

@@ -56,6 +56,8 @@ def plan_prefill(
     *,
     max_absorbed_tokens: int | None = None,
     context_parallel: ContextParallel | None = None,
+    index_topk: int | None = None,
+    index_scores_budget: int = PlanOptions.index_scores_budget,
     options: PlanOptions | None = None,
 ) -> PrefillPlan:
     """Plan a prefill step once for all layers: the chunk schedule, the routing, the checked lengths.
@@ -75,7 +77,11 @@ def plan_prefill(
     ``context_parallel=mla_ops.ContextParallel(group, interleave)``: the latent cache is sharded over
     the group's ranks; ``block_table`` is this rank's, the lengths are global, and
     ``absorb_max_query_len`` routes between the all-gather and absorbed-queries paths (None: their
-    cost model); see ``mla_ops/parallel/plan.py``.
+    cost model); see ``mla_ops/parallel/plan.py``. ``index_topk=K_I``: a DeepSeek Sparse Attention step
+    (DESIGN §12): requests with more than K_I keys (context + new tokens) take the sparse path
+    (``index_topk`` selects their keys, ``run_prefill(topk_indices=)`` attends them), the others the
+    dense paths; the plan holds the indexer's chunks, each scoring at most ``index_scores_budget``
+    (query tokens x key rows).
 
     Checks shapes and arguments always, and the lengths' values and the block ids the contexts use
     wherever they are readable for free (CPU tensors, not traced). Raises before anything runs.
@@ -83,7 +89,8 @@ def plan_prefill(
     planning.check_inputs(query_start_loc, context_lens, block_table)
     options = options_from(options, block_size=block_size, workspace_size=workspace_size, policy=policy,
                            split_alignment=split_alignment, max_chunks=max_chunks,
-                           absorb_max_query_len=absorb_max_query_len, max_absorbed_tokens=max_absorbed_tokens)
+                           absorb_max_query_len=absorb_max_query_len, max_absorbed_tokens=max_absorbed_tokens,
+                           index_topk=index_topk, index_scores_budget=index_scores_budget)
     return plan_with_options(query_start_loc, context_lens, block_table, options, context_parallel)
 
 
@@ -99,6 +106,9 @@ def plan_with_options(query_start_loc, context_lens, block_table, options: PlanO
         raise ValueError("the host form of plan_prefill reads the lengths' values, which meta tensors do not "
                          "have: pass max_chunks=K for a device plan")
     if context_parallel is not None:
+        if options.index_topk:
+            raise ValueError("context_parallel does not serve DeepSeek Sparse Attention (index_topk) yet: plan a "
+                             "DSA step on one device (docs/limitations.md)")
         return plan_context_parallel(query_start_loc, context_lens, block_table, options, context_parallel)
     if options.device_form:
         return planning.plan_device(query_start_loc, context_lens, block_table, options)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from .. import _checks
+from .index_schedule import DEFAULT_INDEX_SCORES_BUDGET
 from .routing import DEFAULT_ABSORB_MAX_QUERY_LEN
 from .schedule import POLICIES
 
@@ -32,6 +33,12 @@ class PlanOptions:
     max_absorbed_tokens: the most new tokens the absorbed path takes in one step (the first routed
       requests that fit take it, the rest the chunk loop); None: no cap in the host form, W // 4 in
       the device form, where it sizes a static scratch.
+    index_topk: K_I, the keys DeepSeek Sparse Attention's indexer selects per query (DESIGN §12);
+      requests with more than K_I keys (context + new tokens) take the sparse path, the others the
+      dense ones. None: dense MLA (no indexer).
+    index_scores_budget: the scores (query tokens x key rows) one indexer chunk may hold: a chunk of
+      W rows is scored by ``index_scores_budget // W`` query tokens at a time. Default 2**26 (256 MiB
+      of float32 scores); at least ``workspace_size``.
     """
 
     block_size: int = 16
@@ -41,6 +48,8 @@ class PlanOptions:
     max_chunks: int | None = None
     absorb_max_query_len: int | None = None
     max_absorbed_tokens: int | None = None
+    index_topk: int | None = None
+    index_scores_budget: int = DEFAULT_INDEX_SCORES_BUDGET
 
     def __post_init__(self):
         normalized = dict(
@@ -67,6 +76,14 @@ class PlanOptions:
         if self.max_absorbed_tokens is not None:
             normalized["max_absorbed_tokens"] = _checks.check_nonnegative_int(
                 self.max_absorbed_tokens, "max_absorbed_tokens")
+        normalized["index_scores_budget"] = _checks.check_positive_int(self.index_scores_budget,
+                                                                       "index_scores_budget")
+        if self.index_topk is not None:
+            normalized["index_topk"] = _checks.check_positive_int(self.index_topk, "index_topk")
+            if normalized["index_scores_budget"] < normalized["workspace_size"]:
+                raise ValueError(
+                    f"index_scores_budget must hold one query token's scores over a chunk of workspace_size "
+                    f"rows ({normalized['workspace_size']}), got {self.index_scores_budget}")
         for name, value in normalized.items():  # numpy ints become ints: the plan's static sizes
             object.__setattr__(self, name, value)
 
@@ -87,6 +104,11 @@ class PlanOptions:
         if self.max_absorbed_tokens is None and self.device_form:
             return self.workspace_size // 4
         return self.max_absorbed_tokens
+
+    @property
+    def index_tokens(self) -> int:
+        """Query tokens one indexer chunk scores at a time (``index_scores_budget // workspace_size``)."""
+        return max(1, self.index_scores_budget // self.workspace_size)
 
 
 def options_from(options: PlanOptions | None, **loose) -> PlanOptions:

@@ -28,6 +28,7 @@ import torch.utils._pytree as pytree
 from .. import _checks
 from .._mla import absorbed_token_loc
 from .device_schedule import DeviceSchedule, plan_context_chunks_device
+from .index_schedule import IndexSchedule, index_schedule_tensors, pieces_needed, sequence_lens, sparse_requests
 from .options import PlanOptions
 from .routing import route_context
 from .schedule import SMALL_BATCH, ContextSchedule, frozen_instance, schedule_checked
@@ -66,6 +67,13 @@ class PrefillPlan:
     # (``_mla.absorbed_token_loc``), made once per step; None without an absorbed path.
     absorbed_token_loc: torch.Tensor | None = None
     options: PlanOptions | None = None  # what was asked (the fields above are what was planned)
+    # DeepSeek Sparse Attention (DESIGN §12): K_I (0: dense MLA), the [B] bool requests routed to the
+    # sparse path (their context is in neither ``schedule`` nor the absorbed lengths) and the indexer's
+    # chunks over their sequences. ``truncated`` (device form) includes requests with indexer chunks
+    # past the capacity.
+    index_topk: int = 0
+    sparse: torch.Tensor | None = None
+    index_schedule: IndexSchedule | None = None
 
     @property
     def num_requests(self) -> int:
@@ -96,6 +104,10 @@ class PrefillPlan:
         else:
             rows = "T" if self.absorbed_rows < 0 else self.absorbed_rows
             planned += [f"absorbed_query_bound={self.absorbed_query_bound}", f"absorbed_rows={rows}"]
+        if self.index_topk:
+            planned.append(f"index_topk={self.index_topk}")
+            if self.form == "host":
+                planned.append(f"index_chunks={self.index_schedule.max_chunks}")
         if self.context_parallel is not None:
             planned.append(f"context_parallel=rank {self.context_parallel.rank} of {self.context_parallel.world_size}")
         planned += [f"workspace_size={self.workspace_size}", f"block_size={self.block_size}", f"device={self.device}",
@@ -116,8 +128,9 @@ def register_plan_pytree(cls, static: tuple[str, ...]) -> None:
 
 
 register_plan_pytree(PrefillPlan, ("block_size", "workspace_size", "absorbed_query_bound", "num_tokens", "max_block_id",
-                                   "absorbed_rows", "options"))
+                                   "absorbed_rows", "options", "index_topk"))
 register_plan_pytree(DeviceSchedule, ("workspace_size",))
+register_plan_pytree(IndexSchedule, ("rows", "tokens"))
 
 
 def check_inputs(query_start_loc, context_lens, block_table) -> None:
@@ -201,6 +214,14 @@ def plan_host(query_start_loc, context_lens, block_table, options: PlanOptions) 
     qsl, ctx, max_block_id = host_values(query_start_loc, context_lens, block_table, block_size)
     small = isinstance(qsl, list)
     query_lens = [b - a for a, b in zip(qsl, qsl[1:])] if small else np.diff(qsl)
+    sparse = index_schedule = None
+    if options.index_topk:
+        host_qsl = torch.as_tensor(qsl, dtype=torch.int32)
+        host_ctx = torch.as_tensor(ctx, dtype=torch.int32)
+        sparse = sparse_requests(host_qsl, host_ctx, options.index_topk)
+        index_schedule = host_index_schedule(host_qsl, host_ctx, sparse, options).to(device)
+        ctx = [0 if s else c for c, s in zip(ctx, sparse.tolist())] if small else np.where(sparse.numpy(), 0, ctx)
+        sparse = sparse.to(device, non_blocking=True)
     mha_lens, absorbed_lens = ctx, None
     if options.absorb_threshold:
         mha_lens, absorbed_lens = route_context(ctx, query_lens, options.absorb_threshold, options.absorbed_capacity)
@@ -230,7 +251,26 @@ def plan_host(query_start_loc, context_lens, block_table, options: PlanOptions) 
         # the routed requests' longest query: a tighter static bound than the threshold
         absorbed_query_bound=max(routed, default=0), num_tokens=int(qsl[-1]), max_block_id=max_block_id,
         absorbed_rows=sum(routed), context_parallel=None, absorbed_token_loc=token_loc, options=options,
+        index_topk=options.index_topk or 0, sparse=sparse, index_schedule=index_schedule,
     ))
+
+
+def host_index_schedule(query_start_loc, context_lens, sparse, options: PlanOptions) -> IndexSchedule:
+    """The indexer's chunks of CPU lengths, as many as the step needs."""
+    seq_lens = sequence_lens(query_start_loc, context_lens, sparse)
+    rows, tokens = options.workspace_size, options.index_tokens
+    count = pieces_needed(seq_lens, query_start_loc, rows, tokens)
+    row_chunks = max(1, -(-int(seq_lens.long().sum()) // rows))
+    return IndexSchedule(*index_schedule_tensors(seq_lens, query_start_loc, rows, tokens, count, row_chunks),
+                         rows=rows, tokens=tokens)
+
+
+def device_index_schedule(query_start_loc, context_lens, sparse, options: PlanOptions) -> IndexSchedule:
+    """The indexer's chunks in ``max_chunks`` slots, with tensor code on the lengths' device."""
+    seq_lens = sequence_lens(query_start_loc, context_lens, sparse)
+    rows, tokens = options.workspace_size, options.index_tokens
+    return IndexSchedule(*index_schedule_tensors(seq_lens, query_start_loc, rows, tokens, options.max_chunks),
+                         rows=rows, tokens=tokens)
 
 
 def plan_device(query_start_loc, context_lens, block_table, options: PlanOptions) -> PrefillPlan:
@@ -244,10 +284,14 @@ def plan_device(query_start_loc, context_lens, block_table, options: PlanOptions
         num_tokens = int(qsl[-1])
     elif _checks.debug_enabled():
         _checks.assert_lengths_async(query_start_loc, context_lens, block_table, block_size)
-    absorbed = None
+    absorbed = sparse = index_schedule = None
     mha_lens = context_lens
+    if options.index_topk:
+        sparse = sparse_requests(query_start_loc, context_lens, options.index_topk)
+        index_schedule = device_index_schedule(query_start_loc, context_lens, sparse, options)
+        mha_lens = torch.where(sparse, 0, context_lens)
     if threshold and capacity:
-        mha_lens, absorbed = route_context(context_lens, query_start_loc[1:] - query_start_loc[:-1], threshold,
+        mha_lens, absorbed = route_context(mha_lens, query_start_loc[1:] - query_start_loc[:-1], threshold,
                                            capacity)
     else:
         threshold = capacity = 0
@@ -257,14 +301,20 @@ def plan_device(query_start_loc, context_lens, block_table, options: PlanOptions
         # would otherwise tie a dynamic size equal to K (e.g. B+1 = K) to it and specialize both.
         for t in (schedule.starts, schedule.seq_lens, schedule.cu_seq_lens):
             torch._dynamo.mark_static(t, 0)
+        if index_schedule is not None:
+            for t in (index_schedule.starts, index_schedule.seq_lens, index_schedule.cu_seq_lens,
+                      index_schedule.token_start, index_schedule.token_end):
+                torch._dynamo.mark_static(t, 0)
     if _checks.debug_enabled():
         torch._assert_async(~schedule.overflow, "mla_ops debug: the batch needs more chunks than max_chunks")
     truncated = (torch.cumsum(mha_lens, 0) > max_chunks * workspace_size) & (mha_lens > 0)
+    if index_schedule is not None:
+        truncated = truncated | index_schedule.truncated
     return PrefillPlan(
         query_start_loc=query_start_loc, context_lens=context_lens, block_table=block_table,
         absorbed_context_lens=absorbed, schedule=None, device_schedule=schedule, truncated=truncated,
         block_size=block_size, workspace_size=workspace_size, absorbed_query_bound=threshold,
         num_tokens=num_tokens, max_block_id=max_block_id, absorbed_rows=capacity,
         absorbed_token_loc=None if absorbed is None else absorbed_token_loc(query_start_loc, absorbed),
-        options=options,
+        options=options, index_topk=options.index_topk or 0, sparse=sparse, index_schedule=index_schedule,
     )

@@ -1,0 +1,114 @@
+"""The lightning indexer's chunks (DSA, DESIGN §12): which key rows each chunk scores, against which queries.
+
+seq_lens [B] int32   each sparse request's whole sequence, c_r + q_r keys (0: a dense-routed request)
+query_start_loc [B+1] int32    rows W, tokens M, chunk capacity C: static ints
+-> starts [C, B], seq_lens [C, B], cu_seq_lens [C, B+1], token_start [C], token_end [C] (int32),
+   truncated [B] bool
+
+The keys of sparse request r are its sequence positions ``0 .. c_r + q_r - 1``: context positions
+``p < c_r`` live in the paged index cache, the step's new keys ``p >= c_r`` in ``k_index`` (token
+``query_start_loc[r] + p - c_r``). Concatenate the sparse requests' sequences into one stream and cut
+it into row chunks of W rows (the packed schedule, ``device_schedule``); the scores of a row chunk
+against its requests' query tokens would be up to (tokens x W), so each row chunk is split along its
+query tokens into pieces of at most M tokens (``M = scores_budget // W``). Index chunk i is one piece:
+the rows ``cu_seq_lens[i]`` (request r's rows ``starts[i, r] ..`` in workspace rows ``cu_seq_lens[i, r]
+..``) scored by the query tokens ``token_start[i] .. token_end[i]`` (each token against its own
+request's rows, causally). Top-k partials of the pieces merge like LSE partials.
+
+Both plan forms use the same tensors: the host form sizes C to what the step needs (no empty chunk),
+the device form takes ``max_chunks`` as C; pieces past C are not scored and their requests are
+``truncated`` (their attention comes out NaN, as the chunk loop's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .device_schedule import device_plan_tensors
+
+# Scores (query tokens x key rows) one index chunk may hold: 2**26 float32 entries are 256 MiB, what
+# vLLM's indexer budgets for its logits; at W = 65536 rows a chunk scores 1024 query tokens.
+DEFAULT_INDEX_SCORES_BUDGET = 1 << 26
+
+
+@dataclass(frozen=True)
+class IndexSchedule:
+    """The indexer's chunks of one step (module doc); a pytree whose static ints are ``rows`` and
+    ``tokens``."""
+
+    starts: torch.Tensor  # [C, B] int32: each request's first sequence position in the chunk
+    seq_lens: torch.Tensor  # [C, B] int32: rows taken from each request (0: none)
+    cu_seq_lens: torch.Tensor  # [C, B+1] int32: workspace row offsets
+    token_start: torch.Tensor  # [C] int32: the chunk's first query token (absolute)
+    token_end: torch.Tensor  # [C] int32: the end of its query tokens, at most ``tokens`` after the start
+    truncated: torch.Tensor  # [B] bool: a request with pieces past the capacity C
+    rows: int  # W: rows per chunk at most
+    tokens: int  # M: query tokens per chunk at most
+
+    @property
+    def max_chunks(self) -> int:
+        return self.starts.shape[0]
+
+    def to(self, device: torch.device | str) -> IndexSchedule:
+        tensors = {f: getattr(self, f).to(device, non_blocking=True)
+                   for f in ("starts", "seq_lens", "cu_seq_lens", "token_start", "token_end", "truncated")}
+        return IndexSchedule(**tensors, rows=self.rows, tokens=self.tokens)
+
+
+def sequence_lens(query_start_loc: torch.Tensor, context_lens: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+    """[B] int32: c_r + q_r for the sparse requests, 0 for the dense ones."""
+    seq = context_lens + (query_start_loc[1:] - query_start_loc[:-1])
+    return torch.where(sparse, seq, torch.zeros_like(seq)).to(torch.int32)
+
+
+def sparse_requests(query_start_loc: torch.Tensor, context_lens: torch.Tensor, index_topk: int) -> torch.Tensor:
+    """[B] bool: the requests whose sequence has more than ``index_topk`` keys (DESIGN §12 routing)."""
+    return context_lens + (query_start_loc[1:] - query_start_loc[:-1]) > index_topk
+
+
+def _row_chunks(seq_lens, query_start_loc, rows: int, tokens: int, row_capacity: int):
+    """The packed row chunks (at most ``row_capacity``) and the query pieces each needs."""
+    starts, lens, cu, _ = device_plan_tensors(seq_lens, rows, row_capacity)  # [R, B], [R, B], [R, B+1]
+    batch = seq_lens.shape[0]
+    has = lens > 0
+    live = has.any(1)
+    first = has.int().argmax(1)  # the chunk's first and last requests (0 where the chunk is empty)
+    last = (batch - 1) - has.flip(1).int().argmax(1)
+    qsl = query_start_loc.long()
+    token_lo, token_hi = qsl[first], qsl[last + 1]
+    pieces = torch.where(live, (token_hi - token_lo + tokens - 1) // tokens, 0)
+    return starts, lens, cu, token_lo, token_hi, pieces
+
+
+def index_schedule_tensors(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, rows: int, tokens: int,
+                           max_chunks: int, row_capacity: int | None = None):
+    """The schedule's tensors (module doc) with tensor code only (no host read): ``(starts, seq_lens,
+    cu_seq_lens, token_start, token_end, truncated)``. ``row_capacity``: row chunks to plan (default
+    ``max_chunks``: each needs at least one piece)."""
+    row_capacity = max_chunks if row_capacity is None else row_capacity
+    row_starts, row_lens, row_cu, token_lo, token_hi, pieces = _row_chunks(seq_lens, query_start_loc, rows, tokens,
+                                                                           row_capacity)
+    done = torch.cumsum(pieces, 0)  # [R] pieces up to and including row chunk k
+    chunk = torch.arange(max_chunks, device=seq_lens.device)
+    row_chunk = torch.searchsorted(done, chunk, right=True)  # [C]; row_capacity past the last piece
+    used = row_chunk < row_capacity
+    k = row_chunk.clamp(max=row_capacity - 1)
+    piece = chunk - (done[k] - pieces[k])
+    token_start = torch.where(used, token_lo[k] + piece * tokens, 0)
+    token_end = torch.where(used, torch.minimum(token_start + tokens, token_hi[k]), 0)
+    keep = used.unsqueeze(1)
+    starts, lens, cu = (torch.where(keep, x.index_select(0, k), 0) for x in (row_starts, row_lens, row_cu))
+    # Truncated: rows in a row chunk whose pieces run past C, or past the row chunks planned.
+    dropped = ((done > max_chunks).unsqueeze(1) & (row_lens > 0)).any(0)
+    beyond = (torch.cumsum(seq_lens.long(), 0) > row_capacity * rows) & (seq_lens > 0)
+    return starts.int(), lens.int(), cu.int(), token_start.int(), token_end.int(), dropped | beyond
+
+
+def pieces_needed(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, rows: int, tokens: int) -> int:
+    """The host form's capacity: the pieces the step needs (reads the CPU lengths' values)."""
+    row_chunks = -(-int(seq_lens.long().sum()) // rows)
+    if row_chunks == 0:
+        return 0
+    return int(_row_chunks(seq_lens, query_start_loc, rows, tokens, row_chunks)[-1].sum())

@@ -1,7 +1,7 @@
 """The lightning indexer's chunks (DSA, DESIGN §12): which key rows each chunk scores, against which queries.
 
 seq_lens [B] int32   each sparse request's whole sequence, c_r + q_r keys (0: a dense-routed request)
-query_start_loc [B+1] int32    rows W, tokens M, chunk capacity C: static ints
+context_lens [B] int32   query_start_loc [B+1] int32    rows W, tokens M, chunk capacity C: static ints
 -> starts [C, B], seq_lens [C, B], cu_seq_lens [C, B+1], token_start [C], token_end [C] (int32),
    truncated [B] bool
 
@@ -10,7 +10,7 @@ The keys of sparse request r are its sequence positions ``0 .. c_r + q_r - 1``: 
 ``query_start_loc[r] + p - c_r``). Concatenate the sparse requests' sequences into one stream and cut
 it into row chunks of W rows (the packed schedule, ``device_schedule``); the scores of a row chunk
 against its requests' query tokens would be up to (tokens x W), so each row chunk is split along its
-query tokens into pieces of at most M tokens (``M = scores_budget // W``). Index chunk i is one piece:
+query tokens (less the first request's queries that precede all of the chunk's rows, causally) into pieces of at most M tokens (``M = scores_budget // W``). Index chunk i is one piece:
 the rows ``cu_seq_lens[i]`` (request r's rows ``starts[i, r] ..`` in workspace rows ``cu_seq_lens[i, r]
 ..``) scored by the query tokens ``token_start[i] .. token_end[i]`` (each token against its own
 request's rows, causally). Top-k partials of the pieces merge like LSE partials.
@@ -58,9 +58,9 @@ class IndexSchedule:
 
 
 def sequence_lens(query_start_loc: torch.Tensor, context_lens: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
-    """[B] int32: c_r + q_r for the sparse requests, 0 for the dense ones."""
-    seq = context_lens + (query_start_loc[1:] - query_start_loc[:-1])
-    return torch.where(sparse, seq, torch.zeros_like(seq)).to(torch.int32)
+    """[B] int32: c_r + q_r for the sparse requests with queries, 0 for the others (nothing to score)."""
+    queries = query_start_loc[1:] - query_start_loc[:-1]
+    return torch.where(sparse & (queries > 0), context_lens + queries, 0).to(torch.int32)
 
 
 def sparse_requests(query_start_loc: torch.Tensor, context_lens: torch.Tensor, index_topk: int) -> torch.Tensor:
@@ -68,8 +68,8 @@ def sparse_requests(query_start_loc: torch.Tensor, context_lens: torch.Tensor, i
     return context_lens + (query_start_loc[1:] - query_start_loc[:-1]) > index_topk
 
 
-def _row_chunks(seq_lens, query_start_loc, rows: int, tokens: int, row_capacity: int):
-    """The packed row chunks (at most ``row_capacity``) and the query pieces each needs."""
+def _row_chunks(seq_lens, context_lens, query_start_loc, rows: int, tokens: int, row_capacity: int):
+    """The packed row chunks (at most ``row_capacity``), their query tokens and the pieces each needs."""
     starts, lens, cu, _ = device_plan_tensors(seq_lens, rows, row_capacity)  # [R, B], [R, B], [R, B+1]
     batch = seq_lens.shape[0]
     has = lens > 0
@@ -77,19 +77,21 @@ def _row_chunks(seq_lens, query_start_loc, rows: int, tokens: int, row_capacity:
     first = has.int().argmax(1)  # the chunk's first and last requests (0 where the chunk is empty)
     last = (batch - 1) - has.flip(1).int().argmax(1)
     qsl = query_start_loc.long()
-    token_lo, token_hi = qsl[first], qsl[last + 1]
+    # Causal: the first request's queries before the chunk's first position see none of its rows.
+    blind = (starts.gather(1, first.unsqueeze(1)).squeeze(1) - context_lens.long()[first]).clamp(min=0)
+    token_lo, token_hi = qsl[first] + blind, qsl[last + 1]
     pieces = torch.where(live, (token_hi - token_lo + tokens - 1) // tokens, 0)
     return starts, lens, cu, token_lo, token_hi, pieces
 
 
-def index_schedule_tensors(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, rows: int, tokens: int,
-                           max_chunks: int, row_capacity: int | None = None):
+def index_schedule_tensors(seq_lens: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                           rows: int, tokens: int, max_chunks: int, row_capacity: int | None = None):
     """The schedule's tensors (module doc) with tensor code only (no host read): ``(starts, seq_lens,
     cu_seq_lens, token_start, token_end, truncated)``. ``row_capacity``: row chunks to plan (default
     ``max_chunks``: each needs at least one piece)."""
     row_capacity = max_chunks if row_capacity is None else row_capacity
-    row_starts, row_lens, row_cu, token_lo, token_hi, pieces = _row_chunks(seq_lens, query_start_loc, rows, tokens,
-                                                                           row_capacity)
+    row_starts, row_lens, row_cu, token_lo, token_hi, pieces = _row_chunks(seq_lens, context_lens, query_start_loc, rows,
+                                                                           tokens, row_capacity)
     done = torch.cumsum(pieces, 0)  # [R] pieces up to and including row chunk k
     chunk = torch.arange(max_chunks, device=seq_lens.device)
     row_chunk = torch.searchsorted(done, chunk, right=True)  # [C]; row_capacity past the last piece
@@ -100,15 +102,19 @@ def index_schedule_tensors(seq_lens: torch.Tensor, query_start_loc: torch.Tensor
     token_end = torch.where(used, torch.minimum(token_start + tokens, token_hi[k]), 0)
     keep = used.unsqueeze(1)
     starts, lens, cu = (torch.where(keep, x.index_select(0, k), 0) for x in (row_starts, row_lens, row_cu))
-    # Truncated: rows in a row chunk whose pieces run past C, or past the row chunks planned.
-    dropped = ((done > max_chunks).unsqueeze(1) & (row_lens > 0)).any(0)
+    # Truncated: a request with rows in a row chunk whose piece of its last token is past C, or with rows
+    # past the row chunks planned.
+    last_piece = (done - pieces + 1).unsqueeze(1) \
+        + (query_start_loc.long()[1:].unsqueeze(0) - token_lo.unsqueeze(1) - 1).div(tokens, rounding_mode="floor")
+    dropped = ((last_piece > max_chunks) & (row_lens > 0)).any(0)
     beyond = (torch.cumsum(seq_lens.long(), 0) > row_capacity * rows) & (seq_lens > 0)
     return starts.int(), lens.int(), cu.int(), token_start.int(), token_end.int(), dropped | beyond
 
 
-def pieces_needed(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, rows: int, tokens: int) -> int:
+def pieces_needed(seq_lens: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor, rows: int,
+                  tokens: int) -> int:
     """The host form's capacity: the pieces the step needs (reads the CPU lengths' values)."""
     row_chunks = -(-int(seq_lens.long().sum()) // rows)
     if row_chunks == 0:
         return 0
-    return int(_row_chunks(seq_lens, query_start_loc, rows, tokens, row_chunks)[-1].sum())
+    return int(_row_chunks(seq_lens, context_lens, query_start_loc, rows, tokens, row_chunks)[-1].sum())

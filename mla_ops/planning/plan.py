@@ -259,18 +259,18 @@ def host_index_schedule(query_start_loc, context_lens, sparse, options: PlanOpti
     """The indexer's chunks of CPU lengths, as many as the step needs."""
     seq_lens = sequence_lens(query_start_loc, context_lens, sparse)
     rows, tokens = options.workspace_size, options.index_tokens
-    count = pieces_needed(seq_lens, query_start_loc, rows, tokens)
+    count = pieces_needed(seq_lens, context_lens, query_start_loc, rows, tokens)
     row_chunks = max(1, -(-int(seq_lens.long().sum()) // rows))
-    return IndexSchedule(*index_schedule_tensors(seq_lens, query_start_loc, rows, tokens, count, row_chunks),
-                         rows=rows, tokens=tokens)
+    return IndexSchedule(*index_schedule_tensors(seq_lens, context_lens, query_start_loc, rows, tokens, count,
+                                                 row_chunks), rows=rows, tokens=tokens)
 
 
 def device_index_schedule(query_start_loc, context_lens, sparse, options: PlanOptions) -> IndexSchedule:
     """The indexer's chunks in ``max_chunks`` slots, with tensor code on the lengths' device."""
     seq_lens = sequence_lens(query_start_loc, context_lens, sparse)
     rows, tokens = options.workspace_size, options.index_tokens
-    return IndexSchedule(*index_schedule_tensors(seq_lens, query_start_loc, rows, tokens, options.max_chunks),
-                         rows=rows, tokens=tokens)
+    return IndexSchedule(*index_schedule_tensors(seq_lens, context_lens, query_start_loc, rows, tokens,
+                                                 options.max_chunks), rows=rows, tokens=tokens)
 
 
 def plan_device(query_start_loc, context_lens, block_table, options: PlanOptions) -> PrefillPlan:

@@ -94,7 +94,7 @@ def chunk_keys(index_cache, k_index, block_table, query_start_loc, context_lens,
     if index_cache.shape[0] and index_cache.shape[1] and block_table.shape[1]:
         block_size = index_cache.shape[1]
         col = torch.where(in_context, position // block_size, 0)
-        block = torch.where(in_context, block_table.long()[request, col], 0)  # pad columns may hold anything
+        block = torch.where(in_context, block_table[request, col].long(), 0)  # pad columns may hold anything
         offset = torch.where(in_context, position % block_size, 0)
         if index_cache.dtype == torch.float8_e4m3fn:  # move bytes: float8 indexing kernels vary by device
             cached = index_cache.view(torch.uint8)[block, offset].view(torch.float8_e4m3fn).to(dtype)

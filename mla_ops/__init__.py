@@ -11,7 +11,7 @@ alias_lowering(__path__)
 from . import ops  # noqa: E402,F401  (registers every op)
 from ._checks import set_debug  # noqa: E402
 from .models import MLAAttention, MLAConfig, MLAForCausalLM, MLAModel  # noqa: E402
-from .ops.cache import write_latent_cache  # noqa: E402
+from .ops.cache import write_index_cache, write_latent_cache  # noqa: E402
 from .ops.indexer import index_topk  # noqa: E402
 from .ops.merge import merge_attn_states  # noqa: E402
 from .parallel import ContextParallel, CostModel, shard_context  # noqa: E402
@@ -67,5 +67,6 @@ __all__ = [
     "run_prefill",
     "set_debug",
     "shard_context",
+    "write_index_cache",
     "write_latent_cache",
 ]

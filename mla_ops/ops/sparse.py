@@ -127,12 +127,19 @@ def check_topk_indices(topk_indices, num_tokens: int, index_topk: int | None, de
 
 def check_topk_values(topk_indices, query_start_loc, context_lens, sparse) -> None:
     """Where readable (CPU): every entry of a sparse request's token lies in ``-1 .. c_r + q_r - 1``
-    (positions in its request's sequence); other tokens' rows are ignored, so not checked."""
-    if topk_indices.numel() == 0 or not checks.values_readable(topk_indices, query_start_loc, context_lens, sparse):
+    (positions in its request's sequence); other tokens' rows are ignored, so not checked. Elsewhere,
+    under the debug switch (``mla_ops.set_debug``), the same check as a device-side assert."""
+    if topk_indices.numel() == 0 or context_lens.shape[0] == 0:
+        return
+    readable = checks.values_readable(topk_indices, query_start_loc, context_lens, sparse)
+    if not (readable or checks.debug_enabled()):
         return
     request, _, valid = token_requests(query_start_loc, topk_indices.shape[0])
-    seq = (context_lens + (query_start_loc[1:] - query_start_loc[:-1]))[request]  # [T]: c_r + q_r
-    bad = ((topk_indices < -1) | (topk_indices >= seq[:, None])) & (valid & sparse[request])[:, None]
+    seq = (context_lens + (query_start_loc[1:] - query_start_loc[:-1])).index_select(0, request)  # [T]: c_r + q_r
+    bad = ((topk_indices < -1) | (topk_indices >= seq[:, None])) & (valid & sparse.index_select(0, request))[:, None]
+    if not readable:  # the debug switch: a device-side assert, no host sync
+        torch._assert_async(~bad.any(), "mla_ops debug: topk_indices must lie in -1 .. c_r + q_r - 1")
+        return
     if bad.any():
         t, k = (int(i) for i in torch.nonzero(bad)[0])
         r = int(request[t])

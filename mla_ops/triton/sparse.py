@@ -66,8 +66,10 @@ def _select_rows(
     if IS_FP8:
         cached = e4m3fn_to_float32(cached.to(tl.int32))
     if KEYS_FIRST:
-        return tl.where(in_cache[:, None], cached.to(DOT_DTYPE), new.to(DOT_DTYPE))
-    return tl.where(in_cache[None, :], cached.to(DOT_DTYPE), new.to(DOT_DTYPE))
+        rows = tl.where(in_cache[:, None], cached.to(DOT_DTYPE), new.to(DOT_DTYPE))
+    else:
+        rows = tl.where(in_cache[None, :], cached.to(DOT_DTYPE), new.to(DOT_DTYPE))
+    return rows
 
 
 @triton.jit

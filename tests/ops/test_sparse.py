@@ -174,10 +174,11 @@ def test_dense_rows_are_not_range_checked_and_fp8_needs_k_scale():
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("dtype,fp8", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False)])
-def test_cuda_kernel(dtype, fp8):
-    """DeepSeek dims (N=16, L=512, R=64, page 64), 64 selected keys of up to 830 candidates, on the GPU
-    against the reference on CPU (float32, same inputs)."""
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cuda_kernel(fp8):
+    """bf16 at DeepSeek dims (N=16, L=512, R=64, page 64), 64 selected keys of up to 704 candidates, on
+    the GPU against the reference on CPU (float32, same inputs)."""
+    dtype = torch.bfloat16
     contexts, queries, sparse = [300, 0, 129, 40, 700], [1, 17, 130, 5, 5], [True, True, True, False, True]
     batch = context_batch(contexts, queries, block_size=64, N=16, L=512, R=64, P=128, V=128, dtype=torch.float32,
                           fp8_scale=0.05 if fp8 else None, seed=5)
@@ -191,6 +192,5 @@ def test_cuda_kernel(dtype, fp8):
     rows = torch.repeat_interleave(torch.tensor(sparse), torch.tensor(queries))
     out, lse = out.cpu().float(), lse.cpu()
     assert torch.isnan(out[~rows]).all() and torch.isnan(lse[:, ~rows]).all(), "dense requests' rows touched"
-    tol = 1e-3 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(out[rows], want[rows], atol=tol, rtol=tol)
+    torch.testing.assert_close(out[rows], want[rows], atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(lse[:, rows], want_lse[:, rows], atol=2e-2, rtol=2e-3)

@@ -118,7 +118,8 @@ def main(argv=None):
         ours, topk = mla_ops_forward(attention, rotary, hf, x)
         theirs = transformers_forward(attention, rotary, x)
         reference = transformers_topk(attention, rotary, x)
-        same = sum(set(a[a >= 0].tolist()) == set(b.tolist()) for a, b in zip(topk, reference))
+        # transformers' top-k of an early query also holds masked (future) positions: compare the causal ones
+        same = sum(set(a[a >= 0].tolist()) == set(b[b <= t].tolist()) for t, (a, b) in enumerate(zip(topk, reference)))
         best = best_of_interleaved_s({"mla_ops": lambda: mla_ops_forward(attention, rotary, hf, x),
                                       "transformers": lambda: transformers_forward(attention, rotary, x)},
                                      args.reps)

@@ -56,7 +56,7 @@ def sparse_reference(q, kv_c, k_pe, kv_cache, block_table, query_start_loc, cont
     if tokens.numel() == 0:
         return
     new_rows = torch.cat([kv_c, k_pe], dim=1)  # [T, L+R]
-    block_size, num_blocks = kv_cache.shape[1], kv_cache.shape[0]
+    block_size = kv_cache.shape[1]
     step = max(1, REFERENCE_ROWS // max(num_keys, 1))
     for begin in range(0, tokens.numel(), step):
         t = tokens[begin:begin + step]  # [n] token rows
@@ -65,26 +65,25 @@ def sparse_reference(q, kv_c, k_pe, kv_cache, block_table, query_start_loc, cont
         s = topk_indices[t].long()  # [n, K]
         key_ok = (s >= 0) & (s <= context + position[t][:, None])
         in_cache = key_ok & (s < context)
-        # Cache rows (clamped addresses where the key is not a cache row; replaced below).
-        cached_pos = torch.where(in_cache, s, 0)
-        page = (cached_pos // block_size).clamp(max=block_table.shape[1] - 1)
-        block = block_table.long()[r[:, None], page].clamp(0, max(num_blocks - 1, 0))
-        rows = kv_cache[block, cached_pos % block_size].to(acc)  # [n, K, L+R]
-        if kv_cache.dtype == torch.float8_e4m3fn:
-            rows = rows * k_scale.to(acc)
-        new = (query_start_loc.long()[r][:, None] + s - context).clamp(0, num_tokens - 1)
-        rows = torch.where(in_cache[..., None], rows, new_rows[new].to(acc))
-        rows = torch.where(key_ok[..., None], rows, 0)  # unselected rows may hold NaN: 0 * NaN is NaN
+        # Each selected row read once, from where it lives (host-read masks: the CPU / oracle path);
+        # the unselected stay 0 (the cache may hold NaN there: 0 * NaN is NaN).
+        rows = q.new_zeros(*s.shape, kv_cache.shape[2], dtype=acc)  # [n, K, L+R]
+        cached = in_cache.nonzero(as_tuple=True)
+        pos = s[cached]
+        block = block_table.long()[r[cached[0]], pos // block_size]
+        cache_rows = kv_cache[block, pos % block_size].to(acc)
+        rows[cached] = cache_rows * k_scale.to(acc) if kv_cache.dtype == torch.float8_e4m3fn else cache_rows
+        fresh = (key_ok & ~in_cache).nonzero(as_tuple=True)
+        rows[fresh] = new_rows[query_start_loc.long()[r[fresh[0]]] + s[fresh] - context[fresh[0], 0]].to(acc)
         q_t = q[t]
-        q_lat = fold_queries(q_t, w_uk, acc).transpose(0, 1)  # [n, N, L]
-        scores = (torch.einsum("nhl,nkl->nhk", q_lat, rows[..., :latent])
-                  + torch.einsum("nhr,nkr->nhk", q_t[..., nope:].to(acc), rows[..., latent:])) * softmax_scale
+        folded = torch.cat([fold_queries(q_t, w_uk, acc).transpose(0, 1), q_t[..., nope:].to(acc)], -1)  # [n, N, L+R]
+        scores = torch.bmm(folded, rows.transpose(1, 2)) * softmax_scale  # [n, N, K]
         scores = scores.masked_fill(~key_ok[:, None, :], float("-inf"))
         top = scores.amax(-1, keepdim=True)
         top = torch.where(torch.isfinite(top), top, 0)  # no key: keep exp() finite
         probs = torch.exp(scores - top)
         total = probs.sum(-1)  # [n, N]
-        o_lat = torch.einsum("nhk,nkl->nhl", probs, rows[..., :latent]) / torch.where(total > 0, total, 1)[..., None]
+        o_lat = torch.bmm(probs, rows[..., :latent]) / torch.where(total > 0, total, 1)[..., None]
         out.index_copy_(0, t, unfold_outputs(o_lat.transpose(0, 1), w_uv).transpose(0, 1).to(out.dtype))
         lse.index_copy_(1, t, (torch.log(total) + top.squeeze(-1)).t().to(lse.dtype))  # -inf without keys
 

@@ -4,7 +4,7 @@ forms, with bf16-free CPU dtypes and fp8 caches. (Each op alone: tests/ops/test_
 the chunks: tests/planning/test_index_schedule.py.)
 
 Near-ties: every index key is ``a_s * e_0`` with ``a_s`` distinct values exactly representable in float8_e4m3fn
-(eight per octave, so neighbours differ by 9%), and ``q_index[..., 0] > 0``: a query ranks its candidates by
+(eight per octave, so neighbours differ by 6% or more), and ``q_index[..., 0] > 0``: a query ranks its candidates by
 ``a_s`` alone, with gaps no rounding closes; the selections still differ per query, by causality.
 """
 
@@ -15,7 +15,7 @@ import mla_ops
 from tests.support.batches import FP8, _request_keys, dense_reference, make_batch
 
 D_I, H_I = 8, 2
-FP8_LADDER = [2.0 ** (i / 8) for i in range(-40, 70)]  # distinct e4m3 values: 2^-5 .. 2^8.6
+FP8_LADDER = [(1 + k / 8) * 2.0**e for e in range(-5, 9) for k in range(8)][:-1]  # e4m3 values: 2^-5 .. 448
 
 
 def index_side(batch, seed, fp8=False):

@@ -257,11 +257,12 @@ def plan_host(query_start_loc, context_lens, block_table, options: PlanOptions) 
 
 def host_index_schedule(query_start_loc, context_lens, sparse, options: PlanOptions) -> IndexSchedule:
     """The indexer's chunks of CPU lengths, as many as the step needs. A step with fewer sparse keys than the
-    workspace takes them in one chunk of just those rows, scored by proportionally more queries at a time."""
+    workspace takes them in one chunk of just those rows, scored by proportionally more queries at a time
+    (at most the step's: a chunk's scores buffer is never larger than the step needs)."""
     seq_lens = sequence_lens(query_start_loc, context_lens, sparse)
     total = int(seq_lens.long().sum())
     rows = max(1, min(options.workspace_size, total))
-    tokens = max(1, options.index_scores_budget // rows)
+    tokens = max(1, min(options.index_scores_budget // rows, int(query_start_loc[-1])))
     count = pieces_needed(seq_lens, context_lens, query_start_loc, rows, tokens)
     row_chunks = max(1, -(-total // rows))
     return IndexSchedule(*index_schedule_tensors(seq_lens, context_lens, query_start_loc, rows, tokens, count,

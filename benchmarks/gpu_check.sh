@@ -5,17 +5,18 @@
 # configuration. Each step has its own time limit; a failed or timed-out step never stops the
 # next. The last step writes gpu_summary.md (what ran, what passed, the key ratios).
 #
-#   bash benchmarks/gpu_check.sh             # default: at most 6 minutes (the step limits below)
+#   bash benchmarks/gpu_check.sh             # default: at most 7 minutes (the step limits below)
 #   bash benchmarks/gpu_check.sh --long      # the long benchmark sweeps, at most 10 minutes
 #   bash benchmarks/gpu_check.sh --dry-run   # CPU: every step at tiny sizes, into a temporary folder
 #
 # Steps and limits in seconds (default / --long): wheels 10, env 20, cuda_kernels 70 (the tests
 # marked cuda, anywhere under tests/, whose names hold neither "graph" nor "reduce_overhead":
-# kernels, FlashMLA, mla_prefill), kernel_bench 50 / 180, absorbed_bench 45 / 175,
+# kernels, FlashMLA, mla_prefill), dsa 40 (the cuda tests of DeepSeek Sparse Attention: the indexer,
+# sparse attention, a DSA step), kernel_bench 50 / 180, absorbed_bench 45 / 175,
 # device_path_bench 40 (the device path at K = 1, 4, 16 against the host path), cuda_graphs 65
 # (those that do: CUDA graphs, torch.compile, PrefillGraphs), graphs_bench 45 / 120 (PrefillGraphs
 # replay vs eager), cuda_models 0 / 120 (--long only: the cuda tests of MoE, generation and context
-# parallel, named in $model_tests and left out of the two others), summary 15; 360 s in all (815 with --long: two device calls, or a 10-minute one without the model
+# parallel, named in $model_tests and left out of the two others), summary 15; 400 s in all (855 with --long: two device calls, or a 10-minute one without the model
 # tests), and `timeout -k 5` kills a step at most 5 s past its limit. A dry run allows 10x each
 # limit: it checks the code paths, not the speed.
 #
@@ -88,7 +89,10 @@ step env 20 "$PY" -m benchmarks.gpu_summary env --json "$out/gpu_env.json" "${dr
 pytest_args=(-m cuda tests --ignore=tests/interpreter -p no:cacheprovider -v -rs)
 model_tests="test_grouped_moe_on_cuda_compiles_and_captures or test_generation_on_cuda_equals_cpu_eager_and_compiled"
 model_tests+=" or test_cuda_latent_attention_kernel or test_cuda_one_rank_equals_single_device"
-step cuda_kernels 70 "$PY" -m pytest "${pytest_args[@]}" -k "not graph and not reduce_overhead and not ($model_tests)"
+dsa_tests="indexer or sparse or dsa"
+step cuda_kernels 70 "$PY" -m pytest "${pytest_args[@]}" \
+    -k "not graph and not reduce_overhead and not ($model_tests) and not ($dsa_tests)"
+step dsa 40 "$PY" -m pytest "${pytest_args[@]}" -k "($dsa_tests) and not ($model_tests)"
 if [ "$long" = 1 ]; then bench_limit=180; graphs_limit=120; else bench_limit=50; graphs_limit=45; fi
 step kernel_bench "$bench_limit" "$PY" -m benchmarks.kernel_bench --json "$out/gpu_kernels.json" "${flags[@]}"
 step absorbed_bench $((bench_limit - 5)) "$PY" -m benchmarks.absorbed_bench --json "$out/gpu_absorbed.json" \

@@ -25,7 +25,7 @@ import sys
 
 from benchmarks._lib.report import under_results_dir, write_json_atomic
 
-TEST_STEPS = ("cuda_kernels", "cuda_graphs", "cuda_models")
+TEST_STEPS = ("cuda_kernels", "dsa", "cuda_graphs", "cuda_models")
 TEST_LINE = re.compile(r"^(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)")
 
 

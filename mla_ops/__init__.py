@@ -11,7 +11,8 @@ alias_lowering(__path__)
 from . import ops  # noqa: E402,F401  (registers every op)
 from ._checks import set_debug  # noqa: E402
 from .models import MLAAttention, MLAConfig, MLAForCausalLM, MLAModel  # noqa: E402
-from .ops.cache import write_latent_cache  # noqa: E402
+from .ops.cache import write_index_cache, write_latent_cache  # noqa: E402
+from .ops.indexer import index_topk  # noqa: E402
 from .ops.merge import merge_attn_states  # noqa: E402
 from .parallel import ContextParallel, CostModel, shard_context  # noqa: E402
 from .planning import routing  # noqa: E402,F401
@@ -52,6 +53,7 @@ __all__ = [
     "MLAModel",
     "Generator",
     "generate",
+    "index_topk",
     "merge_attn_states",
     "mla_prefill",
     "plan_context_chunks",
@@ -65,5 +67,6 @@ __all__ = [
     "run_prefill",
     "set_debug",
     "shard_context",
+    "write_index_cache",
     "write_latent_cache",
 ]

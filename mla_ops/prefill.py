@@ -16,7 +16,9 @@ The face of the library, in three calls per step:
   the kernels, once: a ``PrefillStep``, shared by every layer;
 * ``PrefillStep.run`` is one layer's call: it checks only that layer's tensors, writes its new rows
   into its cache (when the step has a slot mapping) and runs the causal suffix attention, the
-  context partial (``chunk_loop``, or ``parallel.run``) and their merge.
+  context partial (``chunk_loop``, or ``parallel.run``) and their merge; in a DeepSeek Sparse
+  Attention step (``index_topk``), the sparse requests' tokens are then overwritten by their
+  attention over the selected keys (``ops/sparse.py``).
 
 ``run_prefill`` is the three for one layer with a plan made beforehand; ``mla_prefill`` all of it.
 """
@@ -33,6 +35,7 @@ from .chunk_loop import Step, device_context, host_context, truncated_tokens
 from .ops import backends
 from .ops.backends import BACKENDS
 from .ops.cache import CACHE_DTYPES, check_slot_mapping, write_checked
+from .ops.sparse import check_topk_indices, check_topk_values
 from .parallel.plan import plan_context_parallel
 from .parallel.run import run_context_parallel
 from .planning import plan as planning
@@ -128,15 +131,23 @@ class PrefillStep:
         self.truncated_made = truncated_made  # T was known at begin_step: else each layer makes it
         self.cache_blocks = tuple(cache.shape[-3:-1])  # (num_blocks, block_size) every layer's cache has
         self.cache_dtype = cache.dtype
+        # DSA: the requests whose tokens the sparse op writes. Requests the device plan truncated keep
+        # the NaN that mark_truncated gave the merged result.
+        self.sparse_rows = None
+        if plan.index_topk:
+            self.sparse_rows = plan.sparse if plan.truncated is None else plan.sparse & ~plan.truncated
 
     def run(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
             kv_b_proj_weight: torch.Tensor, softmax_scale: float, *, out: torch.Tensor | None = None,
-            return_lse: bool = False):
+            return_lse: bool = False, topk_indices: torch.Tensor | None = None):
         """One layer: its new rows written into ``kv_cache`` at the step's slots (when ``begin_step``
         had a ``slot_mapping``; nothing otherwise), then ``run_prefill``'s attention. Checks only this
         layer's tensors, all before anything is written. Returns ``out`` [T, N, V], or ``(out, lse)``
-        with ``return_lse=True`` (``lse`` [N, T], float32 or float64 for float64 q, natural log)."""
+        with ``return_lse=True`` (``lse`` [N, T], float32 or float64 for float64 q, natural log).
+        ``topk_indices`` [T, index_topk] int32: required with a DSA plan, refused without one (see
+        ``run_prefill``)."""
         dims = self._check_layer(q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, out, return_lse)
+        self._check_topk(topk_indices, q.shape[0])
         if self.slot_mapping is not None:
             write_checked(kv_c, k_pe, self.slot_mapping, kv_cache, self.k_scale)
         truncated = self.truncated if self.truncated_made else truncated_tokens(self.plan, q.shape[0])
@@ -149,9 +160,33 @@ class PrefillStep:
             result, lse = device_context(step, suffix_out, suffix_lse)
         else:
             result, lse = host_context(step, suffix_out, suffix_lse)
+        if self.sparse_rows is not None:
+            # The dense paths gave the sparse requests' tokens their suffix partial only (their context is
+            # in no dense schedule): overwritten here, in the merged result, which no one else holds.
+            # Known waste: the suffix attention of those tokens.
+            p = self.plan
+            self.kernels.sparse_attention(q, kv_c, k_pe, kv_cache, p.block_table, p.query_start_loc, p.context_lens,
+                                          self.sparse_rows, topk_indices, kv_b_proj_weight, step.softmax_scale,
+                                          self.k_scale, result, lse)
         if out is not None:
             result = out.copy_(result)
         return (result, lse) if return_lse else result
+
+    def _check_topk(self, topk_indices, num_tokens: int) -> None:
+        """``topk_indices``: with a DSA plan and only there, ``[T, index_topk]`` int32 on the plan's device,
+        its sparse requests' entries in ``-1 .. c_r + q_r - 1`` where readable (CPU)."""
+        plan = self.plan
+        if not plan.index_topk:
+            if topk_indices is not None:
+                raise ValueError("topk_indices is for a DeepSeek Sparse Attention step, but plan was made without "
+                                 "index_topk: plan the step with plan_prefill(..., index_topk=K)")
+            return
+        if topk_indices is None:
+            raise ValueError(f"plan is a DeepSeek Sparse Attention plan (index_topk={plan.index_topk}): pass "
+                             f"topk_indices [T, {plan.index_topk}] int32, the keys each query attends "
+                             "(mla_ops.index_topk)")
+        check_topk_indices(topk_indices, num_tokens, plan.index_topk, plan.device, "plan")
+        check_topk_values(topk_indices, plan.query_start_loc, plan.context_lens, plan.sparse)
 
     def _check_layer(self, q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, out, return_lse) -> MLADims:
         """Shapes, dtypes and devices of one layer's tensors, against each other and the step."""
@@ -271,6 +306,7 @@ def run_prefill(
     out: torch.Tensor | None = None,
     *,
     return_lse: bool = False,
+    topk_indices: torch.Tensor | None = None,
 ):
     """Attention of each request's new tokens over its cached context and, causally, itself.
 
@@ -286,9 +322,16 @@ def run_prefill(
     Returns ``[T, N, V]`` in the dtype of q; with ``return_lse=True``, ``(out, lse)``: ``lse``
     ``[N, T]`` (float32, float64 for float64 q, natural log; NaN where ``out`` is), the partial an
     engine merges with its own (``mla_ops.merge_attn_states``).
+
+    DeepSeek Sparse Attention (a plan with ``index_topk=K_I``, DESIGN §12): ``topk_indices`` [T, K_I]
+    int32 (``mla_ops.index_topk``), required there and refused otherwise, lists each token's selected
+    positions in its request's sequence (-1 pads). The plan's sparse requests attend only those (a
+    position past the query's own never); their rows on the CPU must lie in ``-1 .. c_r + q_r - 1``.
+    Dense-routed requests' rows are ignored (they attend every key).
     """
     step = begin_step(plan, kv_cache, k_scale=k_scale, backend=backend)
-    return step.run(q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, out=out, return_lse=return_lse)
+    return step.run(q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, out=out, return_lse=return_lse,
+                    topk_indices=topk_indices)
 
 
 def mla_prefill(

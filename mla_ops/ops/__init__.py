@@ -2,4 +2,4 @@
 function), and ``backends``: which implementation runs each. Importing this package registers every
 ``torch.ops.mla_ops`` op and its CUDA kernel."""
 
-from . import absorbed, attention, backends, cache, gather, merge, up_projection  # noqa: F401
+from . import absorbed, attention, backends, cache, gather, indexer, merge, up_projection  # noqa: F401

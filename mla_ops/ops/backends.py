@@ -24,6 +24,7 @@ from .absorbed import absorbed_reference, latent_attention_reference
 from .attention import context_attention_reference, suffix_attention_reference
 from .gather import gather_reference
 from .merge import merge_states_reference
+from .sparse import sparse_reference
 from .up_projection import up_project_reference
 
 BACKENDS = ("auto", "torch", "triton", "flashmla")
@@ -39,6 +40,7 @@ class Kernels(NamedTuple):
     merge_attn_states: Callable
     absorbed_context_attention: Callable
     latent_context_attention: Callable
+    sparse_attention: Callable
 
 
 REFERENCE = Kernels(
@@ -49,13 +51,14 @@ REFERENCE = Kernels(
     merge_attn_states=merge_states_reference,
     absorbed_context_attention=absorbed_reference,
     latent_context_attention=latent_attention_reference,
+    sparse_attention=sparse_reference,
 )
 OPS = Kernels(**{name: getattr(torch.ops.mla_ops, name).default for name in Kernels._fields})
 
 
 @functools.cache
 def triton_kernels() -> Kernels:
-    from ..triton import absorbed, attention, gather, merge, rows_gemm
+    from ..triton import absorbed, attention, gather, merge, rows_gemm, sparse
 
     return Kernels(
         gather_context=gather.gather_context,
@@ -65,6 +68,7 @@ def triton_kernels() -> Kernels:
         merge_attn_states=merge.merge_attn_states,
         absorbed_context_attention=absorbed.absorbed_context_attention,
         latent_context_attention=absorbed.latent_context_attention,
+        sparse_attention=sparse.sparse_attention,
     )
 
 

@@ -1,12 +1,19 @@
-"""Writing the new tokens' latent rows into the paged latent cache (vLLM's ``concat_and_cache_mla``).
+"""Writing the new tokens' rows into a paged cache: the latent cache (vLLM's ``concat_and_cache_mla``)
+and DSA's index cache (DESIGN §12), through one op and one kernel.
 
 kv_c          [T, L]        latent rows of the new tokens (after ``kv_a_layernorm``)
-k_pe          [T, R]        rotated rope keys of the new tokens, dtype of kv_c
+k_pe          [T, R]        rotated rope keys of the new tokens, dtype of kv_c; R may be 0
 slot_mapping  [T] int64 or int32   flat cache slot of each token: block * block_size + offset;
                             a negative slot marks a padding token, which writes nothing
 k_scale       [1] float32 or None   float8_e4m3fn caches store ``row / k_scale`` (saturated)
 kv_cache      [num_blocks, block_size, L+R]   slot s is ``kv_cache[s // block_size, s % block_size]``
                             and receives ``[kv_c | k_pe]`` cast to the cache dtype (out=)
+
+The index cache is the same write with R = 0 (``write_index_cache``: ``k_index [T, D_I]`` in the
+place of kv_c, a width-0 view of it as k_pe, rows ``[k_index]`` into ``index_cache [num_blocks,
+block_size, D_I]`` with ``k_scale_index``): the two caches share the block table, the slot mapping
+and the block size, so a step writes both with the same ``slot_mapping``. NoPE layers (R = 0) write
+their latent rows the same way.
 
 Two real tokens must not share a slot (which of them lands is then unspecified, as in vLLM);
 slots past the end of the cache are rejected where the slots are readable (CPU), not on a GPU
@@ -19,9 +26,11 @@ falling back to the reference where Triton is not installed or for float64, whic
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from .._checks import FLOAT_DTYPES, check_k_scale, check_tensor, k_scale_tensor, values_readable
+from .._checks import FLOAT_DTYPES, check_scale, check_tensor, k_scale_tensor, values_readable
 from .._env import triton_available
 
 CACHE_DTYPES = FLOAT_DTYPES + (torch.float8_e4m3fn,)
@@ -85,53 +94,78 @@ torch.library.register_kernel("mla_ops::write_latent_cache", "cuda", _write_late
 _write_latent_cache_op = torch.ops.mla_ops.write_latent_cache.default
 
 
-def check_write(kv_c, k_pe, slot_mapping, kv_cache, k_scale) -> None:
-    """Every check of a ``write_latent_cache`` call; slots by value where readable (CPU)."""
+@dataclass(frozen=True)
+class CacheNames:
+    """The argument names a write's messages use: the latent cache's call or the index cache's."""
+
+    rows: str  # the rows written (before the rope part)
+    rows_shape: str
+    rope: str | None  # None: the call has no rope part (R = 0 by construction)
+    cache: str
+    cache_shape: str
+    width: str  # the cache row width's symbol
+    scale: str
+
+
+LATENT = CacheNames("kv_c", "[T, L]", "k_pe", "kv_cache", "[num_blocks, block_size, L+R]", "L+R", "k_scale")
+INDEX = CacheNames("k_index", "[T, D_I]", None, "index_cache", "[num_blocks, block_size, D_I]", "D_I", "k_scale_index")
+
+
+def check_write(kv_c, k_pe, slot_mapping, kv_cache, k_scale, names: CacheNames = LATENT) -> None:
+    """Every check of a cache write (``write_latent_cache``; ``write_index_cache`` with ``names=INDEX``
+    and ``k_pe=None``); slots by value where readable (CPU). Messages use ``names``."""
+    n = names
     if not isinstance(kv_cache, torch.Tensor):
-        raise TypeError(f"kv_cache must be a torch.Tensor [num_blocks, block_size, L+R], got {type(kv_cache).__name__}")
+        raise TypeError(f"{n.cache} must be a torch.Tensor {n.cache_shape}, got {type(kv_cache).__name__}")
     device = kv_cache.device
-    check_tensor(kv_cache, "kv_cache", 3, "[num_blocks, block_size, L+R]", device, "kv_cache")
-    check_tensor(kv_c, "kv_c", 2, "[T, L]", device, "kv_cache")
-    check_tensor(k_pe, "k_pe", 2, "[T, R]", device, "kv_cache")
-    check_tensor(slot_mapping, "slot_mapping", 1, "[T]", device, "kv_cache")
+    check_tensor(kv_cache, n.cache, 3, n.cache_shape, device, n.cache)
+    check_tensor(kv_c, n.rows, 2, n.rows_shape, device, n.cache)
+    if n.rope is not None:
+        check_tensor(k_pe, n.rope, 2, "[T, R]", device, n.cache)
+    check_tensor(slot_mapping, "slot_mapping", 1, "[T]", device, n.cache)
     if kv_cache.dtype not in CACHE_DTYPES:
-        raise TypeError(f"kv_cache must be float16, bfloat16, float32, float64 or float8_e4m3fn, got {kv_cache.dtype}")
+        raise TypeError(f"{n.cache} must be float16, bfloat16, float32, float64 or float8_e4m3fn, got {kv_cache.dtype}")
     if kv_c.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"kv_c must be float16, bfloat16, float32 or float64, got {kv_c.dtype}")
-    if k_pe.dtype != kv_c.dtype:
-        raise TypeError(f"k_pe must have the dtype of kv_c ({kv_c.dtype}), got {k_pe.dtype}")
+        raise TypeError(f"{n.rows} must be float16, bfloat16, float32 or float64, got {kv_c.dtype}")
+    if n.rope is not None and k_pe.dtype != kv_c.dtype:
+        raise TypeError(f"{n.rope} must have the dtype of {n.rows} ({kv_c.dtype}), got {k_pe.dtype}")
     if slot_mapping.dtype not in _SLOT_DTYPES:
         raise TypeError(f"slot_mapping must be int64 or int32, got {slot_mapping.dtype}")
     num_tokens = kv_c.shape[0]
-    if k_pe.shape[0] != num_tokens or slot_mapping.shape[0] != num_tokens:
+    rope_tokens, rope_width = (num_tokens, 0) if n.rope is None else k_pe.shape
+    if rope_tokens != num_tokens or slot_mapping.shape[0] != num_tokens:
+        listed = f"{n.rows}{'' if n.rope is None else f', {n.rope}'} and slot_mapping"
+        rope_count = "" if n.rope is None else f"{n.rope} {rope_tokens}, "
         raise ValueError(
-            f"kv_c, k_pe and slot_mapping must have one row per new token: kv_c has {num_tokens}, "
-            f"k_pe {k_pe.shape[0]}, slot_mapping {slot_mapping.shape[0]}"
+            f"{listed} must have one row per new token: {n.rows} has {num_tokens}, "
+            f"{rope_count}slot_mapping {slot_mapping.shape[0]}"
         )
-    width = kv_c.shape[1] + k_pe.shape[1]
+    width = kv_c.shape[1] + rope_width
     if kv_cache.shape[2] != width:
-        raise ValueError(
-            f"kv_cache rows must be L+R = {kv_c.shape[1]}+{k_pe.shape[1]} = {width} wide "
-            f"(kv_c and k_pe widths), got {kv_cache.shape[2]}"
-        )
-    check_k_scale(k_scale, kv_cache, device)
-    check_slot_mapping(slot_mapping, kv_cache)
+        size, why = ((f"{width}", f"the width of {n.rows}") if n.rope is None else
+                     (f"{kv_c.shape[1]}+{rope_width} = {width}", f"{n.rows} and {n.rope} widths"))
+        raise ValueError(f"{n.cache} rows must be {n.width} = {size} wide ({why}), got {kv_cache.shape[2]}")
+    if kv_cache.dtype == torch.float8_e4m3fn and k_scale is None:
+        raise ValueError(f"{n.scale} is required for a float8_e4m3fn {n.cache} (dequantized = stored * {n.scale})")
+    if k_scale is not None:  # checked when given, even where the cache dtype ignores it
+        check_scale(k_scale, n.scale, device)
+    check_slot_mapping(slot_mapping, kv_cache, n.cache)
 
 
-def check_slot_mapping(slot_mapping, kv_cache) -> None:
+def check_slot_mapping(slot_mapping, kv_cache, cache_name: str = "kv_cache") -> None:
     """``slot_mapping`` [T] int64/int32 on the cache's device, its slots inside ``kv_cache``
-    (``[..., num_blocks, block_size, L+R]``) by value where readable (CPU)."""
-    check_tensor(slot_mapping, "slot_mapping", 1, "[T]", kv_cache.device, "kv_cache")
+    (``[..., num_blocks, block_size, width]``) by value where readable (CPU); ``cache_name`` names it."""
+    check_tensor(slot_mapping, "slot_mapping", 1, "[T]", kv_cache.device, cache_name)
     if slot_mapping.dtype not in _SLOT_DTYPES:
         raise TypeError(f"slot_mapping must be int64 or int32, got {slot_mapping.dtype}")
     num_slots = kv_cache.shape[-3] * kv_cache.shape[-2]
     if slot_mapping.shape[0] and num_slots == 0:
-        raise ValueError(f"kv_cache has no slots (shape {tuple(kv_cache.shape)}) to write "
+        raise ValueError(f"{cache_name} has no slots (shape {tuple(kv_cache.shape)}) to write "
                          f"{slot_mapping.shape[0]} tokens into")
     if slot_mapping.shape[0] and values_readable(slot_mapping):
         last = int(slot_mapping.max())
         if last >= num_slots:
-            raise ValueError(f"slot_mapping holds slot {last}, past the {num_slots} slots of kv_cache")
+            raise ValueError(f"slot_mapping holds slot {last}, past the {num_slots} slots of {cache_name}")
 
 
 def write_latent_cache(
@@ -145,11 +179,29 @@ def write_latent_cache(
 
     Tokens with a negative slot (padding) write nothing. A float8_e4m3fn cache needs ``k_scale``
     (a float or a one-element float32 tensor) and stores ``row / k_scale``, saturated to the fp8
-    range; other caches store the row cast to their dtype and ignore ``k_scale``. Reads no device
-    value on the host, so it is safe under CUDA graphs.
+    range; other caches store the row cast to their dtype and ignore ``k_scale``. ``k_pe`` may be
+    ``[T, 0]`` (a NoPE layer). Reads no device value on the host, so it is safe under CUDA graphs.
     """
     check_write(kv_c, k_pe, slot_mapping, kv_cache, k_scale)
     write_checked(kv_c, k_pe, slot_mapping, kv_cache, k_scale)
+
+
+def write_index_cache(
+    k_index: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    index_cache: torch.Tensor,
+    k_scale_index: float | torch.Tensor | None = None,
+) -> None:
+    """Write DSA's index key ``k_index[t]`` into ``index_cache`` at flat slot ``slot_mapping[t]``, in place.
+
+    k_index [T, D_I] (rotated; float16/bfloat16/float32/float64), slot_mapping [T] int64/int32 (the
+    latent cache's: both caches share the block table and block size; negative = padding, writes
+    nothing), index_cache [num_blocks, block_size, D_I]: bf16/fp16/fp32, or float8_e4m3fn with
+    ``k_scale_index`` (a float or a one-element float32 tensor; stores ``k_index / k_scale_index``,
+    saturated). The latent cache's op and kernel with a rope part of width 0; safe under CUDA graphs.
+    """
+    check_write(k_index, None, slot_mapping, index_cache, k_scale_index, INDEX)
+    write_checked(k_index, k_index[:, :0], slot_mapping, index_cache, k_scale_index)
 
 
 def write_checked(kv_c, k_pe, slot_mapping, kv_cache, k_scale) -> None:

@@ -256,11 +256,14 @@ def plan_host(query_start_loc, context_lens, block_table, options: PlanOptions) 
 
 
 def host_index_schedule(query_start_loc, context_lens, sparse, options: PlanOptions) -> IndexSchedule:
-    """The indexer's chunks of CPU lengths, as many as the step needs."""
+    """The indexer's chunks of CPU lengths, as many as the step needs. A step with fewer sparse keys than the
+    workspace takes them in one chunk of just those rows, scored by proportionally more queries at a time."""
     seq_lens = sequence_lens(query_start_loc, context_lens, sparse)
-    rows, tokens = options.workspace_size, options.index_tokens
+    total = int(seq_lens.long().sum())
+    rows = max(1, min(options.workspace_size, total))
+    tokens = max(1, options.index_scores_budget // rows)
     count = pieces_needed(seq_lens, context_lens, query_start_loc, rows, tokens)
-    row_chunks = max(1, -(-int(seq_lens.long().sum()) // rows))
+    row_chunks = max(1, -(-total // rows))
     return IndexSchedule(*index_schedule_tensors(seq_lens, context_lens, query_start_loc, rows, tokens, count,
                                                  row_chunks), rows=rows, tokens=tokens)
 

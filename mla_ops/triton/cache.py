@@ -1,7 +1,8 @@
-"""Triton kernel: write the new tokens' latent rows ``[kv_c | k_pe]`` into the paged latent cache.
+"""Triton kernel: write the new tokens' rows ``[kv_c | k_pe]`` into a paged cache: the latent cache,
+and DSA's index cache (``k_index`` as kv_c, R = 0; ``write_index_cache`` in ``mla_ops/ops/cache.py``).
 
 kv_c          [T, L]        any strides (e.g. a column slice of one [T, L+R] buffer)
-k_pe          [T, R]        dtype of kv_c, any strides
+k_pe          [T, R]        dtype of kv_c, any strides; R = 0: never read (no rope part)
 slot_mapping  [T] int64 or int32   flat slot ``block * block_size + offset``; negative = padding
 k_scale       [1] float32 or None   float8_e4m3fn caches store ``row / k_scale``, saturated to +-448
 kv_cache      [num_blocks, block_size, L+R]  fp32/fp16/bf16 or float8_e4m3fn, any strides (out=)
@@ -81,6 +82,7 @@ def _write_latent_cache_kernel(
     stride_cache_token,
     stride_cache_col,
     IS_FP8: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
 ):
@@ -92,15 +94,16 @@ def _write_latent_cache_kernel(
 
     cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     in_latent = cols < latent
-    in_rope = (cols >= latent) & (cols < width)
     rows64 = rows.to(tl.int64)
     c_src = kv_c_ptr + rows64[:, None] * stride_c_row + cols.to(tl.int64)[None, :] * stride_c_col
-    pe_cols = tl.where(in_rope, cols - latent, 0).to(tl.int64)
-    pe_src = k_pe_ptr + rows64[:, None] * stride_pe_row + pe_cols[None, :] * stride_pe_col
     values = tl.load(c_src, mask=real[:, None] & in_latent[None, :], other=0.0)
-    values = tl.where(
-        in_latent[None, :], values, tl.load(pe_src, mask=real[:, None] & in_rope[None, :], other=0.0)
-    )
+    if HAS_ROPE:  # R = 0 (the index cache, NoPE layers): one load, no k_pe pointer
+        in_rope = (cols >= latent) & (cols < width)
+        pe_cols = tl.where(in_rope, cols - latent, 0).to(tl.int64)
+        pe_src = k_pe_ptr + rows64[:, None] * stride_pe_row + pe_cols[None, :] * stride_pe_col
+        values = tl.where(
+            in_latent[None, :], values, tl.load(pe_src, mask=real[:, None] & in_rope[None, :], other=0.0)
+        )
 
     dst = cache_ptr + dst_row[:, None] + cols.to(tl.int64)[None, :] * stride_cache_col
     mask = real[:, None] & (cols < width)[None, :]
@@ -113,7 +116,7 @@ def _write_latent_cache_kernel(
 
 
 BLOCK_ROWS = 16
-MAX_BLOCK_COLS = 64  # L+R = 576 = 9 * 64: no masked lanes at DeepSeek sizes
+MAX_BLOCK_COLS = 64  # L+R = 576 = 9 * 64, D_I = 128 = 2 * 64: no masked lanes at DeepSeek sizes
 NUM_WARPS = 4
 
 
@@ -147,11 +150,12 @@ def write_latent_cache(kv_c, k_pe, slot_mapping, k_scale, kv_cache) -> None:
                     "(float64 runs on the torch reference)"
                 )
         is_fp8 = kv_cache.dtype == torch.float8_e4m3fn
+        has_rope = k_pe.shape[1] > 0
         cache = kv_cache.view(torch.uint8) if is_fp8 else kv_cache
         block_cols = block_columns(width)
         _write_latent_cache_kernel[grid(num_tokens, width)](
             kv_c,
-            k_pe,
+            k_pe if has_rope else kv_c,  # a width-0 k_pe may hold no storage: never read
             slot_mapping,
             k_scale if is_fp8 else kv_c,  # a never-read placeholder pointer otherwise
             cache,
@@ -164,6 +168,7 @@ def write_latent_cache(kv_c, k_pe, slot_mapping, k_scale, kv_cache) -> None:
             slot_mapping.stride(0),
             *cache.stride(),
             IS_FP8=is_fp8,
+            HAS_ROPE=has_rope,
             BLOCK_ROWS=BLOCK_ROWS,
             BLOCK_COLS=block_cols,
             num_warps=NUM_WARPS,

@@ -36,7 +36,7 @@ def test_gpu_check_dry_run_runs_every_step_and_summarizes(tmp_path):
     assert results_listing() == before, "a dry run wrote under benchmarks/results/"
 
     steps = gpu_summary.read_steps(str(tmp_path))
-    assert [s["step"] for s in steps] == ["wheels", "env", "cuda_kernels", "kernel_bench", "absorbed_bench",
+    assert [s["step"] for s in steps] == ["wheels", "env", "cuda_kernels", "dsa", "kernel_bench", "absorbed_bench",
                                           "device_path_bench", "cuda_graphs", "graphs_bench", "summary"]
     assert all(s["status"] == "passed" for s in steps), steps
     for name in ("gpu_env.json", "gpu_kernels.json", "gpu_absorbed.json", "gpu_device_path.json", "gpu_summary.json"):

@@ -4,6 +4,7 @@ before the kernels are defined). bf16 caches are checked on a GPU (tests/ops/tes
 interpreter has no bf16 arithmetic; bf16 sources are covered here (they are read, then upcast).
 
 kv_c [T, L]   k_pe [T, R]   slot_mapping [T] (negative = padding)   kv_cache [num_blocks, block_size, L+R]
+R = 0 is the index cache's write (``write_index_cache``: k_index [T, D_I] as kv_c) and a NoPE layer's.
 """
 
 import os
@@ -71,6 +72,8 @@ SHAPES = {  # T, L, R, num_blocks, block_size, padding
     "L20_R3": (37, 20, 3, 6, 16, 5),  # width 23: masked column lanes, more than one token tile
     "deepseek_512_64": (21, 512, 64, 5, 8, 4),  # width 576: nine column tiles
     "block_size_1": (9, 12, 4, 16, 1, 2),
+    "index_128_R0": (21, 128, 0, 5, 8, 4),  # DSA's index cache: D_I = 128, two column tiles
+    "index_20_R0": (19, 20, 0, 6, 4, 3),  # width 20: masked column lanes without a rope part
 }
 
 
@@ -137,6 +140,25 @@ def test_fp8_encoding_every_code_every_tie_and_specials():
     assert torch.equal(bits(got), bits(want))
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, FP8])
+def test_index_cache_write_kernel_through_the_op_view(cache_dtype):
+    """k_pe as ``write_index_cache`` passes it (a width-0 view of k_index, a column slice of a wider
+    buffer), a strided cache: the columns outside it stay untouched."""
+    g = torch.Generator().manual_seed(4)
+    buf = (torch.randn(17, 24 + 6, generator=g) * 3).to(torch.float32)
+    k_index = buf[:, 6:]
+    big = torch.randn(6, 4, 24 + 3, generator=g).to(cache_dtype)
+    index_cache = big[..., 1:25]
+    slots = scattered_slots(17, 6, 4, 3, seed=4)
+    k_scale = torch.tensor([0.05]) if cache_dtype == FP8 else None
+    want = index_cache.clone()
+    write_latent_cache_reference(k_index, k_index[:, :0], slots, k_scale, want)
+    outside = torch.cat([bits(big[..., :1]), bits(big[..., 25:])], -1).clone()
+    write_latent_cache(k_index, k_index[:, :0], slots, k_scale, index_cache)
+    assert torch.equal(bits(index_cache), bits(want))
+    assert torch.equal(torch.cat([bits(big[..., :1]), bits(big[..., 25:])], -1), outside)
+
+
 def test_write_latent_cache_kernel_rejects_float64():
     kv_c, k_pe, slots, _, kv_cache = case(4, 12, 4, 4, 4, torch.float64, torch.float32)
     with pytest.raises(TypeError, match="float64"):
@@ -146,3 +168,4 @@ def test_write_latent_cache_kernel_rejects_float64():
 def test_grid_depends_on_shapes_only():
     assert triton_cache.grid(1, 576) == (1, 9)
     assert triton_cache.grid(37, 23) == (3, 1)
+    assert triton_cache.grid(300, 128) == (19, 2)  # the index cache at DeepSeek-V3.2's D_I

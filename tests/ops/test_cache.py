@@ -1,7 +1,9 @@
 """write_latent_cache: the new tokens' latent rows [kv_c | k_pe] into the paged cache at their slots,
 fp8-quantized with k_scale; padding slots (negative) skipped; bad input rejected before any write.
+write_index_cache: DSA's index keys through the same op with R = 0, its messages naming its arguments.
 
 kv_c [T, L]   k_pe [T, R]   slot_mapping [T] (negative = padding)   kv_cache [num_blocks, block_size, L+R]
+k_index [T, D_I]   index_cache [num_blocks, block_size, D_I]   k_scale_index (fp8)
 """
 
 import math
@@ -10,7 +12,7 @@ import pytest
 import torch
 
 import mla_ops  # noqa: F401  (registers torch.ops.mla_ops)
-from mla_ops.ops.cache import write_latent_cache, write_latent_cache_reference
+from mla_ops.ops.cache import write_index_cache, write_latent_cache, write_latent_cache_reference
 from tests.support.gpu import needs_cuda
 
 FP8 = torch.float8_e4m3fn
@@ -23,7 +25,7 @@ def loop_reference(kv_c, k_pe, slot_mapping, kv_cache, k_scale):
     for t, s in enumerate(slot_mapping.tolist()):
         if s < 0:
             continue
-        row = torch.cat([kv_c[t], k_pe[t]])
+        row = kv_c[t] if k_pe is None else torch.cat([kv_c[t], k_pe[t]])
         if kv_cache.dtype == FP8:
             row = (row.float() / float(k_scale)).clamp(-448.0, 448.0)
         out[s // block_size, s % block_size] = row.to(kv_cache.dtype)
@@ -149,6 +151,124 @@ def test_write_latent_cache_rejects_bad_input(case):
     assert torch.equal(after, before)
 
 
+# ---- write_index_cache: the same op with R = 0 ------------------------------------------------------
+
+
+def index_case(cache_dtype, slots, *, src_dtype=torch.float32, num_blocks=8, block_size=4, D=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k_index = (torch.randn(len(slots), D, generator=g) * 3).to(src_dtype)
+    index_cache = torch.randn(num_blocks, block_size, D, generator=g).to(cache_dtype)
+    return k_index, index_cache
+
+
+@pytest.mark.parametrize("slots", list(SLOTS))
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16, torch.float32, FP8])
+def test_write_index_cache_matches_loop(cache_dtype, slots):
+    """Rows written at their slots, padding (negative) slots and every other slot untouched."""
+    k_index, index_cache = index_case(cache_dtype, SLOTS[slots])
+    slot_mapping = torch.tensor(SLOTS[slots], dtype=torch.int32 if slots == "mixed" else torch.int64)
+    k_scale_index = 0.05 if cache_dtype == FP8 else None  # |k_index| / 0.05 saturates often
+    expect = loop_reference(k_index, None, slot_mapping, index_cache, k_scale_index)
+    write_index_cache(k_index, slot_mapping, index_cache, k_scale_index=k_scale_index)
+    assert torch.equal(bits(index_cache), bits(expect))
+
+
+def test_write_index_cache_fp8_saturates_and_keeps_nan():
+    """Stored = k_index / k_scale_index cast to e4m3fn, saturated to +-448 (inf too); NaN stays NaN."""
+    k_index = torch.tensor([[1000.0, -1000.0, 2.0, -0.25, float("inf"), float("-inf"), float("nan"), 0.0]])
+    index_cache = torch.zeros(2, 2, 8, dtype=FP8)
+    write_index_cache(k_index, torch.tensor([3]), index_cache, k_scale_index=torch.tensor([0.5]))
+    row = index_cache[1, 1].float()
+    assert row[:6].tolist() == [448.0, -448.0, 4.0, -0.5, 448.0, -448.0]
+    assert row[6].isnan() and row[7] == 0
+    assert not index_cache.view(torch.uint8)[:1].any() and not index_cache.view(torch.uint8)[1, 0].any()
+
+
+def test_write_index_cache_strided_source_and_cache():
+    """k_index a column slice of a wider buffer (as a fused projection leaves it), the cache a slice of
+    a wider one: the columns outside it stay untouched."""
+    slots = SLOTS["mixed"]
+    g = torch.Generator().manual_seed(3)
+    buf = torch.randn(len(slots), 16 + 7, generator=g).to(torch.bfloat16)
+    k_index = buf[:, 3:19]
+    big = torch.randn(8, 4, 16 + 5, generator=g).to(FP8)
+    index_cache = big[..., 2:18]
+    outside = torch.cat([bits(big[..., :2]), bits(big[..., 18:])], -1).clone()
+    expect = loop_reference(k_index, None, torch.tensor(slots), index_cache, 0.25)
+    write_index_cache(k_index, torch.tensor(slots), index_cache, 0.25)
+    assert torch.equal(bits(index_cache), bits(expect))
+    assert torch.equal(torch.cat([bits(big[..., :2]), bits(big[..., 18:])], -1), outside)
+
+
+def test_write_latent_cache_takes_a_nope_layer():
+    """R = 0 through the latent call too (a NoPE layer): rows [kv_c] only."""
+    kv_c, _, kv_cache, _ = cache_case(torch.float32, SLOTS["mixed"], L=12, R=0)
+    k_pe = kv_c.new_empty(kv_c.shape[0], 0)
+    expect = loop_reference(kv_c, None, torch.tensor(SLOTS["mixed"]), kv_cache, None)
+    write_latent_cache(kv_c, k_pe, torch.tensor(SLOTS["mixed"]), kv_cache)
+    assert torch.equal(kv_cache, expect)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, FP8])
+def test_write_index_cache_opcheck_and_compile(cache_dtype):
+    """The op with a width-0 k_pe (the index call's) passes opcheck; the public call compiles whole."""
+    k_index, index_cache = index_case(cache_dtype, SLOTS["mixed"])
+    slots = torch.tensor(SLOTS["mixed"])
+    k_scale = torch.tensor([0.05]) if cache_dtype == FP8 else None
+    utils = OPCHECK_UTILS[1:] if cache_dtype == FP8 else OPCHECK_UTILS
+    torch.library.opcheck(torch.ops.mla_ops.write_latent_cache.default,
+                          (k_index, k_index[:, :0], slots, k_scale, index_cache), test_utils=utils)
+    if cache_dtype == torch.float32:
+        expect = loop_reference(k_index, None, slots, index_cache, None)
+        torch.compile(write_index_cache, fullgraph=True, dynamic=True)(k_index, slots, index_cache)
+        assert torch.equal(index_cache, expect)
+
+
+def _valid_index_args():
+    k_index, index_cache = index_case(FP8, SLOTS["mixed"])
+    return dict(k_index=k_index, slot_mapping=torch.tensor(SLOTS["mixed"]), index_cache=index_cache,
+                k_scale_index=0.5)
+
+
+BAD_INDEX_WRITES = {
+    "k_index not a tensor": (lambda a: a.update(k_index=a["k_index"].tolist()), TypeError, "k_index"),
+    "k_index 3-D": (lambda a: a.update(k_index=a["k_index"][:, None]), ValueError, "k_index"),
+    "k_index 1-D": (lambda a: a.update(k_index=a["k_index"][:, 0]), ValueError, "k_index"),
+    "k_index integer": (lambda a: a.update(k_index=a["k_index"].int()), TypeError, "k_index"),
+    "k_index device": (lambda a: a.update(k_index=a["k_index"].to("meta")), ValueError, "k_index"),
+    "index_cache not a tensor": (lambda a: a.update(index_cache=None), TypeError, "index_cache"),
+    "index_cache 2-D": (lambda a: a.update(index_cache=a["index_cache"][0]), ValueError, "index_cache"),
+    "index_cache dtype": (lambda a: a.update(index_cache=a["index_cache"].view(torch.uint8)), TypeError,
+                          "index_cache"),
+    "cache width": (lambda a: a.update(k_index=a["k_index"][:, :-1]), ValueError, "index_cache rows must be D_I"),
+    "slot count": (lambda a: a.update(slot_mapping=a["slot_mapping"][:-1]), ValueError, "k_index and slot_mapping"),
+    "slot dtype float": (lambda a: a.update(slot_mapping=a["slot_mapping"].float()), TypeError, "slot_mapping"),
+    "slot past the cache": (lambda a: a.update(slot_mapping=a["slot_mapping"] + 32), ValueError,
+                            "past the 32 slots of index_cache"),
+    "fp8 without k_scale_index": (lambda a: a.update(k_scale_index=None), ValueError,
+                                  "k_scale_index is required for a float8_e4m3fn index_cache"),
+    "k_scale_index two elements": (lambda a: a.update(k_scale_index=torch.ones(2)), ValueError, "k_scale_index"),
+    "k_scale_index string": (lambda a: a.update(k_scale_index="0.5"), TypeError, "k_scale_index"),
+    "k_scale_index zero": (lambda a: a.update(k_scale_index=0.0), ValueError, "k_scale_index must be finite"),
+    "k_scale_index nan tensor": (lambda a: a.update(k_scale_index=torch.tensor([math.nan])), ValueError,
+                                 "k_scale_index must be finite"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INDEX_WRITES))
+def test_write_index_cache_rejects_bad_input(case):
+    args = _valid_index_args()
+    change, error, name = BAD_INDEX_WRITES[case]
+    change(args)
+    cache = args["index_cache"]
+    before = bits(cache).clone() if isinstance(cache, torch.Tensor) else None
+    with pytest.raises(error, match=name) as info:
+        write_index_cache(**args)
+    assert "kv_c" not in str(info.value) and "kv_cache" not in str(info.value) and "k_pe" not in str(info.value)
+    if before is not None:
+        assert torch.equal(bits(cache), before)
+
+
 # ---- GPU: the Triton kernel (the op's CUDA kernel) against the reference on CPU, bit for bit -------
 
 
@@ -200,3 +320,34 @@ def test_cuda_write_latent_cache_kernel(src_dtype, cache_dtype, L, R, block_size
         got = kv_cache.cuda()
         torch.ops.mla_ops.write_latent_cache(kv_c.double().cuda(), k_pe.double().cuda(), slots.cuda(), None, got)
         assert torch.equal(got.cpu(), want) and len(calls) == 3
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("src_dtype,cache_dtype", [
+    (torch.bfloat16, FP8),  # DeepSeek-V3.2's index cache
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.float16),
+])
+def test_cuda_write_index_cache_kernel(src_dtype, cache_dtype, monkeypatch):
+    """write_index_cache on CUDA: the latent cache's Triton kernel with R = 0, one call, bit for bit
+    against the reference on CPU; k_index a column slice of a wider buffer, padding slots."""
+    from mla_ops.triton import cache as triton_cache
+
+    calls = []
+    kernel = triton_cache.write_latent_cache
+    monkeypatch.setattr(triton_cache, "write_latent_cache", lambda *a: (calls.append(a[1].shape), kernel(*a)))
+    g = torch.Generator().manual_seed(7)
+    num_blocks, block_size, D = 8, 64, 128
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:300]
+    slots[torch.randperm(300, generator=g)[:50]] = -1
+    buf = (torch.randn(300, D + 64, generator=g) * 3).to(src_dtype)
+    k_index = buf[:, 32:32 + D]
+    index_cache = torch.randn(num_blocks, block_size, D, generator=g).to(cache_dtype)
+    k_scale = torch.tensor([0.05]) if cache_dtype == FP8 else None
+    want = index_cache.clone()
+    write_latent_cache_reference(k_index, k_index[:, :0], slots, k_scale, want)
+    got = index_cache.cuda()
+    write_index_cache(k_index.cuda(), slots.cuda(), got, None if k_scale is None else k_scale.cuda())
+    assert torch.equal(bits(got.cpu()), bits(want))
+    assert calls == [torch.Size([300, 0])]

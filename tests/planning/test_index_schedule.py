@@ -40,6 +40,12 @@ def coverage(plan):
     return counts, request
 
 
+def check_budgets(sched, workspace, budget):
+    assert sched.rows <= workspace and sched.rows * sched.tokens <= budget
+    assert (sched.cu_seq_lens[:, -1] <= sched.rows).all()
+    assert ((sched.token_end - sched.token_start) <= sched.tokens).all()
+
+
 @given(pairs=lengths, topk=st.integers(1, 20), workspace=st.integers(1, 24), tokens=st.integers(1, 5))
 def test_host_chunks_score_every_causal_pair_once(pairs, topk, workspace, tokens):
     plan = plan_of(pairs, topk, workspace, workspace * tokens)
@@ -49,27 +55,37 @@ def test_host_chunks_score_every_causal_pair_once(pairs, topk, workspace, tokens
     live = counts >= 0
     if counts.size:
         assert (counts[live] == sparse[request][:, None].repeat(counts.shape[1], 1)[live]).all()
-    assert (sched.cu_seq_lens[:, -1] <= workspace).all()  # rows budget
-    assert ((sched.token_end - sched.token_start) <= tokens).all() and (sched.token_end > sched.token_start).all()
+    check_budgets(sched, workspace, workspace * tokens)
+    assert (sched.token_end > sched.token_start).all()  # the host form has no empty chunk
     assert (sched.seq_lens[:, ~plan.sparse] == 0).all()  # dense requests are never scored
     assert not sched.truncated.any()
 
 
 @given(pairs=lengths, topk=st.integers(1, 20), workspace=st.integers(1, 24), tokens=st.integers(1, 5),
        capacity=st.integers(1, 12))
-def test_device_chunks_are_the_host_chunks_and_mark_what_does_not_fit(pairs, topk, workspace, tokens, capacity):
-    host = plan_of(pairs, topk, workspace, workspace * tokens).index_schedule
+def test_device_chunks_score_each_pair_at_most_once_and_mark_what_does_not_fit(pairs, topk, workspace, tokens,
+                                                                               capacity):
     plan = plan_of(pairs, topk, workspace, workspace * tokens, max_chunks=capacity)
-    device = plan.index_schedule
-    used = min(capacity, host.max_chunks)
+    sched = plan.index_schedule
+    assert sched.max_chunks == capacity and sched.rows == workspace
+    check_budgets(sched, workspace, workspace * tokens)
+    used = int((sched.token_end > sched.token_start).sum())
     for name in ("starts", "seq_lens", "cu_seq_lens", "token_start", "token_end"):
-        assert torch.equal(getattr(device, name)[:used], getattr(host, name)[:used]), name
-        assert not getattr(device, name)[used:].any(), name  # empty slots: nothing to score
+        assert not getattr(sched, name)[used:].any(), name  # the pieces come first; empty slots score nothing
     counts, request = coverage(plan)
+    assert counts.max(initial=0) <= 1
+    sparse = plan.sparse.numpy()[request]
     missed = np.zeros(len(pairs), bool)
-    np.logical_or.at(missed, request, ((counts == 0) & plan.sparse.numpy()[request][:, None]).any(1))
-    assert device.truncated.tolist() == missed.tolist()
-    assert (plan.truncated[device.truncated]).all()  # the attention marks them NaN
+    np.logical_or.at(missed, request, ((counts == 0) & sparse[:, None]).any(1))
+    assert sched.truncated.tolist() == missed.tolist()
+    assert (plan.truncated[sched.truncated]).all()  # the attention marks them NaN
+
+
+def test_a_step_with_fewer_sparse_keys_than_the_workspace_scores_more_queries_at_a_time():
+    plan = plan_of([(30, 10), (0, 4)], topk=8, workspace=64, budget=640)
+    assert plan.index_schedule.rows == 40 and plan.index_schedule.tokens == 16
+    assert plan.index_schedule.max_chunks == 1
+    assert plan_of([(30, 10), (0, 4)], topk=8, workspace=64, budget=640, max_chunks=4).index_schedule.tokens == 10
 
 
 def test_routing_takes_sparse_requests_off_the_dense_paths():

@@ -1,0 +1,299 @@
+"""The lightning indexer's top-k (DeepSeek Sparse Attention, DESIGN §12): the keys each query may see.
+
+q_index        [T, H_I, D_I]  the step's index queries (rotated), fp16/bf16/fp32/fp64
+index_weights  [T, H_I]       float32 or the queries' dtype, the model's constants folded in
+k_index        [T, D_I]       the step's new index keys, dtype of q_index
+index_cache    [num_blocks, block_size, D_I]  paged index keys of the context (the latent cache's
+                              block table and block size), dtype of q_index or float8_e4m3fn
+k_scale        [1] float32 or None   fp8 caches: dequantized = stored * k_scale
+the plan's IndexSchedule: starts [C, B], cu_seq_lens [C, B+1], token_start / token_end [C] int32;
+                              rows W and tokens M (static ints)
+scores         [M, W]         one chunk's scores (float32; float64 for float64 queries)
+-> topk        [T, K] int32   positions in the request's sequence, valid ones first, then -1
+
+Query token t of request r at position ``c_r + j`` scores the candidates ``s = 0 .. c_r + j``:
+``I(t, s) = sum_h w[t, h] * relu(q[t, h] . key[s])``, where ``key[s]`` is the index cache row of
+context position ``s < c_r`` (``block_table[r, s // block_size]``, ``s % block_size``) and
+``k_index[query_start_loc[r] + s - c_r]`` for ``s >= c_r``; its row holds the K best. A dense-routed
+request (``plan.sparse[r]`` False: at most K keys) gets every candidate ``0 .. c_r + j`` unscored;
+tokens past ``query_start_loc[-1]`` (padding) get -1 only.
+
+Scores are never held whole: the plan's index chunks (``mla_ops/planning/index_schedule.py``) each
+gather at most W keys (from the cache for context positions, from ``k_index`` for new ones, fp8
+dequantized) and score at most M query tokens against them into one [M, W] buffer (heads one at a
+time: a per-head product is [M, W] too); each token keeps the top ``min(K, W)`` of its row and folds
+them into the running top-k ``(score, position)`` [T, K]. The fold is associative, ``(-inf, -1)``
+its identity (as the LSE merge's ``0 / -inf``), so the chunk order is free. Every chunk is read by
+tensor index (no host read of a device value), so the device form's C static chunks run without a
+sync and chunks past the count (``token_start == token_end``) fold nothing.
+
+Precision: scores in float32 from the inputs upcast (float64 for float64 queries: the reference is
+exact there). Ties in score are broken by ``torch.topk`` (any of the tied keys may be picked).
+
+Implementations: on CPU the torch scorer below (the oracle); on CUDA the Triton scorer of
+``mla_ops/triton/indexer.py`` (one launch per chunk: fused key gather, fp8 decode, per-head dots,
+relu, weighted sum and mask), falling back to the torch scorer where Triton is not installed or for
+float64. The top-k fold is torch on either.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .._checks import FLOAT_DTYPES, check_scale, check_tensor, k_scale_tensor
+from .._env import triton_available
+from ..planning.plan import PrefillPlan, current_max_block_id
+
+INDEX_CACHE_DTYPES = FLOAT_DTYPES + (torch.float8_e4m3fn,)
+
+
+def score_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Scores (and the running top-k values) are float32, float64 for float64 queries."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _request_of(offsets: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """[n] int64: the last request i with ``offsets[i] <= index`` (a row or token's owner), clamped to
+    ``0 .. B-1`` for indices past the end (masked by the caller)."""
+    found = torch.searchsorted(offsets, index.to(offsets.dtype), right=True) - 1
+    return found.clamp(0, offsets.shape[0] - 2)
+
+
+def chunk_rows(starts: torch.Tensor, cu_seq_lens: torch.Tensor, rows: int):
+    """One chunk's W rows (``starts`` [B], ``cu_seq_lens`` [B+1]): ``(request, position, live)`` [W]
+    each, int64 / int64 / bool; rows past ``cu_seq_lens[-1]`` are dead, at position 0 of request 0."""
+    w = torch.arange(rows, device=starts.device)
+    live = w < cu_seq_lens[-1]
+    request = torch.where(live, _request_of(cu_seq_lens, w), 0)
+    offset = w - cu_seq_lens.long().index_select(0, request)
+    position = torch.where(live, starts.long().index_select(0, request) + offset, 0)
+    return request, position, live
+
+
+def chunk_tokens(query_start_loc, context_lens, token_start, token_end, tokens: int, num_tokens: int):
+    """One chunk's M token slots (``token_start`` / ``token_end`` [1]): ``(token, request, position,
+    live)`` [M] each; dead slots (past the chunk's tokens or past T) point at token 0 of request 0."""
+    t = token_start.long() + torch.arange(tokens, device=token_start.device)
+    live = (t < token_end) & (t < num_tokens)
+    t = torch.where(live, t, 0)
+    request = torch.where(live, _request_of(query_start_loc, t), 0)
+    position = context_lens.long().index_select(0, request) + t - query_start_loc.long().index_select(0, request)
+    return t, request, position, live
+
+
+def chunk_keys(index_cache, k_index, block_table, query_start_loc, context_lens, k_scale, request, position, live,
+               dtype: torch.dtype) -> torch.Tensor:
+    """[W, D_I] ``dtype``: the keys of a chunk's rows (``chunk_rows``), dead rows zero."""
+    ctx = context_lens.long().index_select(0, request)
+    in_context = live & (position < ctx)
+    num_tokens, width = k_index.shape
+    token = torch.where(live & ~in_context, query_start_loc.long().index_select(0, request) + position - ctx, 0)
+    keys = k_index.index_select(0, token.clamp(0, num_tokens - 1)).to(dtype)
+    if index_cache.shape[0] and index_cache.shape[1] and block_table.shape[1]:
+        block_size = index_cache.shape[1]
+        col = torch.where(in_context, position // block_size, 0)
+        block = torch.where(in_context, block_table[request, col].long(), 0)  # pad columns may hold anything
+        offset = torch.where(in_context, position % block_size, 0)
+        if index_cache.dtype == torch.float8_e4m3fn:  # move bytes: float8 indexing kernels vary by device
+            cached = index_cache.view(torch.uint8)[block, offset].view(torch.float8_e4m3fn).to(dtype)
+            cached = cached * k_scale.to(dtype)
+        else:
+            cached = index_cache[block, offset].to(dtype)
+        keys = torch.where(in_context.unsqueeze(1), cached, keys)
+    return keys
+
+
+def chunk_scores_reference(q_index, index_weights, k_index, index_cache, block_table, query_start_loc, context_lens,
+                           starts, cu_seq_lens, token_start, token_end, k_scale, scores) -> None:
+    """One chunk's masked scores into ``scores`` [M, W] (out=): ``starts`` [B], ``cu_seq_lens`` [B+1],
+    ``token_start`` / ``token_end`` [1]; -inf where a row is not a candidate of the slot's token (another
+    request, past its position, a dead row or slot)."""
+    tokens, rows = scores.shape
+    dtype = scores.dtype
+    request, position, live = chunk_rows(starts, cu_seq_lens, rows)
+    keys = chunk_keys(index_cache, k_index, block_table, query_start_loc, context_lens, k_scale, request, position,
+                      live, dtype)
+    t, t_request, t_position, t_live = chunk_tokens(query_start_loc, context_lens, token_start, token_end, tokens,
+                                                    q_index.shape[0])
+    q = q_index.index_select(0, t).to(dtype)  # [M, H_I, D_I]
+    w = index_weights.index_select(0, t).to(dtype)  # [M, H_I]
+    acc = torch.zeros_like(scores)
+    for h in range(q.shape[1]):  # one [M, W] product at a time: the budget holds
+        acc.addcmul_(w[:, h : h + 1], (q[:, h] @ keys.T).clamp_min_(0))
+    candidate = (t_live.unsqueeze(1) & live.unsqueeze(0) & (t_request.unsqueeze(1) == request.unsqueeze(0))
+                 & (position.unsqueeze(0) <= t_position.unsqueeze(1)))
+    scores.copy_(torch.where(candidate, acc, float("-inf")))
+
+
+ChunkScorer = Callable[..., None]  # chunk_scores_reference's signature
+
+
+def index_topk_chunked(score_chunk: ChunkScorer, q_index, index_weights, k_index, index_cache, block_table,
+                       query_start_loc, context_lens, sparse, starts, cu_seq_lens, token_start, token_end, k_scale,
+                       topk: int, rows: int, tokens: int) -> torch.Tensor:
+    """The op (module doc) with ``score_chunk`` scoring each chunk (the torch or the Triton scorer)."""
+    num_tokens, num_requests = q_index.shape[0], context_lens.shape[0]
+    device = q_index.device
+    out = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=device)
+    if num_tokens == 0 or num_requests == 0:
+        return out
+    dtype = score_dtype(q_index.dtype)
+    slots = min(tokens, num_tokens)  # a chunk never has more tokens than the step
+    kept = min(topk, rows)
+    # Running top-k; row T is a scratch row that dead token slots read and write (no masked scatter).
+    best = torch.full((num_tokens + 1, topk), float("-inf"), dtype=dtype, device=device)
+    best_pos = torch.full((num_tokens + 1, topk), -1, dtype=torch.int64, device=device)
+    scores = torch.empty(slots, rows, dtype=dtype, device=device)
+    slot = torch.arange(slots, device=device)
+    for i in range(starts.shape[0]):
+        chunk_start, chunk_end = token_start.narrow(0, i, 1), token_end.narrow(0, i, 1)
+        score_chunk(q_index, index_weights, k_index, index_cache, block_table, query_start_loc, context_lens,
+                    starts[i], cu_seq_lens[i], chunk_start, chunk_end, k_scale, scores)
+        _, position, _ = chunk_rows(starts[i], cu_seq_lens[i], rows)
+        value, index = scores.topk(kept, dim=1)  # [M, kept]
+        found = torch.where(value > float("-inf"), position[index], -1)
+        t = chunk_start.long() + slot
+        t = torch.where((t < chunk_end) & (t < num_tokens), t, num_tokens)
+        merged = torch.cat([best.index_select(0, t), value], 1)
+        merged_pos = torch.cat([best_pos.index_select(0, t), found], 1)
+        value, index = merged.topk(topk, dim=1)
+        best.index_copy_(0, t, value)
+        best_pos.index_copy_(0, t, merged_pos.gather(1, index))
+    # Dense-routed requests take every candidate 0 .. c_r + j; padding tokens none.
+    token = torch.arange(num_tokens, device=device)
+    live = token < query_start_loc[-1]
+    request = _request_of(query_start_loc, token)
+    position = context_lens.long().index_select(0, request) + token - query_start_loc.long().index_select(0, request)
+    candidate = torch.arange(topk, device=device)
+    dense = torch.where(candidate.unsqueeze(0) <= position.unsqueeze(1), candidate, -1)
+    chosen = torch.where(sparse.index_select(0, request).unsqueeze(1), best_pos[:num_tokens], dense)
+    out.copy_(torch.where(live.unsqueeze(1), chosen, -1))
+    return out
+
+
+def index_topk_reference(*args) -> torch.Tensor:
+    """The op on the torch scorer (the oracle; any device)."""
+    return index_topk_chunked(chunk_scores_reference, *args)
+
+
+@torch.library.custom_op("mla_ops::index_topk", mutates_args=())
+def _index_topk(
+    q_index: torch.Tensor,
+    index_weights: torch.Tensor,
+    k_index: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    sparse: torch.Tensor,
+    starts: torch.Tensor,
+    cu_seq_lens: torch.Tensor,
+    token_start: torch.Tensor,
+    token_end: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    topk: int,
+    rows: int,
+    tokens: int,
+) -> torch.Tensor:
+    return index_topk_reference(q_index, index_weights, k_index, index_cache, block_table, query_start_loc,
+                                context_lens, sparse, starts, cu_seq_lens, token_start, token_end, k_scale, topk,
+                                rows, tokens)
+
+
+@_index_topk.register_fake
+def _(q_index, index_weights, k_index, index_cache, block_table, query_start_loc, context_lens, sparse, starts,
+      cu_seq_lens, token_start, token_end, k_scale, topk, rows, tokens):
+    return q_index.new_empty((q_index.shape[0], topk), dtype=torch.int32)
+
+
+def _index_topk_cuda(q_index, *args) -> torch.Tensor:
+    """The op's CUDA kernel: the Triton scorer (imported on first use), else the torch one (float64, no
+    Triton)."""
+    if not triton_available() or q_index.dtype == torch.float64:
+        return index_topk_reference(q_index, *args)
+    from ..triton.indexer import chunk_scores
+
+    return index_topk_chunked(chunk_scores, q_index, *args)
+
+
+torch.library.register_kernel("mla_ops::index_topk", "cuda", _index_topk_cuda)
+
+_index_topk_op = torch.ops.mla_ops.index_topk.default
+
+
+def check_index_topk(q_index, index_weights, k_index, index_cache, plan, k_scale_index) -> None:
+    """Every check of an ``index_topk`` call, on shapes and host values only (before anything runs)."""
+    if not isinstance(plan, PrefillPlan):
+        raise TypeError(f"plan must be a PrefillPlan (mla_ops.plan_prefill), got {type(plan).__name__}")
+    if not plan.index_topk or plan.index_schedule is None or plan.sparse is None:
+        raise ValueError("plan was made without index_topk: plan the step with plan_prefill(..., index_topk=K)")
+    if plan.context_parallel is not None:
+        raise ValueError("plan is a context-parallel plan: the indexer takes a single-device plan")
+    device = plan.device
+    check_tensor(q_index, "q_index", 3, "[T, H_I, D_I]", device, "plan (its block table)")
+    check_tensor(index_weights, "index_weights", 2, "[T, H_I]", device, "plan (its block table)")
+    check_tensor(k_index, "k_index", 2, "[T, D_I]", device, "plan (its block table)")
+    check_tensor(index_cache, "index_cache", 3, "[num_blocks, block_size, D_I]", device, "plan (its block table)")
+    dtype = q_index.dtype
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"q_index must be float16, bfloat16, float32 or float64, got {dtype}")
+    if index_weights.dtype not in (torch.float32, dtype):
+        raise TypeError(f"index_weights must be float32 or the dtype of q_index ({dtype}), got {index_weights.dtype}")
+    if k_index.dtype != dtype:
+        raise TypeError(f"k_index must have the dtype of q_index ({dtype}), got {k_index.dtype}")
+    if index_cache.dtype not in (dtype, torch.float8_e4m3fn):
+        raise TypeError(f"index_cache must have the dtype of q_index ({dtype}) or be float8_e4m3fn, "
+                        f"got {index_cache.dtype}")
+    num_tokens, heads, width = q_index.shape
+    if tuple(index_weights.shape) != (num_tokens, heads):
+        raise ValueError(f"index_weights must be [T, H_I] = {[num_tokens, heads]} (q_index's T and H_I), "
+                         f"got {list(index_weights.shape)}")
+    if tuple(k_index.shape) != (num_tokens, width):
+        raise ValueError(f"k_index must be [T, D_I] = {[num_tokens, width]} (q_index's T and D_I), "
+                         f"got {list(k_index.shape)}")
+    if index_cache.shape[2] != width:
+        raise ValueError(f"index_cache rows must be D_I = {width} wide (q_index's D_I), got {index_cache.shape[2]}")
+    if index_cache.shape[1] != plan.block_size:
+        raise ValueError(f"index_cache has block_size {index_cache.shape[1]}, but plan was made for block_size "
+                         f"{plan.block_size} (the index cache shares the latent cache's block table)")
+    if plan.num_tokens is not None and plan.num_tokens != num_tokens:
+        raise ValueError(f"plan was made for T={plan.num_tokens} tokens (its query_start_loc[-1]), but q_index "
+                         f"has {num_tokens}")
+    max_block_id = current_max_block_id(plan)
+    if max_block_id >= index_cache.shape[0]:
+        raise ValueError(f"plan's block table uses block {max_block_id}, past the {index_cache.shape[0]} blocks "
+                         "of index_cache")
+    if index_cache.dtype == torch.float8_e4m3fn:
+        if k_scale_index is None:
+            raise ValueError("k_scale_index is required for a float8_e4m3fn index_cache "
+                             "(dequantized = stored * k_scale_index)")
+        check_scale(k_scale_index, "k_scale_index", device)
+    elif k_scale_index is not None:
+        check_scale(k_scale_index, "k_scale_index", device)
+
+
+def index_topk(
+    q_index: torch.Tensor,
+    index_weights: torch.Tensor,
+    k_index: torch.Tensor,
+    index_cache: torch.Tensor,
+    plan: PrefillPlan,
+    *,
+    k_scale_index: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The K = ``plan.index_topk`` keys each new token's sparse attention may see (module doc).
+
+    Returns [T, K] int32: per token, positions in its request's sequence (``0 .. c_r + j``), valid ones
+    first in any order, then -1 where there are fewer than K candidates. A float8_e4m3fn
+    ``index_cache`` needs ``k_scale_index`` (a float or a one-element float32 tensor). Reads no device
+    value on the host; runs under torch.compile with a device-form plan made inside the graph.
+    """
+    check_index_topk(q_index, index_weights, k_index, index_cache, plan, k_scale_index)
+    schedule = plan.index_schedule
+    return _index_topk_op(
+        q_index, index_weights, k_index, index_cache, plan.block_table, plan.query_start_loc, plan.context_lens,
+        plan.sparse, schedule.starts, schedule.cu_seq_lens, schedule.token_start, schedule.token_end,
+        k_scale_tensor(k_scale_index, index_cache), plan.index_topk, schedule.rows, schedule.tokens,
+    )

@@ -1,0 +1,220 @@
+"""Sparse attention (DSA, DESIGN §12): absorbed MQA over each query's selected keys, read where they are.
+
+q                [T, N, P+R]   rotated queries          kv_c [T, L], k_pe [T, R]: the step's new rows (q's dtype)
+kv_cache         [num_blocks, block_size, L+R]   bf16/fp16/fp32, or float8_e4m3fn with k_scale
+block_table      [B, max_blocks] int32   query_start_loc [B+1] int32   context_lens [B] int32
+sparse           [B] bool      the requests this op serves (the plan's ``sparse``)
+topk_indices     [T, K] int32  per token, positions in its request's sequence (-1: none)
+kv_b_proj_weight [N*(P+V), L]  W_UK = [:, :P] [N, P, L], W_UV = [:, P:] [N, V, L] (``_mla.split_kv_b_proj``)
+k_scale          [1] float32 or None   dequantized = stored * k_scale (float8_e4m3fn caches only)
+-> out           [T, N, V]   lse [N, T] float32 (float64 for float64 q), natural log   (out=)
+
+For token t of a request r with ``sparse[r]``, at position ``c_r + j`` of its sequence: its keys are
+the entries s of ``topk_indices[t]`` with ``0 <= s <= c_r + j`` (a position past the query's own is
+never attended; -1 pads). Position s is the row ``[kv_c | k_pe]``
+
+    kv_cache[block_table[r, s // block_size], s % block_size]   (* k_scale for fp8)   if s < c_r
+    [kv_c | k_pe][query_start_loc[r] + s - c_r]                                         otherwise
+
+and per head n (DESIGN §1, absorbed path):
+
+    q_lat  = q_nope @ W_UK[n]                                        [L]
+    scores = softmax_scale * (q_lat . kv_c_row + q_pe . k_pe_row)    over the selected rows
+    o_lat  = softmax(scores) @ kv_c rows                             [L]
+    out    = o_lat @ W_UV[n]^T                                       [V]
+
+A token without a valid key gets the empty partial (0, -inf). Rows of tokens of the other requests
+and past ``query_start_loc[-1]`` are left untouched: ``run_prefill`` writes the dense paths' merged
+result first and this op overwrites the sparse requests' tokens.
+
+Kernels: ``mla_ops/triton/sparse.py`` (Triton); ``sparse_reference`` here is their oracle (float32,
+float64 for float64 q) and the CPU op: tokens in blocks, so the gathered rows [tokens, K, L+R] stay
+bounded. ``sparse_attention`` is the checked public function.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _checks as checks
+from .._mla import MLADims, fold_queries, lse_dtype, split_kv_b_proj, token_requests, unfold_outputs
+
+# Gathered rows (tokens x K) per block of the reference: at L+R = 576 fp32, 72 MiB.
+REFERENCE_ROWS = 1 << 15
+
+
+def sparse_reference(q, kv_c, k_pe, kv_cache, block_table, query_start_loc, context_lens, sparse, topk_indices,
+                     kv_b_proj_weight, softmax_scale, k_scale, out, lse) -> None:
+    num_tokens, num_keys = topk_indices.shape
+    if num_tokens == 0 or context_lens.shape[0] == 0 or q.shape[1] == 0:
+        return
+    acc = lse_dtype(q.dtype)
+    num_heads, latent, nope, _, _ = MLADims.from_shapes(q, kv_cache, kv_b_proj_weight)
+    w_uk, w_uv = split_kv_b_proj(kv_b_proj_weight, num_heads, nope)
+    request, position, valid = token_requests(query_start_loc, num_tokens)
+    tokens = torch.nonzero(valid & sparse[request]).squeeze(1)  # host read: the CPU / oracle path
+    if tokens.numel() == 0:
+        return
+    new_rows = torch.cat([kv_c, k_pe], dim=1)  # [T, L+R]
+    block_size, num_blocks = kv_cache.shape[1], kv_cache.shape[0]
+    step = max(1, REFERENCE_ROWS // max(num_keys, 1))
+    for begin in range(0, tokens.numel(), step):
+        t = tokens[begin:begin + step]  # [n] token rows
+        r = request[t]
+        context = context_lens.long()[r][:, None]  # [n, 1]
+        s = topk_indices[t].long()  # [n, K]
+        key_ok = (s >= 0) & (s <= context + position[t][:, None])
+        in_cache = key_ok & (s < context)
+        # Cache rows (clamped addresses where the key is not a cache row; replaced below).
+        cached_pos = torch.where(in_cache, s, 0)
+        page = (cached_pos // block_size).clamp(max=block_table.shape[1] - 1)
+        block = block_table.long()[r[:, None], page].clamp(0, max(num_blocks - 1, 0))
+        rows = kv_cache[block, cached_pos % block_size].to(acc)  # [n, K, L+R]
+        if kv_cache.dtype == torch.float8_e4m3fn:
+            rows = rows * k_scale.to(acc)
+        new = (query_start_loc.long()[r][:, None] + s - context).clamp(0, num_tokens - 1)
+        rows = torch.where(in_cache[..., None], rows, new_rows[new].to(acc))
+        rows = torch.where(key_ok[..., None], rows, 0)  # unselected rows may hold NaN: 0 * NaN is NaN
+        q_t = q[t]
+        q_lat = fold_queries(q_t, w_uk, acc).transpose(0, 1)  # [n, N, L]
+        scores = (torch.einsum("nhl,nkl->nhk", q_lat, rows[..., :latent])
+                  + torch.einsum("nhr,nkr->nhk", q_t[..., nope:].to(acc), rows[..., latent:])) * softmax_scale
+        scores = scores.masked_fill(~key_ok[:, None, :], float("-inf"))
+        top = scores.amax(-1, keepdim=True)
+        top = torch.where(torch.isfinite(top), top, 0)  # no key: keep exp() finite
+        probs = torch.exp(scores - top)
+        total = probs.sum(-1)  # [n, N]
+        o_lat = torch.einsum("nhk,nkl->nhl", probs, rows[..., :latent]) / torch.where(total > 0, total, 1)[..., None]
+        out.index_copy_(0, t, unfold_outputs(o_lat.transpose(0, 1), w_uv).transpose(0, 1).to(out.dtype))
+        lse.index_copy_(1, t, (torch.log(total) + top.squeeze(-1)).t().to(lse.dtype))  # -inf without keys
+
+
+@torch.library.custom_op("mla_ops::sparse_attention", mutates_args=("out", "lse"))
+def _sparse_attention(
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    sparse: torch.Tensor,
+    topk_indices: torch.Tensor,
+    kv_b_proj_weight: torch.Tensor,
+    softmax_scale: float,
+    k_scale: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    sparse_reference(q, kv_c, k_pe, kv_cache, block_table, query_start_loc, context_lens, sparse, topk_indices,
+                     kv_b_proj_weight, softmax_scale, k_scale, out, lse)
+
+
+@_sparse_attention.register_fake
+def _(q, kv_c, k_pe, kv_cache, block_table, query_start_loc, context_lens, sparse, topk_indices, kv_b_proj_weight,
+      softmax_scale, k_scale, out, lse) -> None:
+    return None
+
+
+def check_topk_indices(topk_indices, num_tokens: int, index_topk: int | None, device: torch.device,
+                       device_of: str = "q") -> None:
+    """``topk_indices`` [T, K] int32 on ``device`` (K = ``index_topk`` where given)."""
+    checks.check_int32(topk_indices, "topk_indices", 2, "[T, index_topk]", device, device_of)
+    if topk_indices.shape[0] != num_tokens or (index_topk is not None and topk_indices.shape[1] != index_topk):
+        want = [num_tokens, "K" if index_topk is None else index_topk]
+        raise ValueError(f"topk_indices must be [T, index_topk] = {want}, got {list(topk_indices.shape)}")
+
+
+def check_topk_values(topk_indices, query_start_loc, context_lens, sparse) -> None:
+    """Where readable (CPU): every entry of a sparse request's token lies in ``-1 .. c_r + q_r - 1``
+    (positions in its request's sequence); other tokens' rows are ignored, so not checked. Elsewhere,
+    under the debug switch (``mla_ops.set_debug``), the same check as a device-side assert."""
+    if topk_indices.numel() == 0 or context_lens.shape[0] == 0:
+        return
+    readable = checks.values_readable(topk_indices, query_start_loc, context_lens, sparse)
+    if not (readable or checks.debug_enabled()):
+        return
+    request, _, valid = token_requests(query_start_loc, topk_indices.shape[0])
+    seq = (context_lens + (query_start_loc[1:] - query_start_loc[:-1])).index_select(0, request)  # [T]: c_r + q_r
+    bad = ((topk_indices < -1) | (topk_indices >= seq[:, None])) & (valid & sparse.index_select(0, request))[:, None]
+    if not readable:  # the debug switch: a device-side assert, no host sync
+        torch._assert_async(~bad.any(), "mla_ops debug: topk_indices must lie in -1 .. c_r + q_r - 1")
+        return
+    if bad.any():
+        t, k = (int(i) for i in torch.nonzero(bad)[0])
+        r = int(request[t])
+        raise ValueError(f"topk_indices[{t}, {k}] is {int(topk_indices[t, k])}: token {t} of request {r} selects "
+                         f"positions in -1 .. {int(seq[t]) - 1} (c_r + q_r - 1; -1 pads)")
+
+
+def sparse_attention(q, kv_c, k_pe, kv_cache, block_table, query_start_loc, context_lens, sparse, topk_indices,
+                     kv_b_proj_weight, softmax_scale, k_scale=None, *, out=None, lse=None):
+    """The sparse requests' attention over their selected keys (module doc): ``(out [T, N, V], lse [N, T])``.
+
+    ``out`` / ``lse``: written in place where given (other tokens' rows untouched), else made with the
+    empty partial ``0 / -inf``. ``k_scale``: a float or a one-element float32 tensor, required for a
+    float8_e4m3fn cache. Checks everything before anything is written; values (lengths, block ids,
+    ``topk_indices`` ranges) only where they are free to read (CPU).
+    """
+    checks.check_tensor(q, "q", 3, "[T, N, P+R]")
+    if q.dtype not in checks.FLOAT_DTYPES:
+        raise TypeError(f"q must be float16, bfloat16, float32 or float64, got {q.dtype}")
+    device = q.device
+    checks.check_tensor(kv_c, "kv_c", 2, "[T, L]", device, "q", dtype=q.dtype)
+    checks.check_tensor(k_pe, "k_pe", 2, "[T, R]", device, "q", dtype=q.dtype)
+    checks.check_tensor(kv_cache, "kv_cache", 3, "[num_blocks, block_size, L+R]", device, "q")
+    checks.check_tensor(kv_b_proj_weight, "kv_b_proj_weight", 2, "[N*(P+V), L]", device, "q", dtype=q.dtype)
+    if kv_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
+        raise TypeError(f"kv_cache must have the dtype of q ({q.dtype}) or float8_e4m3fn, got {kv_cache.dtype}")
+    checks.check_int32(block_table, "block_table", 2, "[B, max_blocks]", device, "q")
+    checks.check_int32(query_start_loc, "query_start_loc", 1, "[B+1]", device, "q")
+    checks.check_int32(context_lens, "context_lens", 1, "[B]", device, "q")
+    checks.check_tensor(sparse, "sparse", 1, "[B]", device, "q", dtype=torch.bool)
+    num_tokens, num_heads, qk_dim = q.shape
+    latent, rope = kv_c.shape[1], k_pe.shape[1]
+    batch = context_lens.shape[0]
+    if query_start_loc.shape[0] != batch + 1 or sparse.shape[0] != batch or block_table.shape[0] < batch:
+        raise ValueError(f"query_start_loc [B+1], sparse [B] and block_table [>= B, max_blocks] must fit B={batch} "
+                         f"context_lens, got {list(query_start_loc.shape)}, {list(sparse.shape)}, "
+                         f"{list(block_table.shape)}")
+    if kv_c.shape[0] != num_tokens or k_pe.shape[0] != num_tokens:
+        raise ValueError(f"q, kv_c and k_pe must have one row per new token: q has {num_tokens}, kv_c "
+                         f"{kv_c.shape[0]}, k_pe {k_pe.shape[0]}")
+    if kv_cache.shape[2] != latent + rope or qk_dim < rope:
+        raise ValueError(f"kv_cache rows must be L+R = {latent}+{rope} wide and q heads P+R >= R, got kv_cache "
+                         f"{list(kv_cache.shape)}, q {list(q.shape)}")
+    nope = qk_dim - rope
+    rows, cols = kv_b_proj_weight.shape
+    if cols != latent or num_heads == 0 or rows % num_heads or rows // num_heads <= nope:
+        raise ValueError(f"kv_b_proj_weight must be [N*(P+V), L] with N={num_heads}, P={nope}, L={latent}, V >= 1, "
+                         f"got {list(kv_b_proj_weight.shape)}")
+    value = rows // num_heads - nope
+    check_topk_indices(topk_indices, num_tokens, None, device)
+    softmax_scale = checks.check_softmax_scale(softmax_scale)
+    checks.check_k_scale(k_scale, kv_cache, device)
+    acc = lse_dtype(q.dtype)
+    if out is not None:
+        checks.check_tensor(out, "out", 3, "[T, N, V]", device, "q", dtype=q.dtype)
+        if tuple(out.shape) != (num_tokens, num_heads, value):
+            raise ValueError(f"out must be [T, N, V] = {[num_tokens, num_heads, value]}, got {list(out.shape)}")
+    if lse is not None:
+        checks.check_tensor(lse, "lse", 2, "[N, T]", device, "q", dtype=acc)
+        if tuple(lse.shape) != (num_heads, num_tokens):
+            raise ValueError(f"lse must be [N, T] = {[num_heads, num_tokens]}, got {list(lse.shape)}")
+    if checks.values_readable(query_start_loc, context_lens, block_table):
+        top = checks.check_lengths(query_start_loc.tolist(), context_lens.tolist(), block_table.numpy(),
+                                   kv_cache.shape[1])
+        if top >= kv_cache.shape[0]:
+            raise ValueError(f"block_table uses block {top}, past the {kv_cache.shape[0]} blocks of kv_cache")
+        if int(query_start_loc[-1]) > num_tokens:
+            raise ValueError(f"query_start_loc[-1] is {int(query_start_loc[-1])}, past the {num_tokens} tokens of q")
+    check_topk_values(topk_indices, query_start_loc, context_lens, sparse)
+    if out is None:
+        out = q.new_zeros(num_tokens, num_heads, value)
+    if lse is None:
+        lse = q.new_full((num_heads, num_tokens), float("-inf"), dtype=acc)
+    torch.ops.mla_ops.sparse_attention(q, kv_c, k_pe, kv_cache, block_table, query_start_loc, context_lens, sparse,
+                                       topk_indices, kv_b_proj_weight, softmax_scale,
+                                       checks.k_scale_tensor(k_scale, kv_cache), out, lse)
+    return out, lse
+

@@ -1,0 +1,136 @@
+"""Triton kernel: one lightning-indexer chunk's masked scores (DSA, DESIGN §12).
+
+q_index        [T, H_I, D_I]  fp16/bf16/fp32 (bf16 upcast to fp32 under the interpreter)
+index_weights  [T, H_I]       float32 or the queries' dtype
+k_index        [T, D_I]       the step's new index keys, dtype of q_index
+index_cache    [num_blocks, block_size, D_I]  dtype of q_index, or float8_e4m3fn with k_scale
+block_table    [>= B, max_blocks] int32;  query_start_loc [B+1], context_lens [B] int32
+starts [B], cu_seq_lens [B+1]   the chunk's rows: request r's positions ``starts[r] ..`` at rows ``cu_seq_lens[r] ..``
+token_start, token_end [1]      the chunk's query tokens (at most M of them)
+k_scale        [1] float32 or None   fp8 caches: dequantized = stored * k_scale
+scores         [M, W] float32 (out=)  slot m, row w: ``I(token_start + m, row w)``, -inf off the candidates
+
+The oracle is ``chunk_scores_reference`` of ``mla_ops/ops/indexer.py``. Each program computes one
+(token tile, row tile) of the buffer: it finds each row's request by a binary search over
+``cu_seq_lens`` and its key where it lives (the paged cache for context positions, ``k_index`` for
+the step's new ones), each slot's request over ``query_start_loc``, and folds the H_I heads' dots
+(``relu``, weighted) into an fp32 accumulator; the request/causal mask writes -inf. Every bound is
+read on the device (token count, row count), so a tile past them (all of a dead chunk's) only
+writes -inf: the top-k that follows reads the whole buffer.
+
+fp8 rows are decoded from their bits (``e4m3fn_to_float32``); the raw e4m3 values are exact in
+fp16/bf16, so they enter ``tl.dot`` undequantized and ``k_scale`` multiplies the context rows'
+fp32 dots (a positive scale commutes with relu).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import device_guard, dot_dtype, dot_precision, e4m3fn_to_float32, find_request
+
+
+@triton.jit
+def _index_scores_kernel(
+    q_ptr, w_ptr, k_index_ptr, cache_ptr, block_table_ptr, qsl_ptr, ctx_ptr, starts_ptr, cu_ptr,
+    token_start_ptr, token_end_ptr, k_scale_ptr, scores_ptr,
+    num_tokens, num_requests, block_size, head_dim, num_slots, num_rows_cap,
+    stride_qt, stride_qh, stride_qd, stride_wt, stride_wh, stride_kt, stride_kd,
+    stride_cache_block, stride_cache_token, stride_cache_col, stride_table_row, stride_table_col,
+    stride_qsl, stride_ctx, stride_starts, stride_cu, stride_sm, stride_sw,
+    NUM_HEADS: tl.constexpr, IS_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    row_tiles = tl.cdiv(num_rows_cap, BLOCK_N)
+    pid = tl.program_id(0)
+    tile_m, tile_n = pid // row_tiles, pid % row_tiles
+    token_start = tl.load(token_start_ptr)
+    token_end = tl.minimum(tl.load(token_end_ptr), num_tokens)
+    num_rows = tl.load(cu_ptr + num_requests * stride_cu)  # the chunk's live rows (a device count)
+    offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    scores = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
+    if (token_start + tile_m * BLOCK_M < token_end) & (tile_n * BLOCK_N < num_rows):
+        # Rows: request, sequence position, and where the key lives.
+        row_live = offs_n < num_rows
+        row_request = find_request(cu_ptr, stride_cu, num_requests, offs_n, 1, 0)
+        position = tl.load(starts_ptr + row_request * stride_starts) + offs_n - tl.load(cu_ptr + row_request * stride_cu)
+        context = tl.load(ctx_ptr + row_request * stride_ctx)
+        in_context = row_live & (position < context)
+        is_new = row_live & (position >= context)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < head_dim
+        table = row_request.to(tl.int64) * stride_table_row + (position // block_size).to(tl.int64) * stride_table_col
+        block = tl.load(block_table_ptr + table, mask=in_context, other=0)
+        cache_row = block.to(tl.int64) * stride_cache_block + (position % block_size).to(tl.int64) * stride_cache_token
+        new_token = tl.load(qsl_ptr + row_request * stride_qsl) + position - context
+        # Keys as [BLOCK_D, BLOCK_N]: the dot's right operand.
+        cached = tl.load(cache_ptr + cache_row[None, :] + offs_d.to(tl.int64)[:, None] * stride_cache_col,
+                         mask=d_mask[:, None] & in_context[None, :], other=0)
+        if IS_FP8:
+            cached = e4m3fn_to_float32(cached.to(tl.int32))
+        new = tl.load(k_index_ptr + new_token.to(tl.int64)[None, :] * stride_kt + offs_d.to(tl.int64)[:, None] * stride_kd,
+                      mask=d_mask[:, None] & is_new[None, :], other=0)
+        keys = tl.where(in_context[None, :], cached.to(DOT_DTYPE), new.to(DOT_DTYPE))
+        if IS_FP8:
+            row_scale = tl.where(in_context, tl.load(k_scale_ptr).to(tl.float32), 1.0)
+        # Slots: token, request, position.
+        token = token_start + offs_m
+        slot_live = token < token_end
+        token = tl.where(slot_live, token, 0)
+        slot_request = find_request(qsl_ptr, stride_qsl, num_requests, token, 1, 0)
+        slot_position = tl.load(ctx_ptr + slot_request * stride_ctx) + token - tl.load(qsl_ptr + slot_request * stride_qsl)
+        q_rows = q_ptr + token.to(tl.int64)[:, None] * stride_qt + offs_d.to(tl.int64)[None, :] * stride_qd
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for h in range(NUM_HEADS):
+            q = tl.load(q_rows + h * stride_qh, mask=slot_live[:, None] & d_mask[None, :], other=0)
+            weight = tl.load(w_ptr + token.to(tl.int64) * stride_wt + h * stride_wh, mask=slot_live, other=0)
+            dot = tl.dot(q.to(DOT_DTYPE), keys, input_precision=DOT_PRECISION)
+            if IS_FP8:
+                dot = dot * row_scale[None, :]
+            acc += weight.to(tl.float32)[:, None] * tl.maximum(dot, 0.0)
+        candidate = (slot_live[:, None] & row_live[None, :] & (slot_request[:, None] == row_request[None, :])
+                     & (position[None, :] <= slot_position[:, None]))
+        scores = tl.where(candidate, acc, float("-inf"))
+    out = scores_ptr + offs_m.to(tl.int64)[:, None] * stride_sm + offs_n.to(tl.int64)[None, :] * stride_sw
+    tl.store(out, scores, mask=(offs_m < num_slots)[:, None] & (offs_n < num_rows_cap)[None, :])
+
+
+BLOCK_M = 16  # query slots per tile (tl.dot's least)
+BLOCK_N = 64  # rows per tile
+NUM_WARPS = 4
+
+
+def chunk_scores(q_index, index_weights, k_index, index_cache, block_table, query_start_loc, context_lens,
+                 starts, cu_seq_lens, token_start, token_end, k_scale, scores) -> None:
+    """Same contract as ``chunk_scores_reference`` (module doc); float32 ``scores`` only."""
+    num_slots, rows = scores.shape
+    num_tokens, num_heads, head_dim = q_index.shape
+    num_requests = context_lens.shape[0]
+    with device_guard(scores) as interpreted:
+        dtype = dot_dtype(q_index.dtype, interpreted, "indexer")
+        if scores.dtype != torch.float32:
+            raise TypeError(f"the Triton indexer kernel writes float32 scores, got {scores.dtype}")
+        if num_slots == 0 or rows == 0:
+            return
+        if num_tokens == 0 or num_requests == 0:
+            scores.fill_(float("-inf"))
+            return
+        is_fp8 = index_cache.dtype == torch.float8_e4m3fn
+        cache = index_cache.view(torch.uint8) if is_fp8 else index_cache
+        grid = (triton.cdiv(num_slots, BLOCK_M) * triton.cdiv(rows, BLOCK_N),)
+        _index_scores_kernel[grid](
+            q_index, index_weights, k_index, cache, block_table, query_start_loc, context_lens, starts, cu_seq_lens,
+            token_start, token_end,
+            k_scale if is_fp8 else scores,  # a never-read placeholder pointer otherwise
+            scores,
+            num_tokens, num_requests, index_cache.shape[1], head_dim, num_slots, rows,
+            *q_index.stride(), *index_weights.stride(), *k_index.stride(), *cache.stride(), *block_table.stride(),
+            query_start_loc.stride(0), context_lens.stride(0), starts.stride(0), cu_seq_lens.stride(0),
+            *scores.stride(),
+            NUM_HEADS=num_heads, IS_FP8=is_fp8, DOT_DTYPE=dtype, DOT_PRECISION=dot_precision(dtype),
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+            num_warps=NUM_WARPS,
+        )

@@ -1,0 +1,130 @@
+"""A DeepSeek Sparse Attention step end to end (DESIGN §12): plan_prefill(index_topk=K), write_index_cache,
+index_topk, run_prefill(topk_indices=), against a dense float64 oracle with the top-k mask applied, on both plan
+forms, with bf16-free CPU dtypes and fp8 caches. (Each op alone: tests/ops/test_indexer.py, test_sparse.py;
+the chunks: tests/planning/test_index_schedule.py.)
+
+Near-ties: every index key is ``a_s * e_0`` with ``a_s`` distinct values exactly representable in float8_e4m3fn
+(eight per octave, so neighbours differ by 9%), and ``q_index[..., 0] > 0``: a query ranks its candidates by
+``a_s`` alone, with gaps no rounding closes; the selections still differ per query, by causality.
+"""
+
+import pytest
+import torch
+
+import mla_ops
+from tests.support.batches import FP8, _request_keys, dense_reference, make_batch
+
+D_I, H_I = 8, 2
+FP8_LADDER = [2.0 ** (i / 8) for i in range(-40, 70)]  # distinct e4m3 values: 2^-5 .. 2^8.6
+
+
+def index_side(batch, seed, fp8=False):
+    """Index queries, weights and keys of the step's new tokens, and the index cache of the contexts, laid out
+    with the latent cache's block table: ``(q_index, weights, k_index, index_cache, k_scale_index, keys)``
+    where ``keys[r]`` are request r's index keys at every position, float64."""
+    g = torch.Generator().manual_seed(seed)
+    qsl, ctx = batch.query_start_loc.tolist(), batch.context_lens.tolist()
+    T, bs = qsl[-1], batch.kv_cache.shape[1]
+    cache = torch.zeros(batch.kv_cache.shape[0], bs, D_I, dtype=torch.float64)
+    k_index = torch.zeros(T, D_I, dtype=torch.float64)
+    keys = []
+    for r, c in enumerate(ctx):
+        n = c + qsl[r + 1] - qsl[r]
+        assert n <= len(FP8_LADDER)
+        a = torch.tensor(FP8_LADDER, dtype=torch.float64)[torch.randperm(len(FP8_LADDER), generator=g)[:n]]
+        k = torch.zeros(n, D_I, dtype=torch.float64)
+        k[:, 0] = a
+        keys.append(k)
+        pos = torch.arange(c)
+        cache[batch.block_table[r].long()[pos // bs], pos % bs] = k[:c]
+        k_index[qsl[r]: qsl[r + 1]] = k[c:]
+    q_index = torch.randn(T, H_I, D_I, generator=g, dtype=torch.float64)
+    q_index[..., 0] = 0.5 + torch.rand(T, H_I, generator=g, dtype=torch.float64)
+    weights = 0.5 + torch.rand(T, H_I, generator=g, dtype=torch.float64)
+    dtype = batch.q.dtype
+    if fp8:
+        return q_index.to(dtype), weights.float(), k_index.to(dtype), cache.to(FP8), 1.0, keys
+    return q_index.to(dtype), weights.to(dtype), k_index.to(dtype), cache.to(dtype), None, keys
+
+
+def oracle_selection(batch, q_index, weights, keys, topk):
+    """Per token, the set of positions the float64 indexer selects (every candidate for <= topk of them)."""
+    qsl, ctx = batch.query_start_loc.tolist(), batch.context_lens.tolist()
+    chosen = []
+    for r, c in enumerate(ctx):
+        for j in range(qsl[r + 1] - qsl[r]):
+            t = qsl[r] + j
+            scores = (weights[t].double()[:, None] * torch.relu(q_index[t].double() @ keys[r][: c + j + 1].T)).sum(0)
+            chosen.append(set(scores.topk(min(topk, c + j + 1)).indices.tolist()))
+    return chosen
+
+
+def sparse_oracle(batch, chosen, sparse):
+    """Float64 [T, N, V], [N, T]: the dense reference, with each sparse request's softmax over its tokens'
+    selections only."""
+    out, lse = dense_reference(*batch.args(), k_scale=batch.k_scale, return_lse=True)
+    qsl, ctx = batch.query_start_loc.tolist(), batch.context_lens.tolist()
+    num_heads = batch.q.shape[1]
+    w = batch.kv_b_proj_weight.double()
+    nope = batch.q.shape[2] - batch.k_pe.shape[1]
+    for r, c in enumerate(ctx):
+        if not sparse[r]:
+            continue
+        latent, rope, qr = _request_keys(r, batch.q, batch.kv_c, batch.k_pe, batch.kv_cache, batch.block_table, qsl,
+                                         ctx, batch.k_scale)
+        kv = (latent @ w.T).view(latent.shape[0], num_heads, -1)
+        k = torch.cat([kv[..., :nope], rope[:, None].expand(-1, num_heads, -1)], -1)
+        v = kv[..., nope:]
+        for j in range(qsl[r + 1] - qsl[r]):
+            t = qsl[r] + j
+            keep = torch.tensor(sorted(chosen[t]))
+            scores = torch.einsum("nd,knd->nk", qr[j], k[keep]) * batch.softmax_scale
+            lse[:, t] = torch.logsumexp(scores, -1)
+            out[t] = torch.einsum("nk,knd->nd", torch.softmax(scores, -1), v[keep])
+    return out, lse
+
+
+# Requests: dense (c + q <= K) with and without context, sparse with context past W, a sparse prompt.
+CONTEXTS, QUERIES, TOPK = [6, 0, 70, 3, 0, 40], [3, 5, 9, 2, 30, 12], 12
+
+
+@pytest.mark.parametrize("form", ["host", "device"])
+@pytest.mark.parametrize("dtype,fp8", [(torch.float64, False), (torch.float32, True)])
+def test_a_dsa_step_equals_the_masked_float64_oracle(form, dtype, fp8):
+    batch = make_batch(CONTEXTS, QUERIES, seed=3, block_size=4, dtype=dtype, fp8_scale=0.5 if fp8 else None,
+                       N=2, L=16, P=8, R=4, V=8)
+    q_index, weights, k_index, index_cache, k_scale_index, keys = index_side(batch, seed=4, fp8=fp8)
+    plan = mla_ops.plan_prefill(batch.query_start_loc, batch.context_lens, batch.block_table, block_size=4,
+                                workspace_size=16, index_topk=TOPK, index_scores_budget=16 * 5,
+                                max_chunks=40 if form == "device" else None)
+    assert plan.sparse.tolist() == [False, False, True, False, True, True]
+    topk = mla_ops.index_topk(q_index, weights, k_index, index_cache, plan, k_scale_index=k_scale_index)
+    chosen = oracle_selection(batch, q_index, weights, keys, TOPK)
+    assert topk.shape == (sum(QUERIES), TOPK) and topk.dtype == torch.int32
+    for t, row in enumerate(topk.tolist()):
+        valid = [s for s in row if s >= 0]
+        assert set(valid) == chosen[t] and len(valid) == len(chosen[t]), t
+        assert row[len(valid):] == [-1] * (TOPK - len(valid))  # valid positions first
+    out, lse = mla_ops.run_prefill(*batch.args()[:4], batch.kv_b_proj_weight, batch.softmax_scale, plan,
+                                   k_scale=batch.k_scale, backend="torch", topk_indices=topk, return_lse=True)
+    expect_out, expect_lse = sparse_oracle(batch, chosen, plan.sparse.tolist())
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(out.double(), expect_out, rtol=tol, atol=tol)
+    torch.testing.assert_close(lse.double(), expect_lse, rtol=tol, atol=tol)
+
+
+def test_a_written_index_cache_serves_the_next_step():
+    """Index keys written with write_index_cache at the latent cache's slots are the next step's context keys."""
+    batch = make_batch([20, 6], [1, 1], seed=5, block_size=4, N=2, L=16, P=8, R=4, V=8)
+    q_index, weights, k_index, laid_out, _, keys = index_side(batch, seed=6)
+    # The previous step wrote the contexts' keys, at slot block_table[r, p // 4] * 4 + p % 4 of position p.
+    slots = torch.cat([batch.block_table[r].long()[torch.arange(c) // 4] * 4 + torch.arange(c) % 4
+                       for r, c in enumerate([20, 6])])
+    written = torch.zeros_like(laid_out)
+    mla_ops.write_index_cache(torch.cat([keys[0][:20], keys[1][:6]]), slots, written)
+    assert torch.equal(written, laid_out)
+    plan = mla_ops.plan_prefill(batch.query_start_loc, batch.context_lens, batch.block_table, block_size=4,
+                                workspace_size=8, index_topk=8)
+    topk = mla_ops.index_topk(q_index, weights, k_index, written, plan)
+    assert set(topk[0].tolist()) == set(keys[0][:, 0].topk(8).indices.tolist())
+    assert sorted(topk[1, :7].tolist()) == list(range(7)) and topk[1, 7] == -1  # 7 keys <= 8: dense, all of them

@@ -25,6 +25,8 @@ import torch
 from torch import nn
 
 from .._env import own_code
+from ..ops.cache import write_index_cache
+from ..ops.indexer import index_topk
 from ..parallel.tensor_parallel import all_reduce
 from ..planning.plan import PrefillPlan, check_step_tensors
 from ..prefill import PrefillStep, begin_step
@@ -182,9 +184,6 @@ class MLAAttention(nn.Module):
         """``attend`` over each query's selected keys: with an indexer (``index`` = its q_index, weights,
         k_index) this layer's top-k, its index keys written into ``index_cache``; without (a shared layer)
         ``topk``, the step's from its full layer. Returns ([T, N, V], the top-k it attended)."""
-        from ..ops.cache import write_index_cache  # TODO(merge): top-level once the DSA ops are on main
-        from ..ops.indexer import index_topk
-
         if self.indexer is not None:
             q_index, weights, k_index = index
             topk = index_topk(q_index, weights, k_index, index_cache, step.attention.plan,

@@ -280,8 +280,9 @@ class MLAConfig:
         if options.index_topk == self.index_topk:
             return options
         if options.index_topk is not None:
-            raise ValueError(f"options.index_topk is {options.index_topk}, but the model selects index_topk="
-                             f"{self.index_topk} keys (config.json's): leave it None")
+            has = "has no indexer (dense MLA)" if self.index_topk is None else \
+                f"selects index_topk={self.index_topk} keys (config.json's)"
+            raise ValueError(f"options.index_topk is {options.index_topk}, but the model {has}: leave it None")
         return dataclasses.replace(options, index_topk=self.index_topk)
 
     @property

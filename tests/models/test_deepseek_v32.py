@@ -156,3 +156,12 @@ def test_config_errors_name_the_key(checkpoint, change, error, match):
         config = json.load(f)
     with pytest.raises(error, match=match):
         MLAConfig.from_hf(dict(config, **change))
+
+
+def test_generator_options_take_the_models_index_topk(model64):
+    assert mla_ops.Generator(model64).options.index_topk == 8
+    with pytest.raises(ValueError, match=r"options.index_topk is 4, but the model selects index_topk=8"):
+        mla_ops.Generator(model64, options=mla_ops.PlanOptions(index_topk=4))
+    dense = mla_ops.MLAForCausalLM(MLAConfig.from_name("tiny"))
+    with pytest.raises(ValueError, match=r"options.index_topk is 4, but the model has no indexer"):
+        mla_ops.Generator(dense, options=mla_ops.PlanOptions(index_topk=4))

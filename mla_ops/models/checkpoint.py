@@ -17,7 +17,9 @@ A checkpoint directory holds ``config.json`` and either ``model.safetensors`` or
 Converted once at load, never per step: fp8 blocks dequantized in float32 then cast to the model
 dtype; experts stacked into ``experts.gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``; the R rope
 rows of each head in ``q_proj`` / ``q_b_proj`` and of ``kv_a_proj_with_mqa`` permuted to halves when
-``rope_interleave`` (``mla_ops.models.rope``). MTP layers and ``rotary_emb.inv_freq`` buffers are skipped.
+``rope_interleave`` (``mla_ops.models.rope``), and likewise a DSA indexer's rope rows when
+``indexer_rope_interleave`` (GLM-5; ``mla_ops.models.indexer``). DeepSeek-V3.2's release has fp8 ``wq_b`` /
+``wk`` indexer weights with their block scales, dequantized as every other. MTP layers and ``rotary_emb.inv_freq`` buffers are skipped.
 A.X-K1's releases have no ``e_score_correction_bias`` (``MLAConfig.optional_correction_bias``): zeros.
 
 Everything is checked before any weight is allocated or read (names, shapes and dtypes against a model
@@ -42,6 +44,7 @@ from . import checkpoint_files
 from .checkpoint_files import checkpoint_files as tensor_files, open_safetensors, read_json_object
 from .checkpoint_names import SCALE, Source, check_layers, map_tensors, quant_block
 from .config import MLAConfig
+from .indexer import Indexer, convert_interleaved
 from .moe import MoEGate
 from .rope import deinterleave_index
 from .wrappers import unwrap
@@ -84,7 +87,7 @@ def _convert(config: MLAConfig, source: Source, tensor: torch.Tensor) -> torch.T
         elif _LATENT.search(source.target):
             L = config.kv_lora_rank
             tensor = torch.cat([tensor[:L], tensor[L:][order]])
-    return tensor
+    return convert_interleaved(config, source.target, tensor)  # GLM-5's indexer rows
 
 
 def load_pretrained(cls, path, dtype: torch.dtype | None = None, device=None, *, context_parallel=None):
@@ -160,6 +163,8 @@ def _meta_model(cls, config: MLAConfig, dtype: torch.dtype, **kwargs):
     for module in model.modules():
         if isinstance(module, MoEGate):
             module.float()
+        elif isinstance(module, Indexer) and dtype in (torch.float16, torch.bfloat16):
+            module.weights_proj.float()  # as transformers keeps it (_keep_in_fp32_modules)
     return model
 
 

@@ -24,6 +24,13 @@ value of the wrong type, a ValueError for one out of range.
   a multimodal wrapper's model type (``models.wrappers``); ``query_scale``: None, a ``QueryScale`` or
   its fields as a dict.
 
+DeepSeek Sparse Attention (DESIGN §12; ``mla_ops.models.indexer``): ``index_topk`` None (dense MLA) or at least
+1 turns on each layer's lightning indexer, of ``index_n_heads`` heads of width ``index_head_dim`` (at least 1;
+the first ``qk_rope_head_dim`` rotated, so at least that wide), reading the q-LoRA latent (``q_lora_rank``
+required); ``indexer_rope_interleave`` (bool): GLM-5's indexer rows are interleaved pairs (converted at load);
+``indexer_types``: None (every layer "full") or one of "full" / "shared" per layer, layer 0 "full" (a shared
+layer reuses the previous full layer's top-k, and has no indexer of its own). Only the deepseek layer has one.
+
 LongCat-Flash's layer (``decoder_layer="longcat"``, ``mla_ops.models.longcat``) needs experts; identity
 experts (``zero_expert_num``) need ``n_group`` 1; ``mla_scale_q_lora`` (which needs ``q_lora_rank``) and
 ``mla_scale_kv_lora`` are its layer's only.
@@ -52,18 +59,19 @@ TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc", "group_top2")
 _TOP2_GROUPS = ("noaux_tc", "group_top2")  # groups ranked by their two best scores
 MLP_LAYER_TYPES = ("dense", "sparse")  # mlp_layer_types' entries: the dense MLP, or the experts
 DECODER_LAYERS = ("deepseek", "longcat")  # the layer structures (decoder.LAYER_CLASSES)
+INDEXER_TYPES = ("full", "shared")  # indexer_types' entries: a layer's own indexer, or the previous full one's top-k
 
 # MLAConfig's integer fields and their least value.
 _INTS = dict(hidden_size=1, num_attention_heads=1, kv_lora_rank=1, qk_nope_head_dim=1, qk_rope_head_dim=1,
              v_head_dim=1, intermediate_size=1, num_hidden_layers=1, vocab_size=1, max_position_embeddings=1,
              num_experts_per_tok=1, moe_intermediate_size=0, n_shared_experts=0, first_k_dense_replace=0,
-             moe_layer_freq=1, n_group=1, topk_group=1, zero_expert_num=0)
-_OPTIONAL_INTS = ("q_lora_rank", "n_routed_experts")  # None, or at least 1
+             moe_layer_freq=1, n_group=1, topk_group=1, zero_expert_num=0, index_n_heads=1, index_head_dim=1)
+_OPTIONAL_INTS = ("q_lora_rank", "n_routed_experts", "index_topk")  # None, or at least 1
 # Real fields: True if they must be > 0, False if >= 0.
 _REALS = dict(rope_theta=True, rms_norm_eps=True, lora_norm_eps=True, routed_scaling_factor=True,
               initializer_range=False)
 _BOOLS = ("rope_interleave", "tie_word_embeddings", "norm_topk_prob", "mla_scale_q_lora", "mla_scale_kv_lora",
-          "post_mlp_layernorm", "optional_correction_bias")
+          "post_mlp_layernorm", "optional_correction_bias", "indexer_rope_interleave")
 
 
 @dataclass
@@ -119,6 +127,12 @@ class MLAConfig:
     # residual add; and a checkpoint may leave out e_score_correction_bias (zeros: its releases have none).
     post_mlp_layernorm: bool = False
     optional_correction_bias: bool = False
+    # DeepSeek Sparse Attention (mla_ops.models.indexer): K_I keys per query; None: dense MLA. V3.2's defaults.
+    index_topk: Optional[int] = None
+    index_n_heads: int = 64  # H_I
+    index_head_dim: int = 128  # D_I; its first qk_rope_head_dim are rotated
+    indexer_rope_interleave: bool = False  # the indexer's rope rows are interleaved pairs (GLM-5's; V3.2 halves)
+    indexer_types: Optional[tuple[str, ...]] = None  # "full" / "shared" per layer (GLM-5); None: all full
 
     def __post_init__(self):
         # Types and ranges of every field (normalized: numpy integers -> int, ints -> float where real).
@@ -153,6 +167,7 @@ class MLAConfig:
             self.rope_scaling.check_rope_dim(self.qk_rope_head_dim)
         _check_layer_types_and_scales(self)
         self._check_layer_structure()
+        self._check_indexer()
         if self.n_routed_experts is None:
             return
         if self.scoring_func not in SCORING_FUNCS:
@@ -201,6 +216,47 @@ class MLAConfig:
                              f"n_group 1 (one group over all experts), got n_routed_experts={self.n_routed_experts}, "
                              f"n_group={self.n_group}")
 
+    def _check_indexer(self) -> None:
+        if self.index_topk is None:
+            if self.indexer_types is not None:
+                raise ValueError("indexer_types is set but index_topk is None (no indexer): set index_topk or "
+                                 "leave indexer_types None")
+            return
+        if self.decoder_layer != "deepseek":
+            raise ValueError(f"index_topk: only decoder_layer 'deepseek' has an indexer, got {self.decoder_layer!r}")
+        if self.q_lora_rank is None:
+            raise ValueError("index_topk is set but q_lora_rank is None: the indexer's wq_b reads the q-LoRA latent")
+        if self.index_head_dim < self.qk_rope_head_dim:
+            raise ValueError(f"index_head_dim ({self.index_head_dim}) must hold the qk_rope_head_dim "
+                             f"({self.qk_rope_head_dim}) rotated dims")
+        if self.indexer_types is None:
+            return
+        if not isinstance(self.indexer_types, (list, tuple)):
+            raise TypeError(f"indexer_types must be None or a list of {INDEXER_TYPES}, got {self.indexer_types!r}")
+        self.indexer_types = tuple(self.indexer_types)
+        if len(self.indexer_types) != self.num_hidden_layers:
+            raise ValueError(f"indexer_types must have num_hidden_layers={self.num_hidden_layers} entries, got "
+                             f"{len(self.indexer_types)}")
+        for i, kind in enumerate(self.indexer_types):
+            _checks.check_str(kind, f"indexer_types[{i}]", INDEXER_TYPES)
+        if self.indexer_types[0] != "full":
+            raise ValueError("indexer_types[0] must be 'full': a 'shared' layer reuses the top-k of a full layer "
+                             "before it")
+
+    @property
+    def is_sparse(self) -> bool:
+        """DeepSeek Sparse Attention: the layers select their keys with an indexer (``index_topk``)."""
+        return self.index_topk is not None
+
+    def has_indexer(self, layer_idx: int) -> bool:
+        """Layer ``layer_idx`` runs its own indexer (a "full" layer of a sparse model)."""
+        return self.is_sparse and (self.indexer_types is None or self.indexer_types[layer_idx] == "full")
+
+    @property
+    def num_index_layers(self) -> int:
+        """Index caches a sparse model keeps: one per full layer (a shared layer writes none)."""
+        return sum(map(self.has_indexer, range(self.num_hidden_layers)))
+
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -213,10 +269,21 @@ class MLAConfig:
 
     def routed_options(self, options: PlanOptions) -> PlanOptions:
         """``options`` with ``absorb_max_query_len=None`` resolved at this model's dims (one device: across
-        ranks None stays the context-parallel cost model's)."""
+        ranks None stays the context-parallel cost model's), and for a sparse model ``index_topk`` its own."""
+        options = self.sparse_options(options)
         if options.absorb_max_query_len is not None:
             return options
         return dataclasses.replace(options, absorb_max_query_len=self.default_absorb_max_query_len)
+
+    def sparse_options(self, options: PlanOptions) -> PlanOptions:
+        """``options`` with this model's ``index_topk`` (None for a dense model): a step's K_I is the model's."""
+        if options.index_topk == self.index_topk:
+            return options
+        if options.index_topk is not None:
+            has = "has no indexer (dense MLA)" if self.index_topk is None else \
+                f"selects index_topk={self.index_topk} keys (config.json's)"
+            raise ValueError(f"options.index_topk is {options.index_topk}, but the model {has}: leave it None")
+        return dataclasses.replace(options, index_topk=self.index_topk)
 
     @property
     def softmax_scale(self) -> float:

@@ -23,6 +23,11 @@ begins the step once (``ModelStep``: the rotary tables and ``mla_ops.begin_step`
 attention step) and every layer makes one attention call on it: with a device plan
 (``max_chunks=K``) the whole step reads no device value and compiles to one graph, the planner
 running once however many layers there are.
+
+A sparse model (DeepSeek Sparse Attention: ``MLAConfig.index_topk``, DeepSeek-V3.2, GLM-5) keeps an index
+cache beside the latent one (``kv_caches.DSACaches``) and needs a plan made with its ``index_topk``; its
+layers pass the step's top-k along (``DecoderLayer.forward_sparse``), so a "shared" layer reuses its full
+layer's selection instead of recomputing it.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from ..parallel import ContextParallel
 from ..parallel.tensor_parallel import check_divisible
 from ..planning.plan import PrefillPlan
 from .config import MLAConfig
+from .kv_caches import Caches, DSACaches, check_caches
 from .layer import CompiledRegion, DecoderLayer, ModelStep, RMSNorm, check_plan_block_table, scaled
 from .longcat import LongcatDecoderLayer
 from .moe import linear
@@ -111,45 +117,65 @@ class MLAModel(nn.Module):
 
     def allocate_kv_caches(
         self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None, device=None
-    ) -> torch.Tensor:
+    ) -> Caches:
         """Zeroed caches [num_cache_layers, num_blocks, block_size, L+R] (one per attention: num_hidden_layers,
         twice that for LongCat-Flash); dtype and device default to the model's (a float8_e4m3fn cache then needs
-        ``k_scale`` in ``forward``)."""
+        ``k_scale`` in ``forward``). A sparse model's: a ``DSACaches`` of that latent tensor and its index cache
+        [num_index_layers, num_blocks, block_size, D_I] (one per layer with an indexer; float8 needs
+        ``k_scale_index``)."""
         c = self.config
         weight = self.embed_tokens.weight
-        return torch.zeros(
-            self.num_cache_layers, num_blocks, block_size, c.kv_lora_rank + c.qk_rope_head_dim,
-            dtype=dtype or weight.dtype, device=device or weight.device,
-        )
+        dtype, device = dtype or weight.dtype, device or weight.device
+        latent = torch.zeros(self.num_cache_layers, num_blocks, block_size, c.kv_lora_rank + c.qk_rope_head_dim,
+                             dtype=dtype, device=device)
+        if not c.is_sparse:
+            return latent
+        return DSACaches(latent, torch.zeros(c.num_index_layers, num_blocks, block_size, c.index_head_dim,
+                                             dtype=dtype, device=device))
 
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: torch.Tensor,  # [num_cache_layers, num_blocks, block_size, L+R] (allocate_kv_caches)
+        kv_caches: Caches,  # [num_cache_layers, num_blocks, block_size, L+R] or DSACaches (allocate_kv_caches)
         slot_mapping: torch.Tensor,  # [T]
         block_table: torch.Tensor,  # [B, max_blocks] int32, shared by all layers: the plan's
         plan: PrefillPlan,  # one plan per step (mla_ops.plan_prefill), shared by all layers
         *,
         k_scale: float | torch.Tensor | None = None,
         backend: str = "auto",
+        k_scale_index: float | torch.Tensor | None = None,  # a float8 index cache's scale (sparse models)
     ) -> torch.Tensor:
-        if kv_caches.dim() != 4 or kv_caches.shape[0] != self.num_cache_layers:
-            raise ValueError(
-                f"kv_caches must be [num_cache_layers={self.num_cache_layers}, num_blocks, block_size, L+R], "
-                f"got shape {tuple(kv_caches.shape)} (see allocate_kv_caches)"
-            )
+        c = self.config
+        check_caches(kv_caches, self.num_cache_layers, c.num_index_layers if c.is_sparse else None)
         check_plan_block_table(block_table, plan)
+        if plan.index_topk != (c.index_topk or 0):
+            raise ValueError(f"plan was made with index_topk={plan.index_topk or None}, but the model selects "
+                             f"index_topk={c.index_topk}: plan the step with plan_prefill(..., index_topk="
+                             f"{c.index_topk}) (config.index_topk)")
         check_step_inputs(input_ids, positions, plan, self.embed_tokens.num_embeddings)
-        step = ModelStep.begin(self.config, positions, plan, kv_caches, slot_mapping, k_scale, backend,
-                               self.embed_tokens.weight.dtype)  # once, not per layer
-        x = scaled(self.embed_tokens(input_ids), self.config.embedding_scale)  # [T, H]
+        latent = kv_caches.latent if c.is_sparse else kv_caches
+        step = ModelStep.begin(c, positions, plan, latent, slot_mapping, k_scale, backend,
+                               self.embed_tokens.weight.dtype, k_scale_index)  # once, not per layer
+        x = scaled(self.embed_tokens(input_ids), c.embedding_scale)  # [T, H]
+        if c.is_sparse:
+            return self.norm(self._sparse_layers(x, kv_caches, step))
         first = 0
         for layer in self.layers:  # a layer of several attentions gets its caches [n, num_blocks, block_size, L+R]
             n = layer.num_kv_caches
             x = layer(x, kv_caches[first] if n == 1 else kv_caches[first : first + n], step)
             first += n
         return self.norm(x)  # [T, H]
+
+    def _sparse_layers(self, x: torch.Tensor, kv_caches: DSACaches, step: ModelStep) -> torch.Tensor:
+        """The layers of a sparse model: the top-k of each full layer goes on to the shared layers after it."""
+        topk, index = None, 0
+        for i, layer in enumerate(self.layers):
+            index_cache = None
+            if layer.self_attn.indexer is not None:
+                index_cache, index = kv_caches.index[index], index + 1
+            x, topk = layer.forward_sparse(x, kv_caches.latent[i], index_cache, step, topk)
+        return x
 
 
 def local_config(config: MLAConfig, context_parallel: ContextParallel) -> MLAConfig:
@@ -159,6 +185,9 @@ def local_config(config: MLAConfig, context_parallel: ContextParallel) -> MLACon
     if not isinstance(context_parallel, ContextParallel):
         raise TypeError(f"context_parallel must be a mla_ops.ContextParallel or None, got "
                         f"{type(context_parallel).__name__}")
+    if config.is_sparse:
+        raise ValueError("context_parallel does not serve DeepSeek Sparse Attention models (index_topk) yet: "
+                         "their index cache and top-k are not sharded (docs/limitations.md)")
     if config.decoder_layer != "deepseek" or config.zero_expert_num:  # an identity expert's x would be summed D times
         raise ValueError(f"context_parallel: only DeepSeek's layers without identity experts are sharded, got "
                          f"decoder_layer {config.decoder_layer!r}, zero_expert_num={config.zero_expert_num}")
@@ -198,7 +227,7 @@ class MLAForCausalLM(nn.Module):
         return load_pretrained(cls, path, dtype=dtype, device=device, context_parallel=context_parallel)
 
     def allocate_kv_caches(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
-                           device=None) -> torch.Tensor:
+                           device=None) -> Caches:
         return self.model.allocate_kv_caches(num_blocks, block_size, dtype, device)
 
     def compile_layers(self, **options) -> MLAForCausalLM:
@@ -210,16 +239,17 @@ class MLAForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: torch.Tensor,  # [num_cache_layers, num_blocks, block_size, L+R]
+        kv_caches: Caches,  # [num_cache_layers, num_blocks, block_size, L+R], or a sparse model's DSACaches
         slot_mapping: torch.Tensor,  # [T]
         block_table: torch.Tensor,  # [B, max_blocks] int32: the plan's
         plan: PrefillPlan,
         *,
         k_scale: float | torch.Tensor | None = None,
         backend: str = "auto",
+        k_scale_index: float | torch.Tensor | None = None,
     ) -> torch.Tensor:
         hidden = self.model(input_ids, positions, kv_caches, slot_mapping, block_table, plan,
-                            k_scale=k_scale, backend=backend)  # [T, H]
+                            k_scale=k_scale, backend=backend, k_scale_index=k_scale_index)  # [T, H]
         return self.logits(hidden)  # [T, vocab]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,11 @@
   and its query scale is its own; ``mla_ops.models.mistral4``; LongCat-Flash's layer structure, identity
   experts and LoRA scalings: ``_longcat_flash_kwargs``). What a model type implies that no key says (A.X-K1's
   MoE output norm and its optional correction bias) is ``FAMILY_FIXED``.
+* DeepSeek Sparse Attention's keys (``SPARSE_TYPES``: ``deepseek_v32``, ``glm_moe_dsa``): ``index_topk``,
+  ``index_n_heads``, ``index_head_dim``, GLM-5's ``indexer_types`` (or the ``index_topk_pattern`` /
+  ``index_topk_freq`` / ``index_skip_topk_offset`` it is derived from, as GlmMoeDsaConfig does) and the
+  indexer's RoPE layout the model type implies (V3.2: halves; GLM-5: interleaved pairs); ``layer_types``, if
+  given, must say "indexed_attention" for every layer.
 
 The gate a model type implies stays in ``hf_config.MODEL_TYPES``.
 """
@@ -105,8 +110,45 @@ def _longcat_flash_kwargs(c: dict) -> dict:
     return dict(decoder_layer="longcat", zero_expert_num=c["zero_expert_num"], **scales)
 
 
+def _deepseek_v32(c: dict) -> dict:
+    # DeepseekV32Config: V3's sizes and gate groups, 3 dense layers; its attention always interleaves the
+    # main RoPE rows (the config has no rope_interleave), its indexer rotates halves.
+    return {"n_group": 8, "topk_group": 4, "first_k_dense_replace": 3, "index_topk": 2048, "index_n_heads": 64,
+            "index_head_dim": 128, **c, "rope_interleave": True}
+
+
+def _glm_moe_dsa(c: dict) -> dict:
+    # GlmMoeDsaConfig: GLM-5's (DeepseekV32Config's, with one group, eps 1e-5 and 32 indexer heads).
+    return {**_deepseek_v32({"n_group": 1, "topk_group": 1, "rms_norm_eps": 1e-5, "index_n_heads": 32, **c}),
+            "indexer_types": _glm_indexer_types(c)}
+
+
+def _glm_indexer_types(c: dict):
+    """GlmMoeDsaConfig.__post_init__'s ``indexer_types``: given, else from ``index_topk_pattern`` ("FSS...")
+    or the ``index_topk_freq`` / ``index_skip_topk_offset`` schedule (defaults 1 and 2: every layer full)."""
+    if c.get("indexer_types") is not None:
+        return c["indexer_types"]
+    pattern = c.get("index_topk_pattern")
+    if pattern is not None:
+        if not isinstance(pattern, str):
+            return pattern  # a list: MLAConfig checks its entries
+        kinds = {"F": "full", "S": "shared"}
+        if set(pattern) - set(kinds):
+            raise ValueError(f"index_topk_pattern must be a string of 'F' (full) and 'S' (shared), got {pattern!r}")
+        return [kinds[ch] for ch in pattern]
+    layers = _size(c, "num_hidden_layers")
+    if layers is None:
+        return None  # MLAConfig names num_hidden_layers
+    freq = _checks.check_int(c.get("index_topk_freq", 1), "index_topk_freq", 0)
+    offset = _checks.check_int(c.get("index_skip_topk_offset", 2), "index_skip_topk_offset")
+    freq = max(freq, 1)
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
+
+
 # model_type -> (config.json dict -> a copy with what its transformers config fills in for absent keys)
 FAMILIES = {
+    "deepseek_v32": _deepseek_v32,
+    "glm_moe_dsa": _glm_moe_dsa,
     "glm4_moe_lite": _glm4_moe_lite,
     "minicpm3": _minicpm3,
     "youtu": lambda c: {"tie_word_embeddings": True, **c},
@@ -130,6 +172,23 @@ FAMILY_FIXED = {"axk1": dict(post_mlp_layernorm=True, optional_correction_bias=T
 FAMILY_KEYS = {"mistral4": mistral4.config_kwargs, "longcat_flash": _longcat_flash_kwargs}
 
 
+# DeepSeek Sparse Attention's model types -> whether the indexer's RoPE rows are interleaved pairs.
+SPARSE_TYPES = {"deepseek_v32": False, "glm_moe_dsa": True}
+
+
+def _sparse_kwargs(c: dict, model_type: str) -> dict:
+    layer_types = c.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or any(kind != "indexed_attention" for kind in layer_types):
+            raise ValueError(f"layer_types must list 'indexed_attention' for every layer (a {model_type} model's "
+                             f"attention), got {layer_types!r}")
+    if c.get("index_topk") is None:
+        raise ValueError(f"config.json sets index_topk=null: a {model_type} model's indexer selects index_topk keys")
+    return dict(index_topk=c.get("index_topk"), index_n_heads=c.get("index_n_heads"),
+                index_head_dim=c.get("index_head_dim"), indexer_rope_interleave=SPARSE_TYPES[model_type],
+                indexer_types=c.get("indexer_types"))
+
+
 def family_kwargs(keys, model_type) -> dict:
     """MLAConfig's ``mlp_layer_types`` and scalings from config.json (``keys``: ``hf_config._Keys``), and
     what a ``FAMILY_KEYS`` family reads itself."""
@@ -142,6 +201,8 @@ def family_kwargs(keys, model_type) -> dict:
             raise ValueError(f"config.json sets {where}partial_rotary_factor={factor}: only 1 (RoPE over all "
                              "qk_rope_head_dim) is supported")
     out = dict(FAMILY_FIXED.get(model_type, {}))
+    if model_type in SPARSE_TYPES:
+        out.update(_sparse_kwargs(keys.c, model_type))
     if keys.get("mlp_layer_types") is not None:
         out["mlp_layer_types"] = keys.get("mlp_layer_types")
     if keys.get("scale_emb") is not None:

@@ -4,6 +4,13 @@ the step it runs on (``ModelStep``) and its regions for regional compilation (``
 T new tokens (all requests, concatenated)   H hidden_size        N num_attention_heads
 L kv_lora_rank   P qk_nope_head_dim   R qk_rope_head_dim   V v_head_dim
 kv_cache  [num_blocks, block_size, L+R]   one latent row [kv_c | k_pe] per token, k_pe rotated
+index_cache  [num_blocks, block_size, D_I]   a sparse (DSA) layer's index keys (same blocks)
+topk      [T, index_topk] int32   the keys each query attends (a sparse step's; -1 padding)
+
+A sparse model's layers (``MLAConfig.index_topk``) add the lightning indexer (``mla_ops.models.indexer``) and
+run through ``DecoderLayer.forward_sparse``: a full layer writes its index keys and selects its top-k
+(``mla_ops.index_topk``); a "shared" layer (GLM-5) has no indexer and attends the top-k it is handed, the
+previous full layer's of the same step, computed once.
 
 Families with a layer structure of their own (LongCat-Flash: ``mla_ops.models.longcat``) build theirs
 from these parts; ``mla_ops.models.decoder`` picks a model's layer class by ``MLAConfig.decoder_layer``.
@@ -18,10 +25,13 @@ import torch
 from torch import nn
 
 from .._env import own_code
+from ..ops.cache import write_index_cache
+from ..ops.indexer import index_topk
 from ..parallel.tensor_parallel import all_reduce
 from ..planning.plan import PrefillPlan, check_step_tensors
 from ..prefill import PrefillStep, begin_step
 from .config import MLAConfig
+from .indexer import Indexer
 from .moe import FeedForward, MoE, linear
 from .rope import acc_dtype, apply_rotary_emb, rotary_cos_sin
 
@@ -33,14 +43,15 @@ class ModelStep(NamedTuple):
     sin: torch.Tensor
     attention: PrefillStep  # the plan checked against the caches and slots, the kernels chosen
     q_scale: torch.Tensor | None = None  # [T] per-token query factors (config.query_scale), or None
+    k_scale_index: torch.Tensor | float | None = None  # a float8 index cache's scale (sparse models)
 
     @classmethod
     def begin(cls, config: MLAConfig, positions, plan, kv_caches, slot_mapping, k_scale, backend,
-              dtype) -> ModelStep:
+              dtype, k_scale_index=None) -> ModelStep:
         attention = begin_step(plan, kv_caches, slot_mapping, k_scale=k_scale, backend=backend)
         cos, sin = rotary_cos_sin(positions, config.qk_rope_head_dim, config.rope_theta, dtype, config.rope_scaling)
         q_scale = None if config.query_scale is None else config.query_scale.scales(positions, dtype)
-        return cls(cos, sin, attention, q_scale)
+        return cls(cos, sin, attention, q_scale, k_scale_index)
 
 
 class CompiledRegion:
@@ -96,7 +107,7 @@ class MLAAttention(nn.Module):
     """``config``: the rank's own config under tensor parallel (``local_config``: N / D heads); ``tp_group``:
     the group whose ``o_proj`` partial sums are added up (None: one device)."""
 
-    def __init__(self, config: MLAConfig, tp_group=None):
+    def __init__(self, config: MLAConfig, tp_group=None, layer_idx: int = 0):
         super().__init__()
         c, std = config, config.initializer_range
         self.tp_group = tp_group
@@ -119,6 +130,9 @@ class MLAAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.lora_norm_eps)
         self.kv_b_proj = linear(c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), std)
         self.o_proj = linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, std)
+        # DeepSeek Sparse Attention: a layer's own indexer, or None (dense, or a "shared" layer of a sparse model)
+        self.sparse = c.is_sparse
+        self.indexer = Indexer(c) if c.has_indexer(layer_idx) else None
 
     def forward(
         self,
@@ -133,6 +147,9 @@ class MLAAttention(nn.Module):
         backend: str = "auto",
     ) -> torch.Tensor:
         """The layer alone: a step of its own (``MLAModel`` begins one for all its layers)."""
+        if self.sparse:
+            raise ValueError("a sparse (index_topk) attention runs in its model (MLAModel), which keeps its index "
+                             "cache and the step's top-k")
         check_plan_block_table(block_table, plan)
         step = ModelStep.begin(self.config, positions, plan, kv_cache, slot_mapping, k_scale, backend, hidden.dtype)
         q, kv_c, k_pe = self.project(hidden, step.cos, step.sin)
@@ -140,18 +157,21 @@ class MLAAttention(nn.Module):
 
     def project(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """The dense part before attention: rotated queries ``q`` [T, N, P+R] and the new tokens'
-        latent rows ``kv_c`` [T, L] and rotated ``k_pe`` [T, R]."""
+        latent rows ``kv_c`` [T, L] and rotated ``k_pe`` [T, R]; with an indexer also its ``q_index``
+        [T, H_I, D_I], ``weights`` [T, H_I] and ``k_index`` [T, D_I] (``mla_ops.models.indexer``)."""
         num_tokens = hidden.shape[0]
         N, L, P, R = self.num_heads, self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim
         if self.q_lora_rank is None:
             q = self.q_proj(hidden)  # [T, N*(P+R)]
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))  # [T, q_lora_rank] -> [T, N*(P+R)]
+            q_resid = self.q_a_layernorm(self.q_a_proj(hidden))  # [T, q_lora_rank]
+            q = self.q_b_proj(q_resid)  # [T, N*(P+R)]
         q_nope, q_pe = q.view(num_tokens, N, P + R).split([P, R], dim=-1)  # [T, N, P], [T, N, R]
         kv_c, k_pe = self.kv_a_proj_with_mqa(hidden).split([L, R], dim=-1)  # [T, L], [T, R]
         q_pe = apply_rotary_emb(q_pe, cos[:, None, :], sin[:, None, :])
         q = torch.cat([q_nope, q_pe], dim=-1)  # [T, N, P+R]
-        return q, self.kv_a_layernorm(kv_c), apply_rotary_emb(k_pe, cos, sin)
+        latent = (q, self.kv_a_layernorm(kv_c), apply_rotary_emb(k_pe, cos, sin))
+        return latent if self.indexer is None else latent + self.indexer(hidden, q_resid, cos, sin)
 
     def attend(self, q, kv_c, k_pe, kv_cache, step: ModelStep) -> torch.Tensor:
         """Write the new rows into the cache and attend (``PrefillStep.run``): ``[T, N, V]``, before
@@ -159,6 +179,24 @@ class MLAAttention(nn.Module):
         if step.q_scale is not None:  # per token, so not in the softmax scale: the same for every attention path
             q = (q.to(step.q_scale.dtype) * step.q_scale[:, None, None]).to(q.dtype)
         return step.attention.run(q, kv_c, k_pe, kv_cache, self.kv_b_proj.weight, self.softmax_scale)
+
+    def attend_sparse(self, q, kv_c, k_pe, kv_cache, step: ModelStep, index, index_cache, topk):
+        """``attend`` over each query's selected keys: with an indexer (``index`` = its q_index, weights,
+        k_index) this layer's top-k, its index keys written into ``index_cache``; without (a shared layer)
+        ``topk``, the step's from its full layer. Returns ([T, N, V], the top-k it attended)."""
+        if self.indexer is not None:
+            q_index, weights, k_index = index
+            topk = index_topk(q_index, weights, k_index, index_cache, step.attention.plan,
+                              k_scale_index=step.k_scale_index)  # scores the new keys as given: order is free
+            if step.attention.slot_mapping is not None:
+                write_index_cache(k_index, step.attention.slot_mapping, index_cache, step.k_scale_index)
+        elif topk is None:
+            raise ValueError("a shared DSA layer (indexer_types 'shared') needs the top-k of a full layer before it")
+        if step.q_scale is not None:
+            q = (q.to(step.q_scale.dtype) * step.q_scale[:, None, None]).to(q.dtype)
+        out = step.attention.run(q, kv_c, k_pe, kv_cache, self.kv_b_proj.weight, self.softmax_scale,
+                                 topk_indices=topk)
+        return out, topk
 
 
 def check_plan_block_table(block_table: torch.Tensor, plan: PrefillPlan) -> None:
@@ -190,7 +228,7 @@ class DecoderLayer(nn.Module):
         self.tp_group = tp_group  # tensor parallel: the partial sums of o_proj and the MLP are all-reduced
         self.residual_scale = config.residual_scale  # MiniCPM3's; 1: none
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = MLAAttention(config, tp_group)
+        self.self_attn = MLAAttention(config, tp_group, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.is_moe_layer(layer_idx):
             self.mlp = MoE(config)
@@ -208,6 +246,16 @@ class DecoderLayer(nn.Module):
         inputs, output = self.regions or (DecoderLayer.attention_inputs, DecoderLayer.attention_output)
         q, kv_c, k_pe = inputs(self, x, step.cos, step.sin)
         return output(self, x, self.self_attn.attend(q, kv_c, k_pe, kv_cache, step))
+
+    def forward_sparse(self, x: torch.Tensor, kv_cache: torch.Tensor, index_cache: torch.Tensor | None,
+                       step: ModelStep, topk: torch.Tensor | None):
+        """A sparse model's layer: ``forward`` with the lightning indexer (module doc). ``index_cache``: this
+        layer's (None for a shared layer); ``topk``: the step's last full layer's (None before the first).
+        Returns (the residual stream after the layer, the top-k the next shared layer reuses)."""
+        inputs, output = self.regions or (DecoderLayer.attention_inputs, DecoderLayer.attention_output)
+        q, kv_c, k_pe, *index = inputs(self, x, step.cos, step.sin)
+        attention, topk = self.self_attn.attend_sparse(q, kv_c, k_pe, kv_cache, step, index, index_cache, topk)
+        return output(self, x, attention), topk
 
     def attention_inputs(self, x, cos, sin):
         """``x`` [T, H] -> the attention's ``q``, ``kv_c``, ``k_pe`` (``MLAAttention.project``)."""

@@ -21,6 +21,9 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import _checks as checks
+import torch
+
+from ..planning.index_schedule import pieces_needed, sequence_lens, sparse_requests
 from ..planning.options import PlanOptions
 from ..planning.routing import route_context
 
@@ -95,15 +98,27 @@ class Buckets(NamedTuple):
 
         The chunk count follows the device plan's own routing (``options``): absorbed requests
         take no chunk. ``stripe``: context parallel's ``interleave * D``, chunks holding whole stripes.
+        A DeepSeek Sparse Attention step (``options.index_topk``): sparse requests take no attention chunk,
+        and K must also hold the indexer's chunks of the padded step (the padding request may be sparse).
         """
+        tokens = smallest_at_least(self.tokens, int(query_start_loc[-1]))
+        requests = smallest_at_least(self.requests, context_lens.size)
+        if tokens is None or requests is None:
+            return None
+        index_chunks = 0
+        if options.index_topk:
+            padded = torch.from_numpy(padded_lengths(Bucket(tokens, requests, 0), query_start_loc, context_lens))
+            qsl, ctx = padded[: requests + 2], padded[requests + 2 :]
+            sparse = sparse_requests(qsl, ctx, options.index_topk)
+            index_chunks = pieces_needed(sequence_lens(qsl, ctx, sparse), ctx, qsl, options.workspace_size,
+                                         options.index_tokens)
+            context_lens = np.where(sparse.numpy()[: context_lens.size], 0, context_lens)  # no attention chunk
         chunked, _ = route_context(context_lens, np.diff(query_start_loc), options.absorb_threshold,
                                    options.absorbed_capacity)
         stripes = -(-chunked.astype(np.int64) // stripe)
-        chunks_needed = max(1, -(-int(stripes.sum()) // (options.workspace_size // stripe)))
-        sizes = (smallest_at_least(self.tokens, int(query_start_loc[-1])),
-                 smallest_at_least(self.requests, context_lens.size),
-                 smallest_at_least(self.chunks, chunks_needed))
-        return None if None in sizes else Bucket(*sizes)
+        chunks_needed = max(1, -(-int(stripes.sum()) // (options.workspace_size // stripe)), index_chunks)
+        chunks = smallest_at_least(self.chunks, chunks_needed)
+        return None if chunks is None else Bucket(tokens, requests, chunks)
 
 
 def padded_lengths(bucket: Bucket, query_start_loc: np.ndarray, context_lens: np.ndarray) -> np.ndarray:

@@ -44,6 +44,7 @@ from typing import Callable, Sequence
 import torch
 
 from .. import _checks as checks
+from ..models.kv_caches import grown
 from ..parallel import collectives
 from ..planning.options import PlanOptions, options_from
 from ..prefill import plan_with_options
@@ -105,6 +106,10 @@ def _settings(options, num_blocks, compile, prefix_caching, **loose) -> Generato
 class Generator:
     """A model, its paged latent cache and the prefix-cache index, kept across ``generate`` calls.
 
+    A sparse (DSA) model's index cache lives beside the latent cache (``DSACaches``, same block ids): the
+    prefix cache shares and evicts a block's rows in both, and every step is planned with the model's
+    ``index_topk``.
+
     model: an ``MLAForCausalLM``. options: a ``PlanOptions``, how every step is planned (the routing
     included); or, instead, the loose keywords ``block_size``, ``workspace_size``,
     ``absorb_max_query_len`` and ``max_absorbed_tokens`` (``plan_prefill``'s meanings) that build
@@ -133,7 +138,7 @@ class Generator:
         self.manager = BlockManager(num_blocks or 1, self.block_size, prefix_caching)
         self.scheduler = Scheduler(self.manager, self._layout, self.settings.num_blocks)
         self.tokens_per_block = self.scheduler.tokens_per_block  # global tokens per block id
-        self.kv_caches: torch.Tensor | None = None
+        self.kv_caches = None  # the model's allocate_kv_caches: a tensor, or a sparse model's DSACaches
         self.stats = GenerationStats()
         self._fingerprint = None
         self._runner: PrefillGraphs | None = None  # compile=True: the step runner and the cache it was built for
@@ -169,10 +174,8 @@ class Generator:
             self.kv_caches = self.model.allocate_kv_caches(self.manager.num_blocks, self.block_size)
 
     def _grow_cache(self) -> None:
-        """The cache tensor to the manager's block count; block ids (and cached rows) stay valid."""
-        grown = self.model.allocate_kv_caches(self.manager.num_blocks, self.block_size)
-        grown[:, : self.kv_caches.shape[1]] = self.kv_caches
-        self.kv_caches = grown
+        """The caches to the manager's block count; block ids (and cached rows, latent and index) stay valid."""
+        self.kv_caches = grown(self.kv_caches, self.model.allocate_kv_caches(self.manager.num_blocks, self.block_size))
 
     # ---- one step ------------------------------------------------------------------------------
 

@@ -46,6 +46,7 @@ import torch
 from .. import _checks as checks
 from .._env import own_code
 from ..models.config import MLAConfig
+from ..models.kv_caches import DSACaches, cache_tensors
 from ..ops.backends import BACKENDS
 from ..parallel.layout import local_context_lens
 from ..planning.options import PlanOptions, options_from
@@ -199,7 +200,7 @@ class PrefillGraphs:
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: torch.Tensor,  # the model's caches (MLAModel: [layers, num_blocks, block_size, L+R])
+        kv_caches,  # the model's caches (MLAModel: [layers, num_blocks, block_size, L+R], or DSACaches)
         slot_mapping: torch.Tensor,  # [T], negative = write nothing
         block_table: torch.Tensor,  # [B, max_blocks] int32
         query_start_loc: torch.Tensor,  # [B+1] int32, best on the CPU (read on the host)
@@ -355,23 +356,29 @@ class PrefillGraphs:
         return torch.tensor([float(k_scale)], dtype=torch.float32, device=self.device)
 
     def _check_caches(self, kv_caches) -> None:
-        """Buckets are built for one cache: its memory (captured) or its geometry (compiled)."""
-        if not isinstance(kv_caches, torch.Tensor):
-            raise TypeError(f"kv_caches must be a torch.Tensor, got {type(kv_caches).__name__}")
-        if kv_caches.device != self.device:
-            raise ValueError(f"kv_caches must be on {self.device} (the model's device), got {kv_caches.device}")
+        """Buckets are built for one cache: its memory (captured) or its geometry (compiled). A sparse model's
+        ``DSACaches``: both its tensors."""
+        if not isinstance(kv_caches, (torch.Tensor, DSACaches)):
+            raise TypeError(f"kv_caches must be a torch.Tensor (or a sparse model's DSACaches), got "
+                            f"{type(kv_caches).__name__}")
+        tensors = cache_tensors(kv_caches)
+        if any(not isinstance(t, torch.Tensor) or t.device != self.device for t in tensors):
+            raise ValueError(f"kv_caches must be on {self.device} (the model's device), got "
+                             f"{[getattr(t, 'device', type(t).__name__) for t in tensors]}")
         bound = self._caches
         if bound is None or self.mode == "eager" or self.regional:  # nothing built for one cache
             self._caches = kv_caches
             return
-        same_geometry = (kv_caches.shape, kv_caches.stride(), kv_caches.dtype, kv_caches.device) == \
-            (bound.shape, bound.stride(), bound.dtype, bound.device)
-        if not same_geometry or (self.mode == "cuda_graph" and kv_caches.data_ptr() != bound.data_ptr()):
+        geometry = lambda ts: [(t.shape, t.stride(), t.dtype, t.device) for t in ts]  # noqa: E731
+        bound_tensors = cache_tensors(bound)
+        same_geometry = type(kv_caches) is type(bound) and geometry(tensors) == geometry(bound_tensors)
+        if not same_geometry or (self.mode == "cuda_graph" and
+                                 [t.data_ptr() for t in tensors] != [t.data_ptr() for t in bound_tensors]):
             what = "the tensor" if self.mode == "cuda_graph" else "the shape, strides and dtype of the tensor"
+            shapes = lambda ts: ", ".join(f"{tuple(t.shape)} {t.dtype} on {t.device}" for t in ts)  # noqa: E731
             raise ValueError(
-                f"kv_caches must be {what} the buckets were built with ({tuple(bound.shape)} {bound.dtype} on "
-                f"{bound.device}), got {tuple(kv_caches.shape)} {kv_caches.dtype} on {kv_caches.device}: "
-                "use one runner per cache"
+                f"kv_caches must be {what} the buckets were built with ({shapes(bound_tensors)}), got "
+                f"{shapes(tensors)}: use one runner per cache"
             )
 
     def _host_lengths(self, input_ids, positions, kv_caches, slot_mapping, block_table, query_start_loc,
@@ -396,8 +403,9 @@ class PrefillGraphs:
                 raise TypeError(f"{name} must be an integer tensor, got {x.dtype}")
             if x.shape[0] != tokens:
                 raise ValueError(f"{name} must have T = query_start_loc[-1] = {tokens} entries, got {x.shape[0]}")
-        if isinstance(kv_caches, torch.Tensor) and kv_caches.dim() >= 3:
-            num_blocks = kv_caches.shape[-3]
+        first = cache_tensors(kv_caches)[0] if isinstance(kv_caches, (torch.Tensor, DSACaches)) else None
+        if isinstance(first, torch.Tensor) and first.dim() >= 3:
+            num_blocks = first.shape[-3]
             if block_table.device.type == "cpu" and max_block_id >= num_blocks:
                 raise ValueError(f"block_table uses block {max_block_id}, past the {num_blocks} blocks of kv_caches")
             if checks.values_readable(slot_mapping) and tokens and int(slot_mapping.max()) >= num_blocks * self.block_size:

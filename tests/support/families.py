@@ -72,19 +72,21 @@ def relative_diff(got: torch.Tensor, ref: torch.Tensor) -> float:
 @torch.no_grad()
 def check_logits(path, hf, rtol=1e-6) -> float:
     """The largest logit difference (relative to the largest logit) of ``from_pretrained(path)`` against
-    ``hf`` in float64, over the three kinds of step; each must be within ``rtol``."""
+    ``hf`` in float64, over the three kinds of step; each must be within ``rtol``. A sparse (DSA) model's
+    steps are planned with its ``index_topk``."""
     model = mla_ops.MLAForCausalLM.from_pretrained(path, dtype=torch.float64)
+    sparse = {"index_topk": model.config.index_topk} if model.config.is_sparse else {}
     hf = hf.to(torch.float64)
     prompts = prompts_of([13, 7, 21], model.config.vocab_size, seed=1)
     expect = [hf(torch.tensor([p])).logits[0] for p in prompts]  # each whole sequence, no cache
     caches = model.allocate_kv_caches(3 * 8, 4)
     worst = 0.0
-    for got, ref in zip(step(model, caches, prompts, [0, 0, 0]), expect):  # batched, nothing cached
+    for got, ref in zip(step(model, caches, prompts, [0, 0, 0], **sparse), expect):  # batched, nothing cached
         worst = max(worst, relative_diff(got, ref))
     cached = [8, 0, 17]  # request 1 has no context
-    step(model, caches, [p[:c] for p, c in zip(prompts, cached)], [0, 0, 0])
+    step(model, caches, [p[:c] for p, c in zip(prompts, cached)], [0, 0, 0], **sparse)
     for options in ({"absorb_max_query_len": 64}, {"absorb_max_query_len": 0, "workspace_size": 8}):  # absorbed; chunk loop
-        for got, ref, c in zip(step(model, caches, prompts, cached, **options), expect, cached):
+        for got, ref, c in zip(step(model, caches, prompts, cached, **options, **sparse), expect, cached):
             worst = max(worst, relative_diff(got, ref[c:]))
     assert worst <= rtol, f"largest logit difference {worst:.2e} (relative) > {rtol:.0e}"
     return worst

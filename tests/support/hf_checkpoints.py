@@ -87,14 +87,17 @@ def dequantize_reference(q: torch.Tensor, scale: torch.Tensor, block: tuple[int,
 
 
 def _quantized(name: str, tensor: torch.Tensor) -> bool:
-    """DeepSeek-V3 keeps embeddings, lm_head, norms and the router in high precision."""
-    return tensor.dim() == 2 and ".layers." in name and ".mlp.gate." not in name and "layernorm" not in name
+    """DeepSeek-V3 keeps embeddings, lm_head, norms and the router in high precision (V3.2 its indexer's
+    head weights too)."""
+    return tensor.dim() == 2 and ".layers." in name and ".mlp.gate." not in name and "layernorm" not in name \
+        and ".indexer.weights_proj." not in name
 
 
 @torch.no_grad()
-def save_release_fp8(hf_model, path: str, block=(16, 16)) -> None:
+def save_release_fp8(hf_model, path: str, block=(16, 16), released_keys: dict | None = None) -> None:
     """DeepSeek-V3 release layout; the weights of ``hf_model`` are replaced by their dequantized
-    values, so it stays the reference for what was written."""
+    values, so it stays the reference for what was written. ``released_keys``: config.json keys added or
+    replaced (another model type's release: DeepSeek-V3.2's)."""
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
@@ -146,6 +149,7 @@ def save_release_fp8(hf_model, path: str, block=(16, 16)) -> None:
             "tie_word_embeddings", "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "n_group",
             "topk_group", "norm_topk_prob", "routed_scaling_factor", "bos_token_id", "eos_token_id")},
     )
+    released.update(released_keys or {})
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(released, f, indent=1)
 

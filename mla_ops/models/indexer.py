@@ -1,0 +1,75 @@
+"""The lightning indexer of DeepSeek Sparse Attention (DESIGN §12): one layer's index queries, head weights
+and index keys, from which ``mla_ops.index_topk`` selects the ``index_topk`` keys each query's MLA may see.
+
+T new tokens   H hidden_size   Q q_lora_rank   R qk_rope_head_dim   H_I index_n_heads   D_I index_head_dim
+x        [T, H]         the layer's normed input (the attention's)
+q_resid  [T, Q]         the attention's q-LoRA latent, ``q_a_layernorm(q_a_proj(x))``
+-> q_index [T, H_I, D_I]   ``wq_b(q_resid)``, its first R dims of each head rotated
+   weights [T, H_I]        ``weights_proj(x) * H_I^-0.5 * D_I^-0.5`` (float32, float64 for a float64 model)
+   k_index [T, D_I]        ``k_norm(wk(x))`` (a LayerNorm with bias), its first R dims rotated
+
+The score of key s for query t is ``sum_h weights[t, h] * relu(q_index[t, h] . k_index[s])``: transformers'
+``softmax_scale`` (D_I^-0.5) and ``n_heads^-0.5`` folded into the weights, as ``relu(a y) = a relu(y)`` for a > 0.
+The checkpoint names are transformers' and the releases' (``self_attn.indexer.wq_b`` / ``wk`` / ``k_norm`` /
+``weights_proj``). The RoPE is the main attention's frequencies (YaRN included) over the first R dims, rotating
+halves: DeepSeek-V3.2's indexer rotates halves as stored; GLM-5's interleaves pairs
+(``MLAConfig.indexer_rope_interleave``), whose rows (of ``wq_b`` per head, of ``wk`` and ``k_norm``) the loader
+permutes to halves once (``convert_interleaved``), which changes no score: q and k are permuted alike and the
+LayerNorm is permuted with its weight and bias. ``weights_proj`` stays float32 in half-precision models, as
+transformers keeps it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from .config import MLAConfig
+from .moe import linear
+from .rope import acc_dtype, apply_rotary_emb, deinterleave_index
+
+K_NORM_EPS = 1e-6  # transformers' and DeepSeek's indexer LayerNorm
+
+
+class Indexer(nn.Module):
+    def __init__(self, config: MLAConfig):
+        super().__init__()
+        c, std = config, config.initializer_range
+        self.n_heads, self.head_dim, self.rope_dim = c.index_n_heads, c.index_head_dim, c.qk_rope_head_dim
+        self.wq_b = linear(c.q_lora_rank, c.index_n_heads * c.index_head_dim, std)
+        self.wk = linear(c.hidden_size, c.index_head_dim, std)
+        self.k_norm = nn.LayerNorm(c.index_head_dim, eps=K_NORM_EPS)
+        self.weights_proj = linear(c.hidden_size, c.index_n_heads, std)
+        self.weight_scale = (c.index_n_heads * c.index_head_dim) ** -0.5  # folded into the head weights
+
+    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """(q_index [T, H_I, D_I], weights [T, H_I], k_index [T, D_I]) of the module doc; cos, sin [T, R]."""
+        num_tokens, R = x.shape[0], self.rope_dim
+        q = self.wq_b(q_resid).view(num_tokens, self.n_heads, self.head_dim)  # [T, H_I, D_I]
+        q = torch.cat([apply_rotary_emb(q[..., :R], cos[:, None, :], sin[:, None, :]), q[..., R:]], dim=-1)
+        k = self.k_norm(self.wk(x))  # [T, D_I]
+        k = torch.cat([apply_rotary_emb(k[..., :R], cos, sin), k[..., R:]], dim=-1)
+        dtype = acc_dtype(self.weights_proj.weight.dtype)
+        weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).to(dtype) * self.weight_scale
+        return q, weights, k  # [T, H_I, D_I], [T, H_I], [T, D_I]
+
+
+_WQ_B = re.compile(r"\.self_attn\.indexer\.wq_b\.weight$")
+_WK_NORM = re.compile(r"\.self_attn\.indexer\.(wk\.weight|k_norm\.weight|k_norm\.bias)$")
+
+
+def convert_interleaved(config: MLAConfig, target: str, tensor: torch.Tensor) -> torch.Tensor:
+    """An indexer tensor of an interleaved-RoPE checkpoint (GLM-5) with its first R rows (of each head for
+    ``wq_b``) as halves; other tensors unchanged."""
+    if not config.indexer_rope_interleave:
+        return tensor
+    R, D = config.qk_rope_head_dim, config.index_head_dim
+    order = deinterleave_index(R)
+    if _WQ_B.search(target):
+        heads = tensor.view(-1, D, tensor.shape[-1])  # [H_I, D_I, Q]
+        return torch.cat([heads[:, :R][:, order], heads[:, R:]], dim=1).reshape(tensor.shape)
+    if _WK_NORM.search(target):
+        return torch.cat([tensor[:R][order], tensor[R:]])
+    return tensor

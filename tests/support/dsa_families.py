@@ -1,0 +1,89 @@
+"""What the DeepSeek Sparse Attention families' tests (DeepSeek-V3.2, GLM-5) check beyond the MLA family's
+(``tests.support.families``): that the test data has no near-ties in the indexer's scores, that the indexer
+selects what transformers' selects, and the caches' bookkeeping.
+
+A near-tie (a K-th and (K+1)-th score closer than rounding) would let either implementation pick either key,
+so ``index_score_gap`` measures the smallest gap over every layer and query with more than K candidates, from
+the model's own float64 index queries, weights and keys; the tests assert it is clear before comparing.
+"""
+
+import torch
+
+import mla_ops
+from tests.support.families import step
+
+
+@torch.no_grad()
+def indexer_outputs(model, prompt):
+    """{layer: (q_index, weights, k_index)} of one no-cache step over ``prompt``, from the layers' indexers."""
+    outputs, hooks = {}, []
+    for i, layer in enumerate(model.model.layers):
+        if layer.self_attn.indexer is not None:
+            hooks.append(layer.self_attn.indexer.register_forward_hook(
+                lambda module, args, out, i=i: outputs.__setitem__(i, out)))
+    try:
+        blocks = -(-len(prompt) // 4)
+        step(model, model.allocate_kv_caches(blocks, 4), [prompt], [0], block_size=4, max_blocks=blocks,
+             index_topk=model.config.index_topk)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return outputs
+
+
+def dense_scores(q_index, weights, k_index):
+    """[T, T] float64 scores ``sum_h w[t, h] relu(q[t, h] . k[s])``, -inf past each query (causal)."""
+    dots = torch.einsum("thd,sd->ths", q_index.double(), k_index.double())
+    scores = (weights.double()[:, :, None] * dots.relu()).sum(1)
+    return scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+
+
+def index_score_gap(model, prompts) -> float:
+    """The smallest (K-th - (K+1)-th) score gap over the prompts' queries with more than K candidates, relative
+    to their largest score; inf if no query has more than K."""
+    K, worst = model.config.index_topk, float("inf")
+    for prompt in prompts:
+        for q_index, weights, k_index in indexer_outputs(model, prompt).values():
+            scores = dense_scores(q_index, weights, k_index)[K:]  # rows with K+1 candidates or more
+            if scores.numel():
+                top = scores.topk(K + 1, dim=-1).values
+                worst = min(worst, float(((top[:, K - 1] - top[:, K]) / top[:, 0].abs().clamp_min(1e-30)).min()))
+    return worst
+
+
+@torch.no_grad()
+def check_selection(model, hf, prompt) -> None:
+    """Each full layer's top-k of one whole-sequence step equals transformers' (as sets of positions), the
+    model's indexer outputs giving the same top-k as ``mla_ops.index_topk``."""
+    selected = {}
+    for i, layer in enumerate(hf.model.layers):
+        if getattr(layer.self_attn, "indexer", None) is not None:
+            layer.self_attn.indexer.register_forward_hook(
+                lambda module, args, out, i=i: selected.__setitem__(i, out[0].long().sort(-1).values))
+    hf(torch.tensor([prompt]))
+    ours = indexer_outputs(model, prompt)
+    assert sorted(ours) == sorted(selected), "the layers with an indexer differ"
+    K = model.config.index_topk
+    for i, (q_index, weights, k_index) in ours.items():
+        mine = dense_scores(q_index, weights, k_index).topk(min(K, len(prompt)), dim=-1).indices.sort(-1).values
+        for t in range(len(prompt)):
+            n = min(K, t + 1)  # a row of fewer candidates is padded with masked keys past t (either side)
+            assert mine[t, :n].tolist() == selected[i][t, :n].tolist(), f"layer {i}, token {t}: top-k differs"
+
+
+def check_cache_bookkeeping(model, calls, num_blocks) -> None:
+    """``calls``: (prompts, transformers' tokens) per ``generate`` call, with too few blocks to keep every
+    prefix: a later call evicts an earlier one's cached blocks (latent and index rows alike, one block id naming
+    both) and rewrites them, and every call still generates transformers' tokens. Nothing leaks: between calls
+    no block is in use and every block is cached or free. Returns the calls' cached-token counts."""
+    generator = mla_ops.Generator(model, block_size=4, num_blocks=num_blocks)
+    hits = []
+    for prompts, expect in calls:
+        assert generator.generate(prompts, len(expect[0])) == expect
+        usage = generator.cache_usage
+        assert usage.in_use == 0 and usage.cached + usage.free == usage.total == num_blocks, usage
+        hits.append(generator.stats.cached_tokens)
+    caches = generator.kv_caches
+    assert isinstance(caches, mla_ops.DSACaches)
+    assert caches.latent.shape[1:3] == caches.index.shape[1:3] == (num_blocks, 4)
+    return hits

@@ -13,7 +13,7 @@ Dims: DeepSeek-V3.2's heads and widths (L = 512, P = 128, R = 64, V = 128, D_I =
 and a smaller hidden size (1024) and K_I (256), so a CPU runs it; ``--smoke``: tiny dims. Times: the fastest of
 ``--reps`` interleaved runs, 2 threads; ``speedup`` is transformers' time over ours.
 
-    python -m benchmarks.dsa_cpu_bench --json benchmarks/results/dsa_cpu_bench.json
+    python -m benchmarks.dsa_cpu_bench --json benchmarks/results/dsa_cpu_bench.json --plot benchmarks/results/dsa_cpu_bench.png
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 
 import mla_ops
 from benchmarks._lib import cli
+from benchmarks._lib import plot as plotting
 from benchmarks._lib.report import Report
 from benchmarks._lib.timing import best_of_interleaved_s
 
@@ -31,7 +32,7 @@ DIMS = dict(hidden_size=1024, num_attention_heads=16, q_lora_rank=384, kv_lora_r
             qk_rope_head_dim=64, v_head_dim=128, index_n_heads=16, index_head_dim=128, index_topk=256)
 SMOKE_DIMS = dict(hidden_size=64, num_attention_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
                   qk_rope_head_dim=8, v_head_dim=16, index_n_heads=2, index_head_dim=16, index_topk=16)
-PROMPTS, SMOKE_PROMPTS = (512, 1024, 2048), (48,)
+PROMPTS, SMOKE_PROMPTS = (512, 1024, 2048, 4096), (48,)
 
 
 def attention_module(dims: dict, seed: int):
@@ -131,6 +132,22 @@ def main(argv=None):
               f"speedup {row['speedup']:.2f}x  top-k equal {row['topk_equal']}  max |diff| {row['max_abs_diff']:.2e} "
               f"(of {row['max_abs_out']:.2e})", flush=True)
     report.finish()
+    if args.plot:
+        plot(report.results, args.plot)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    plt = plotting.pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    prompts = [r["prompt"] for r in rows]
+    for key, label in (("mla_ops_ms", "mla-ops ops"), ("transformers_ms", "transformers (eager)")):
+        ax.plot(prompts, [r[key] for r in rows], marker="o", label=label)
+    ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="ms per layer (CPU, 2 threads)",
+           title="DSA attention layer on CPU")
+    ax.set_xticks(prompts, [str(p) for p in prompts])
+    ax.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
+    ax.legend()
+    plotting.save(fig, path)
 
 
 if __name__ == "__main__":

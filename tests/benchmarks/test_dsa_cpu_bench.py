@@ -11,7 +11,7 @@ pytestmark = pytest.mark.bench
 
 def test_smoke_run_agrees_with_transformers(tmp_path):
     path = tmp_path / "dsa_cpu_bench.json"
-    dsa_cpu_bench.main(["--smoke", "--reps", "1", "--json", str(path)])
+    dsa_cpu_bench.main(["--smoke", "--reps", "1", "--json", str(path), "--plot", str(tmp_path / "p.png")])
     report = json.loads(path.read_text())
     assert report["complete"]
     (row,) = report["results"]

@@ -3,7 +3,9 @@
 Random DeepSeek-V2-Lite-style checkpoints (MoE after a dense first layer, YaRN, 2 shared experts,
 no q LoRA) written by transformers and loaded by both sides (mla-ops with ``from_pretrained``),
 float32, weights at ~1/sqrt(fan_in) so that the greedy tokens are far from ties. Sizes: ``tiny``
-(hidden 64, 2 layers) and ``small`` (hidden 256, 4 layers, 16 experts). Workloads:
+(hidden 64, 2 layers) and ``small`` (hidden 256, 4 layers, 16 experts). ``--model deepseek_v32``: the
+same sizes as DeepSeek-V3.2 (a q LoRA of hidden / 2, the lightning indexer: 16 heads of 32, top-64),
+so the long prompts take the sparse path and the short ones the dense route. Workloads:
 
 * ``shared_prefix``: 8 prompts sharing 512 tokens, 16 of their own each, 32 new tokens (mla-ops
   computes the shared blocks once and reuses them: prefix caching within the call);
@@ -57,21 +59,33 @@ def _shared(g, vocab, count, prefix_len, own):
     return [prefix + _tokens(g, vocab, own) for _ in range(count)]
 
 
+MODELS = ("deepseek_v2", "deepseek_v32")
+
+
 @torch.no_grad()
-def write_checkpoint(size: str, path: str, seed: int = 0):
-    """A random V2-Lite-style transformers model, saved to ``path``; returns it (eval, float32)."""
+def write_checkpoint(size: str, path: str, seed: int = 0, model_type: str = "deepseek_v2"):
+    """A random V2-Lite-style transformers model (or its DeepSeek-V3.2 twin), saved to ``path``; returns it
+    (eval, float32)."""
     import transformers
 
-    config = transformers.DeepseekV2Config(
-        **SIZES[size], vocab_size=VOCAB, num_key_value_heads=SIZES[size]["num_attention_heads"], q_lora_rank=None,
-        n_shared_experts=2, num_experts_per_tok=2, topk_method="greedy", norm_topk_prob=False,
-        routed_scaling_factor=1.0, first_k_dense_replace=1, max_position_embeddings=4096, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, pad_token_id=0,
+    common = dict(
+        **SIZES[size], vocab_size=VOCAB, num_key_value_heads=SIZES[size]["num_attention_heads"],
+        n_shared_experts=2, num_experts_per_tok=2, norm_topk_prob=False, routed_scaling_factor=1.0,
+        first_k_dense_replace=1, max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        pad_token_id=0,
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=1024,
                              beta_fast=32, beta_slow=1, mscale=0.707, mscale_all_dim=0.707),
     )
+    if model_type == "deepseek_v32":
+        config = transformers.DeepseekV32Config(**common, q_lora_rank=SIZES[size]["hidden_size"] // 2, n_group=1,
+                                                topk_group=1, index_topk=64, index_n_heads=16, index_head_dim=32)
+        config._experts_implementation = "eager"
+        model_class = transformers.DeepseekV32ForCausalLM
+    else:
+        config = transformers.DeepseekV2Config(**common, q_lora_rank=None, topk_method="greedy")
+        model_class = transformers.DeepseekV2ForCausalLM
     torch.manual_seed(seed)
-    model = transformers.DeepseekV2ForCausalLM(config).eval()
+    model = model_class(config).eval()
     g = torch.Generator().manual_seed(seed + 1)
     for p in model.parameters():
         p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5 * 1.5 if p.dim() >= 2 else
@@ -90,10 +104,10 @@ def hf_generate(model, prompts, new_tokens):
     return out[:, width:].tolist()
 
 
-def measure(size: str, repeats: int, threads: tuple[int, ...]) -> list[dict]:
+def measure(size: str, repeats: int, threads: tuple[int, ...], model_type: str = "deepseek_v2") -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as path:
-        reference = write_checkpoint(size, path)
+        reference = write_checkpoint(size, path, model_type=model_type)
         ours = mla_ops.MLAForCausalLM.from_pretrained(path).eval()
         for name, (make, new_tokens) in WORKLOADS.items():
             prompts = make(torch.Generator().manual_seed(7), VOCAB)
@@ -112,7 +126,7 @@ def measure(size: str, repeats: int, threads: tuple[int, ...]) -> list[dict]:
                 tokens = len(prompts) * new_tokens
                 median = {side: statistics.median(t) for side, t in times.items()}
                 rows.append(dict(
-                    size=size, workload=name, threads=n, prompts=len(prompts), new_tokens=new_tokens,
+                    model=model_type, size=size, workload=name, threads=n, prompts=len(prompts), new_tokens=new_tokens,
                     prompt_tokens=sum(map(len, prompts)),
                     tokens_per_s={side: round(tokens / t, 1) for side, t in median.items()},
                     speedup=round(median["transformers"] / median["mla_ops"], 2),
@@ -127,7 +141,7 @@ def plot(result: dict, path: str) -> None:
     plt = plotting.pyplot()
     rows = result["rows"]
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    labels = [f"{r['size']}\n{r['workload']}\n{r['threads']}t" for r in rows]
+    labels = [f"{r.get('model', 'deepseek_v2')}\n{r['size']}\n{r['workload']}\n{r['threads']}t" for r in rows]
     ax.bar(range(len(rows)), [r["speedup"] for r in rows])
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks(range(len(rows)), labels, fontsize=7)
@@ -144,8 +158,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=["deepseek_v2"])
     args = parser.parse_args(argv)
-    rows = [row for size in args.sizes for row in measure(size, args.repeats, tuple(args.threads))]
+    rows = [row for model_type in args.models for size in args.sizes
+            for row in measure(size, args.repeats, tuple(args.threads), model_type)]
     result = dict(benchmark="generate_vs_transformers", torch=torch.__version__, rows=rows)
     if args.json:
         write_json_atomic(args.json, result)

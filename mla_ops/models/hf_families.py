@@ -145,6 +145,12 @@ def _glm_indexer_types(c: dict):
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
 
 
+def _mistral_large4_text(c: dict) -> dict:
+    # MistralLarge4TextConfig: its defaults (mla_ops.models.mistral_large4) and GLM-5's indexer_types schedule
+    c = mistral_large4.defaults(c)
+    return {**c, "indexer_types": _glm_indexer_types(c)}
+
+
 # model_type -> (config.json dict -> a copy with what its transformers config fills in for absent keys)
 FAMILIES = {
     "deepseek_v32": _deepseek_v32,
@@ -155,7 +161,7 @@ FAMILIES = {
     "sarvam_mla": _sarvam_mla,
     "longcat_flash": _longcat_flash,
     "axk1": _axk1,
-    "mistral_large4_text": mistral_large4.defaults,
+    "mistral_large4_text": _mistral_large4_text,
 }
 
 

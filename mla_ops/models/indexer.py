@@ -3,7 +3,8 @@ and index keys, from which ``mla_ops.index_topk`` selects the ``index_topk`` key
 
 T new tokens   H hidden_size   Q q_lora_rank   R qk_rope_head_dim   H_I index_n_heads   D_I index_head_dim
 x        [T, H]         the layer's normed input (the attention's)
-q_resid  [T, Q]         the attention's q-LoRA latent, ``q_a_layernorm(q_a_proj(x))``
+q_resid  [T, Q]         the attention's q-LoRA latent, ``q_a_layernorm(q_a_proj(x))``; Mistral Large 4
+                        (``indexer_q_norm``, no q-LoRA): ``q_input_norm(x)`` [T, H] instead
 -> q_index [T, H_I, D_I]   ``wq_b(q_resid)``, its first R dims of each head rotated
    weights [T, H_I]        ``weights_proj(x) * H_I^-0.5 * D_I^-0.5`` (float32, float64 for a float64 model)
    k_index [T, D_I]        ``k_norm(wk(x))`` (a LayerNorm with bias), its first R dims rotated

@@ -82,9 +82,7 @@ def config_kwargs(c: dict) -> dict:
 
 def defaults(c: dict) -> dict:
     """What MistralLarge4TextConfig fills in where config.json is silent (one gate group, eps 1e-5, GLM-5's
-    indexer defaults)."""
-    from .hf_families import _glm_indexer_types
-
+    indexer defaults; its ``indexer_types`` schedule: ``hf_families``)."""
     c = {"n_group": 1, "topk_group": 1, "rms_norm_eps": 1e-5, "index_topk": 2048, "index_n_heads": 32,
          "index_head_dim": 128, "first_k_dense_replace": 1, "max_position_embeddings": 1048576, "n_shared_experts": 1,
          "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2048.0,
@@ -96,7 +94,7 @@ def defaults(c: dict) -> dict:
                          "q-LoRA (a plain wq / q_proj)")
     if c.get("rope_interleave") is False:
         raise ValueError("config.json sets rope_interleave=false: Mistral Large 4 always interleaves its RoPE rows")
-    return {**c, "rope_interleave": True, "indexer_types": _glm_indexer_types(c)}
+    return {**c, "rope_interleave": True}
 
 
 def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:

@@ -42,9 +42,10 @@ from .. import _checks
 from ..parallel import tensor_parallel
 from . import checkpoint_files
 from .checkpoint_files import checkpoint_files as tensor_files, open_safetensors, read_json_object
-from .checkpoint_names import SCALE, Source, check_layers, map_tensors, quant_block
+from .checkpoint_names import LAYER, SCALE, Source, check_layers, map_tensors, quant_block
 from .config import MLAConfig
 from .indexer import Indexer, convert_interleaved
+from .mistral_large4 import RotaryFrequencies
 from .moe import MoEGate
 from .rope import deinterleave_index
 from .wrappers import unwrap
@@ -77,9 +78,10 @@ _LATENT = re.compile(r"\.self_attn(\.\d+)?\.kv_a_proj_with_mqa\.weight$")
 
 
 def _convert(config: MLAConfig, source: Source, tensor: torch.Tensor) -> torch.Tensor:
-    """RoPE rows to halves (``tensor`` already dequantized; whole heads, all or a rank's)."""
-    if config.rope_interleave:
-        P, R = config.qk_nope_head_dim, config.qk_rope_head_dim
+    """RoPE rows to halves (``tensor`` already dequantized; whole heads, all or a rank's; a NoPE layer has none)."""
+    layer = LAYER.match(source.target)
+    P, R = config.layer_dims(int(layer.group(1))) if layer else (config.qk_nope_head_dim, config.qk_rope_head_dim)
+    if config.rope_interleave and R:
         order = deinterleave_index(R)
         if _QUERY.search(source.target):
             heads = tensor.view(-1, P + R, tensor.shape[-1])  # [N, P+R, in]
@@ -161,7 +163,7 @@ def _meta_model(cls, config: MLAConfig, dtype: torch.dtype, **kwargs):
         model = cls(config, **kwargs)
     model.to(dtype)
     for module in model.modules():
-        if isinstance(module, MoEGate):
+        if isinstance(module, (MoEGate, RotaryFrequencies)):  # routers and learned RoPE frequencies: float32
             module.float()
         elif isinstance(module, Indexer) and dtype in (torch.float16, torch.bfloat16):
             module.weights_proj.float()  # as transformers keeps it (_keep_in_fp32_modules)

@@ -71,7 +71,8 @@ _OPTIONAL_INTS = ("q_lora_rank", "n_routed_experts", "index_topk")  # None, or a
 _REALS = dict(rope_theta=True, rms_norm_eps=True, lora_norm_eps=True, routed_scaling_factor=True,
               initializer_range=False)
 _BOOLS = ("rope_interleave", "tie_word_embeddings", "norm_topk_prob", "mla_scale_q_lora", "mla_scale_kv_lora",
-          "post_mlp_layernorm", "optional_correction_bias", "indexer_rope_interleave")
+          "post_mlp_layernorm", "optional_correction_bias", "indexer_rope_interleave", "indexer_q_norm",
+          "learned_query_scale", "learned_rope_frequencies")
 
 
 @dataclass
@@ -133,6 +134,17 @@ class MLAConfig:
     index_head_dim: int = 128  # D_I; its first qk_rope_head_dim are rotated
     indexer_rope_interleave: bool = False  # the indexer's rope rows are interleaved pairs (GLM-5's; V3.2 halves)
     indexer_types: Optional[tuple[str, ...]] = None  # "full" / "shared" per layer (GLM-5); None: all full
+    # Mistral Large 4's (mla_ops.models.mistral_large4): the indexer's queries from a LayerNorm of the layer
+    # input (no q-LoRA latent); a learned per-head query scale s * log(position + 1) + b in the attention and
+    # the indexer; learned RoPE frequencies (model.rotary_emb.alpha: inv_freq * exp(alpha)); NoPE layers
+    # (no_rope_layers[i] 0: R = 0, P + R nope dims, an L-wide latent); KV sharing (kv_source_layers[i] < i:
+    # layer i attends that layer's latent cache and has none of its own); tanh soft-capping of the logits.
+    indexer_q_norm: bool = False
+    learned_query_scale: bool = False
+    learned_rope_frequencies: bool = False
+    no_rope_layers: Optional[tuple[int, ...]] = None  # 1: RoPE, 0: NoPE, per layer (transformers' convention)
+    kv_source_layers: Optional[tuple[int, ...]] = None  # the layer whose latent cache each layer attends
+    final_logit_softcapping: Optional[float] = None  # logits = c * tanh(logits / c); None: none
 
     def __post_init__(self):
         # Types and ranges of every field (normalized: numpy integers -> int, ints -> float where real).
@@ -168,6 +180,7 @@ class MLAConfig:
         _check_layer_types_and_scales(self)
         self._check_layer_structure()
         self._check_indexer()
+        _check_mistral_large4_layers(self)
         if self.n_routed_experts is None:
             return
         if self.scoring_func not in SCORING_FUNCS:
@@ -224,8 +237,9 @@ class MLAConfig:
             return
         if self.decoder_layer != "deepseek":
             raise ValueError(f"index_topk: only decoder_layer 'deepseek' has an indexer, got {self.decoder_layer!r}")
-        if self.q_lora_rank is None:
-            raise ValueError("index_topk is set but q_lora_rank is None: the indexer's wq_b reads the q-LoRA latent")
+        if self.q_lora_rank is None and not self.indexer_q_norm:
+            raise ValueError("index_topk is set but q_lora_rank is None: the indexer's wq_b reads the q-LoRA latent "
+                             "(or, with indexer_q_norm, a LayerNorm of the layer input)")
         if self.index_head_dim < self.qk_rope_head_dim:
             raise ValueError(f"index_head_dim ({self.index_head_dim}) must hold the qk_rope_head_dim "
                              f"({self.qk_rope_head_dim}) rotated dims")
@@ -256,6 +270,24 @@ class MLAConfig:
     def num_index_layers(self) -> int:
         """Index caches a sparse model keeps: one per full layer (a shared layer writes none)."""
         return sum(map(self.has_indexer, range(self.num_hidden_layers)))
+
+    def uses_rope(self, layer_idx: int) -> bool:
+        """Layer ``layer_idx`` rotates R dims of its queries and keys (False: a NoPE layer, R = 0)."""
+        return self.no_rope_layers is None or bool(self.no_rope_layers[layer_idx])
+
+    def layer_dims(self, layer_idx: int) -> tuple[int, int]:
+        """(P, R) of layer ``layer_idx``: a NoPE layer's query and key heads are all nope, (P + R, 0)."""
+        P, R = self.qk_nope_head_dim, self.qk_rope_head_dim
+        return (P, R) if self.uses_rope(layer_idx) else (P + R, 0)
+
+    def kv_source(self, layer_idx: int) -> int:
+        """The layer whose latent cache layer ``layer_idx`` attends (itself unless it shares an earlier one's)."""
+        return layer_idx if self.kv_source_layers is None else self.kv_source_layers[layer_idx]
+
+    @property
+    def latent_layers(self) -> tuple[int, ...]:
+        """The layers that write a latent cache of their own, in order (a KV-sharing layer writes none)."""
+        return tuple(i for i in range(self.num_hidden_layers) if self.kv_source(i) == i)
 
     @property
     def qk_head_dim(self) -> int:
@@ -319,6 +351,46 @@ class MLAConfig:
             return cls(**mla_config_kwargs(config))
         except (TypeError, ValueError) as e:
             raise (ValueError if isinstance(e, ValueError) else TypeError)(f"{': '.join(where)}: {e}") from e
+
+
+def _int_list(value, name: str, num_layers: int) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be None or a list of one integer per layer, got {value!r}")
+    if len(value) != num_layers:
+        raise ValueError(f"{name} must have num_hidden_layers={num_layers} entries, got {len(value)}")
+    return tuple(_checks.check_int(v, f"{name}[{i}]", 0) for i, v in enumerate(value))
+
+
+def _check_mistral_large4_layers(c: MLAConfig) -> None:
+    """``no_rope_layers``, ``kv_source_layers`` and ``final_logit_softcapping`` (Mistral Large 4's)."""
+    if c.final_logit_softcapping is not None:
+        c.final_logit_softcapping = _checks.check_real(c.final_logit_softcapping, "final_logit_softcapping")
+    if (c.no_rope_layers is not None or c.kv_source_layers is not None) and not c.is_sparse:
+        raise ValueError("no_rope_layers / kv_source_layers are Mistral Large 4's layer kinds, run by the sparse "
+                         "layers (index_topk): set index_topk or leave them None")
+    if c.no_rope_layers is not None:
+        c.no_rope_layers = _int_list(c.no_rope_layers, "no_rope_layers", c.num_hidden_layers)
+        for i, v in enumerate(c.no_rope_layers):
+            if v not in (0, 1):
+                raise ValueError(f"no_rope_layers[{i}] must be 1 (RoPE) or 0 (NoPE), got {v}")
+    if c.kv_source_layers is None:
+        return
+    c.kv_source_layers = sources = _int_list(c.kv_source_layers, "kv_source_layers", c.num_hidden_layers)
+    last_owner = {}  # RoPE kind -> the last layer so far that writes its own latent cache and is shared
+    for i, s in enumerate(sources):
+        if s > i or sources[s] != s:
+            raise ValueError(f"kv_source_layers[{i}] is {s}: a layer shares the latent cache of itself or of an "
+                             "earlier layer that owns its cache")
+        if s == i:
+            if i in sources[i + 1:]:
+                last_owner[c.uses_rope(i)] = i
+            continue
+        # transformers hands a sharing layer the latest shared latent of its kind (RoPE or NoPE), whatever its
+        # entry says: the two agree only if the entry names that layer.
+        if last_owner.get(c.uses_rope(i)) != s:
+            raise ValueError(f"kv_source_layers[{i}] is {s}, but the last shared layer of layer {i}'s kind "
+                             f"({'RoPE' if c.uses_rope(i) else 'NoPE'}, no_rope_layers) before it is "
+                             f"{last_owner.get(c.uses_rope(i))}: a layer shares the latest such layer's cache")
 
 
 def _check_layer_types_and_scales(c: MLAConfig) -> None:

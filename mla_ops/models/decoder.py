@@ -45,6 +45,7 @@ from .config import MLAConfig
 from .kv_caches import Caches, DSACaches, check_caches
 from .layer import CompiledRegion, DecoderLayer, ModelStep, RMSNorm, check_plan_block_table, scaled
 from .longcat import LongcatDecoderLayer
+from .mistral_large4 import RotaryFrequencies, softcap
 from .moe import linear
 
 # MLAConfig.decoder_layer -> the layer structure of the family's model.
@@ -92,8 +93,10 @@ class MLAModel(nn.Module):
         nn.init.normal_(self.embed_tokens.weight, std=config.initializer_range)
         self.layer_class = LAYER_CLASSES[config.decoder_layer]
         self.layers = nn.ModuleList(self.layer_class(layer_config, i, group) for i in range(config.num_hidden_layers))
-        self.num_cache_layers = sum(layer.num_kv_caches for layer in self.layers)
+        self.num_cache_layers = sum(layer.num_kv_caches for layer in self.layers)  # KV-sharing layers have none
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Mistral Large 4's learned RoPE frequencies (model.rotary_emb.alpha), or None
+        self.rotary_emb = RotaryFrequencies(config.qk_rope_head_dim) if config.learned_rope_frequencies else None
         self._compile_options: dict | None = None  # compile_layers'
 
     def compile_layers(self, **options) -> MLAModel:
@@ -122,7 +125,8 @@ class MLAModel(nn.Module):
         twice that for LongCat-Flash); dtype and device default to the model's (a float8_e4m3fn cache then needs
         ``k_scale`` in ``forward``). A sparse model's: a ``DSACaches`` of that latent tensor and its index cache
         [num_index_layers, num_blocks, block_size, D_I] (one per layer with an indexer; float8 needs
-        ``k_scale_index``)."""
+        ``k_scale_index``). KV-sharing layers (``kv_source_layers``) have no latent cache; a NoPE layer's
+        (``no_rope_layers``, R = 0) is the first L columns of its L+R rows."""
         c = self.config
         weight = self.embed_tokens.weight
         dtype, device = dtype or weight.dtype, device or weight.device
@@ -155,8 +159,9 @@ class MLAModel(nn.Module):
                              f"{c.index_topk}) (config.index_topk)")
         check_step_inputs(input_ids, positions, plan, self.embed_tokens.num_embeddings)
         latent = kv_caches.latent if c.is_sparse else kv_caches
+        alpha = None if self.rotary_emb is None else self.rotary_emb.alpha
         step = ModelStep.begin(c, positions, plan, latent, slot_mapping, k_scale, backend,
-                               self.embed_tokens.weight.dtype, k_scale_index)  # once, not per layer
+                               self.embed_tokens.weight.dtype, k_scale_index, alpha)  # once, not per layer
         x = scaled(self.embed_tokens(input_ids), c.embedding_scale)  # [T, H]
         if c.is_sparse:
             return self.norm(self._sparse_layers(x, kv_caches, step))
@@ -168,13 +173,20 @@ class MLAModel(nn.Module):
         return self.norm(x)  # [T, H]
 
     def _sparse_layers(self, x: torch.Tensor, kv_caches: DSACaches, step: ModelStep) -> torch.Tensor:
-        """The layers of a sparse model: the top-k of each full layer goes on to the shared layers after it."""
-        topk, index = None, 0
+        """The layers of a sparse model: the top-k of each full layer goes on to the shared layers after it,
+        and a KV source layer's cache and new latent rows to the layers that share them (kv_source_layers)."""
+        c = self.config
+        topk, index, latent_of, new_rows = None, 0, {}, {}
         for i, layer in enumerate(self.layers):
             index_cache = None
             if layer.self_attn.indexer is not None:
                 index_cache, index = kv_caches.index[index], index + 1
-            x, topk = layer.forward_sparse(x, kv_caches.latent[i], index_cache, step, topk)
+            source = c.kv_source(i)
+            if source == i:
+                width = c.kv_lora_rank + layer.self_attn.qk_rope_head_dim  # L for a NoPE layer
+                latent_of[i] = kv_caches.latent[len(latent_of)][..., :width]
+            x, topk, new_rows[i] = layer.forward_sparse(x, latent_of[source], index_cache, step, topk,
+                                                        new_rows.get(source))
         return x
 
 
@@ -253,7 +265,8 @@ class MLAForCausalLM(nn.Module):
         return self.logits(hidden)  # [T, vocab]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``MLAModel``'s hidden states [T, H] -> logits [T, vocab] (MiniCPM3 divides by ``logits_scaling`` first)."""
+        """``MLAModel``'s hidden states [T, H] -> logits [T, vocab] (MiniCPM3 divides by ``logits_scaling`` first,
+        Mistral Large 4 soft-caps them: ``final_logit_softcapping``)."""
         if self.config.logits_scaling != 1.0:
             hidden = hidden / self.config.logits_scaling
-        return self.lm_head(hidden)
+        return softcap(self.lm_head(hidden), self.config.final_logit_softcapping)  # Mistral Large 4's; None: none

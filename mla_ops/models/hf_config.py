@@ -47,6 +47,7 @@ MODEL_TYPES = {
 }
 # DeepSeek-V3.2 and GLM-5: DeepSeek-V3's gate (GLM-5's in one group: hf_families)
 MODEL_TYPES["deepseek_v32"] = MODEL_TYPES["glm_moe_dsa"] = MODEL_TYPES["deepseek_v3"]
+MODEL_TYPES["mistral_large4_text"] = MODEL_TYPES["mistral4"]  # Mistral Large 4: Mistral 4's gate, in float32
 MODEL_TYPES["axk1"] = MODEL_TYPES["deepseek_v3"]  # A.X-K1: DeepSeek-V3's gate (AXK1TopkRouter)
 MODEL_TYPES["kimi_k2"] = MODEL_TYPES["deepseek_v3"]  # Kimi K2's remote-code name for DeepSeek-V3, as transformers reads it
 # Another model_type names its gate itself (scoring_func and topk_method); the rest defaults as V2's.

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 
 from .. import _checks
-from . import mistral4
+from . import mistral4, mistral_large4
 
 
 def _size(c: dict, key: str) -> int | None:
@@ -145,6 +145,12 @@ def _glm_indexer_types(c: dict):
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
 
 
+def _mistral_large4_text(c: dict) -> dict:
+    # MistralLarge4TextConfig: its defaults (mla_ops.models.mistral_large4) and GLM-5's indexer_types schedule
+    c = mistral_large4.defaults(c)
+    return {**c, "indexer_types": _glm_indexer_types(c)}
+
+
 # model_type -> (config.json dict -> a copy with what its transformers config fills in for absent keys)
 FAMILIES = {
     "deepseek_v32": _deepseek_v32,
@@ -155,6 +161,7 @@ FAMILIES = {
     "sarvam_mla": _sarvam_mla,
     "longcat_flash": _longcat_flash,
     "axk1": _axk1,
+    "mistral_large4_text": _mistral_large4_text,
 }
 
 
@@ -173,7 +180,10 @@ FAMILY_KEYS = {"mistral4": mistral4.config_kwargs, "longcat_flash": _longcat_fla
 
 
 # DeepSeek Sparse Attention's model types -> whether the indexer's RoPE rows are interleaved pairs.
-SPARSE_TYPES = {"deepseek_v32": False, "glm_moe_dsa": True}
+SPARSE_TYPES = {"deepseek_v32": False, "glm_moe_dsa": True, "mistral_large4_text": True}
+
+# model_type -> a reader of the keys only that sparse family has, read besides the DSA keys above.
+SPARSE_FAMILY_KEYS = {"mistral_large4_text": mistral_large4.config_kwargs}
 
 
 def _sparse_kwargs(c: dict, model_type: str) -> dict:
@@ -203,6 +213,8 @@ def family_kwargs(keys, model_type) -> dict:
     out = dict(FAMILY_FIXED.get(model_type, {}))
     if model_type in SPARSE_TYPES:
         out.update(_sparse_kwargs(keys.c, model_type))
+        if model_type in SPARSE_FAMILY_KEYS:
+            out.update(SPARSE_FAMILY_KEYS[model_type](keys.c))
     if keys.get("mlp_layer_types") is not None:
         out["mlp_layer_types"] = keys.get("mlp_layer_types")
     if keys.get("scale_emb") is not None:

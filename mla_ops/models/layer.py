@@ -32,6 +32,7 @@ from ..planning.plan import PrefillPlan, check_step_tensors
 from ..prefill import PrefillStep, begin_step
 from .config import MLAConfig
 from .indexer import Indexer
+from .mistral_large4 import LogPositionScale, log_positions
 from .moe import FeedForward, MoE, linear
 from .rope import acc_dtype, apply_rotary_emb, rotary_cos_sin
 
@@ -44,14 +45,18 @@ class ModelStep(NamedTuple):
     attention: PrefillStep  # the plan checked against the caches and slots, the kernels chosen
     q_scale: torch.Tensor | None = None  # [T] per-token query factors (config.query_scale), or None
     k_scale_index: torch.Tensor | float | None = None  # a float8 index cache's scale (sparse models)
+    log_positions: torch.Tensor | None = None  # [T] log(position + 1) (config.learned_query_scale), or None
 
     @classmethod
     def begin(cls, config: MLAConfig, positions, plan, kv_caches, slot_mapping, k_scale, backend,
-              dtype, k_scale_index=None) -> ModelStep:
+              dtype, k_scale_index=None, rope_alpha=None) -> ModelStep:
+        """``rope_alpha``: the model's learned RoPE log-factors (``config.learned_rope_frequencies``)."""
         attention = begin_step(plan, kv_caches, slot_mapping, k_scale=k_scale, backend=backend)
-        cos, sin = rotary_cos_sin(positions, config.qk_rope_head_dim, config.rope_theta, dtype, config.rope_scaling)
+        cos, sin = rotary_cos_sin(positions, config.qk_rope_head_dim, config.rope_theta, dtype, config.rope_scaling,
+                                  rope_alpha)
         q_scale = None if config.query_scale is None else config.query_scale.scales(positions, dtype)
-        return cls(cos, sin, attention, q_scale, k_scale_index)
+        logs = log_positions(positions, dtype) if config.learned_query_scale else None
+        return cls(cos, sin, attention, q_scale, k_scale_index, logs)
 
 
 class CompiledRegion:
@@ -113,9 +118,11 @@ class MLAAttention(nn.Module):
         self.tp_group = tp_group
         self.num_heads = c.num_attention_heads
         self.kv_lora_rank = c.kv_lora_rank
-        self.qk_nope_head_dim = c.qk_nope_head_dim
-        self.qk_rope_head_dim = c.qk_rope_head_dim
+        # A NoPE layer's (no_rope_layers): P + R nope dims, R = 0 (an L-wide latent row, nothing rotated)
+        self.qk_nope_head_dim, self.qk_rope_head_dim = c.layer_dims(layer_idx)
         self.v_head_dim = c.v_head_dim
+        # KV sharing (kv_source_layers): a layer that attends an earlier layer's latent cache makes no latent rows
+        self.owns_kv = c.kv_source(layer_idx) == layer_idx
         self.config = config  # rotary frequencies (YaRN or plain RoPE): ModelStep.begin
         self.softmax_scale = c.softmax_scale  # 1/sqrt(P+R), times YaRN's mscale correction
 
@@ -126,13 +133,17 @@ class MLAAttention(nn.Module):
             self.q_a_proj = linear(c.hidden_size, c.q_lora_rank, std)
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.lora_norm_eps)
             self.q_b_proj = linear(c.q_lora_rank, c.num_attention_heads * c.qk_head_dim, std)
-        self.kv_a_proj_with_mqa = linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, std)
-        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.lora_norm_eps)
-        self.kv_b_proj = linear(c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), std)
+        P, R = self.qk_nope_head_dim, self.qk_rope_head_dim
+        if self.owns_kv:
+            self.kv_a_proj_with_mqa = linear(c.hidden_size, c.kv_lora_rank + R, std)
+            self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.lora_norm_eps)
+        self.kv_b_proj = linear(c.kv_lora_rank, c.num_attention_heads * (P + c.v_head_dim), std)
         self.o_proj = linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, std)
+        # Mistral Large 4's learned per-head query scale (mla_ops.models.mistral_large4), or None
+        self.softmax_scaling = LogPositionScale(c.num_attention_heads) if c.learned_query_scale else None
         # DeepSeek Sparse Attention: a layer's own indexer, or None (dense, or a "shared" layer of a sparse model)
         self.sparse = c.is_sparse
-        self.indexer = Indexer(c) if c.has_indexer(layer_idx) else None
+        self.indexer = Indexer(c, layer_idx) if c.has_indexer(layer_idx) else None
 
     def forward(
         self,
@@ -157,28 +168,42 @@ class MLAAttention(nn.Module):
 
     def project(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """The dense part before attention: rotated queries ``q`` [T, N, P+R] and the new tokens'
-        latent rows ``kv_c`` [T, L] and rotated ``k_pe`` [T, R]; with an indexer also its ``q_index``
-        [T, H_I, D_I], ``weights`` [T, H_I] and ``k_index`` [T, D_I] (``mla_ops.models.indexer``)."""
+        latent rows ``kv_c`` [T, L] and rotated ``k_pe`` [T, R] (both None for a KV-sharing layer; R = 0 for
+        a NoPE layer, whose P is P + R); with an indexer also its ``q_index`` [T, H_I, D_I], ``weights``
+        [T, H_I] and ``k_index`` [T, D_I] (``mla_ops.models.indexer``)."""
         num_tokens = hidden.shape[0]
         N, L, P, R = self.num_heads, self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim
         if self.q_lora_rank is None:
             q = self.q_proj(hidden)  # [T, N*(P+R)]
+            q_resid = None  # an indexer then reads the layer input itself (indexer_q_norm)
         else:
             q_resid = self.q_a_layernorm(self.q_a_proj(hidden))  # [T, q_lora_rank]
             q = self.q_b_proj(q_resid)  # [T, N*(P+R)]
-        q_nope, q_pe = q.view(num_tokens, N, P + R).split([P, R], dim=-1)  # [T, N, P], [T, N, R]
-        kv_c, k_pe = self.kv_a_proj_with_mqa(hidden).split([L, R], dim=-1)  # [T, L], [T, R]
-        q_pe = apply_rotary_emb(q_pe, cos[:, None, :], sin[:, None, :])
-        q = torch.cat([q_nope, q_pe], dim=-1)  # [T, N, P+R]
-        latent = (q, self.kv_a_layernorm(kv_c), apply_rotary_emb(k_pe, cos, sin))
+        if R:  # a NoPE layer (R = 0) rotates nothing
+            q_nope, q_pe = q.view(num_tokens, N, P + R).split([P, R], dim=-1)  # [T, N, P], [T, N, R]
+            q = torch.cat([q_nope, apply_rotary_emb(q_pe, cos[:, None, :], sin[:, None, :])], dim=-1)  # [T, N, P+R]
+        else:
+            q = q.view(num_tokens, N, P)
+        latent = (q, None, None)  # a KV-sharing layer's keys are its source layer's
+        if self.owns_kv:
+            kv_c, k_pe = self.kv_a_proj_with_mqa(hidden).split([L, R], dim=-1)  # [T, L], [T, R]
+            latent = (q, self.kv_a_layernorm(kv_c), apply_rotary_emb(k_pe, cos, sin) if R else k_pe)
         return latent if self.indexer is None else latent + self.indexer(hidden, q_resid, cos, sin)
 
     def attend(self, q, kv_c, k_pe, kv_cache, step: ModelStep) -> torch.Tensor:
         """Write the new rows into the cache and attend (``PrefillStep.run``): ``[T, N, V]``, before
         ``o_proj``. Everything is checked before the cache is written: a rejected call writes nothing."""
-        if step.q_scale is not None:  # per token, so not in the softmax scale: the same for every attention path
+        return step.attention.run(self.scaled_queries(q, step), kv_c, k_pe, kv_cache, self.kv_b_proj.weight,
+                                  self.softmax_scale, write=self.owns_kv)
+
+    def scaled_queries(self, q: torch.Tensor, step: ModelStep) -> torch.Tensor:
+        """q [T, N, P+R] times the step's per-token factors (Mistral 4) or the learned per-head ones (Mistral
+        Large 4): per token, so not in the softmax scale, the same for every attention path."""
+        if step.q_scale is not None:
             q = (q.to(step.q_scale.dtype) * step.q_scale[:, None, None]).to(q.dtype)
-        return step.attention.run(q, kv_c, k_pe, kv_cache, self.kv_b_proj.weight, self.softmax_scale)
+        if self.softmax_scaling is not None:
+            q = self.softmax_scaling(q, step.log_positions)
+        return q
 
     def attend_sparse(self, q, kv_c, k_pe, kv_cache, step: ModelStep, index, index_cache, topk):
         """``attend`` over each query's selected keys: with an indexer (``index`` = its q_index, weights,
@@ -186,16 +211,15 @@ class MLAAttention(nn.Module):
         ``topk``, the step's from its full layer. Returns ([T, N, V], the top-k it attended)."""
         if self.indexer is not None:
             q_index, weights, k_index = index
+            q_index = self.indexer.scaled_queries(q_index, step.log_positions)
             topk = index_topk(q_index, weights, k_index, index_cache, step.attention.plan,
                               k_scale_index=step.k_scale_index)  # scores the new keys as given: order is free
             if step.attention.slot_mapping is not None:
                 write_index_cache(k_index, step.attention.slot_mapping, index_cache, step.k_scale_index)
         elif topk is None:
             raise ValueError("a shared DSA layer (indexer_types 'shared') needs the top-k of a full layer before it")
-        if step.q_scale is not None:
-            q = (q.to(step.q_scale.dtype) * step.q_scale[:, None, None]).to(q.dtype)
-        out = step.attention.run(q, kv_c, k_pe, kv_cache, self.kv_b_proj.weight, self.softmax_scale,
-                                 topk_indices=topk)
+        out = step.attention.run(self.scaled_queries(q, step), kv_c, k_pe, kv_cache, self.kv_b_proj.weight,
+                                 self.softmax_scale, topk_indices=topk, write=self.owns_kv)
         return out, topk
 
 
@@ -229,6 +253,8 @@ class DecoderLayer(nn.Module):
         self.residual_scale = config.residual_scale  # MiniCPM3's; 1: none
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = MLAAttention(config, tp_group, layer_idx)
+        if not self.self_attn.owns_kv:
+            self.num_kv_caches = 0  # a KV-sharing layer attends its source layer's latent cache
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.is_moe_layer(layer_idx):
             self.mlp = MoE(config)
@@ -248,14 +274,20 @@ class DecoderLayer(nn.Module):
         return output(self, x, self.self_attn.attend(q, kv_c, k_pe, kv_cache, step))
 
     def forward_sparse(self, x: torch.Tensor, kv_cache: torch.Tensor, index_cache: torch.Tensor | None,
-                       step: ModelStep, topk: torch.Tensor | None):
-        """A sparse model's layer: ``forward`` with the lightning indexer (module doc). ``index_cache``: this
-        layer's (None for a shared layer); ``topk``: the step's last full layer's (None before the first).
-        Returns (the residual stream after the layer, the top-k the next shared layer reuses)."""
+                       step: ModelStep, topk: torch.Tensor | None, shared_latent=None):
+        """A sparse model's layer: ``forward`` with the lightning indexer (module doc). ``kv_cache``: the
+        latent cache it attends (its own, or its KV source layer's); ``index_cache``: this layer's (None for a
+        shared layer); ``topk``: the step's last full layer's (None before the first); ``shared_latent``: a
+        KV-sharing layer's source's (kv_c, k_pe) of the step's new tokens. Returns (the residual stream after
+        the layer, the top-k the next shared layer reuses, the (kv_c, k_pe) it attended)."""
         inputs, output = self.regions or (DecoderLayer.attention_inputs, DecoderLayer.attention_output)
         q, kv_c, k_pe, *index = inputs(self, x, step.cos, step.sin)
+        if not self.self_attn.owns_kv:
+            if shared_latent is None:
+                raise ValueError("a KV-sharing layer (kv_source_layers) needs its source layer's new latent rows")
+            kv_c, k_pe = shared_latent
         attention, topk = self.self_attn.attend_sparse(q, kv_c, k_pe, kv_cache, step, index, index_cache, topk)
-        return output(self, x, attention), topk
+        return output(self, x, attention), topk, (kv_c, k_pe)
 
     def attention_inputs(self, x, cos, sin):
         """``x`` [T, H] -> the attention's ``q``, ``kv_c``, ``k_pe`` (``MLAAttention.project``)."""

@@ -112,11 +112,14 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def rotary_cos_sin(
     positions: torch.Tensor, rope_dim: int, theta: float, dtype: torch.dtype,
-    scaling: YarnScaling | LongRopeScaling | None = None,
+    scaling: YarnScaling | LongRopeScaling | None = None, alpha: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, R] in ``acc_dtype(dtype)`` for token positions [T] (halves layout)."""
+    """cos, sin [T, R] in ``acc_dtype(dtype)`` for token positions [T] (halves layout). ``alpha`` [R/2]:
+    learned log-factors of the inverse frequencies (Mistral Large 4's), None: none."""
     acc = acc_dtype(dtype)
     inv_freq = inverse_frequencies(rope_dim, theta, scaling, positions.device, acc)  # [R/2]
+    if alpha is not None:
+        inv_freq = inv_freq * alpha.to(acc).exp()
     freqs = positions.to(acc)[:, None] * inv_freq[None, :]  # [T, R/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [T, R]
     if scaling is None:

@@ -17,6 +17,9 @@ checkpoint's names by it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Optional
+
+from .mistral_large4 import native_name
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,8 @@ class Wrapper:
     text_model_type: str  # the text config's model_type when it names none
     names: tuple[tuple[str, str], ...]  # checkpoint name prefix -> the decoder's, the first that matches
     tie_word_embeddings: bool  # the wrapper's default for its top-level key
+    # name -> the decoder's name or None (skipped), where the names differ past their prefixes; replaces names
+    rename: Optional[Callable[[str], Optional[str]]] = None
 
 
 WRAPPERS = {
@@ -43,6 +48,13 @@ WRAPPERS = {
         text_config="text_config", text_model_type="mistral",
         names=(("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")),
         tie_word_embeddings=True,
+    ),
+    # Mistral Large 4: a Pixtral vision tower around a mistral_large4_text model; the release and transformers'
+    # save_pretrained both write Mistral's native names (tok_embeddings, layers.{i}.attention.wq, ...):
+    # mla_ops.models.mistral_large4.native_name.
+    "mistral_large4": Wrapper(
+        text_config="text_config", text_model_type="mistral_large4_text", names=(), tie_word_embeddings=False,
+        rename=native_name,
     ),
 }
 
@@ -85,11 +97,18 @@ def text_names(wrapper: str | None, names) -> dict[str, str]:
     if wrapper is None:
         return {name: name for name in names}
     out, seen = {}, {}
+    w = WRAPPERS[wrapper]
     for name in names:
-        prefix = next((p for p in WRAPPERS[wrapper].names if name.startswith(p[0])), None)
-        if prefix is None:
-            continue  # the vision tower, the projector
-        out[name] = prefix[1] + name[len(prefix[0]):]
+        if w.rename is not None:
+            renamed = w.rename(name)
+            if renamed is None:
+                continue  # the vision tower, the projector
+            out[name] = renamed
+        else:
+            prefix = next((p for p in w.names if name.startswith(p[0])), None)
+            if prefix is None:
+                continue  # the vision tower, the projector
+            out[name] = prefix[1] + name[len(prefix[0]):]
         if out[name] in seen:
             raise ValueError(f"checkpoint tensors {seen[out[name]]} and {name} are both {out[name]}")
         seen[out[name]] = name

@@ -128,3 +128,22 @@ def test_cuda_graph_generation_equals_the_cpu():
     graphs = mla_ops.Generator(gpu, block_size=BLOCK_SIZE, workspace_size=WORKSPACE, num_blocks=64, compile=True)
     assert graphs.generate(prompts, 6) == expect
     assert graphs._runner.mode == "cuda_graph" and graphs._runner.stats["replays"] > 0
+
+
+def test_compile_mode_serves_mistral_large4_layers_equal_to_eager():
+    # Mistral Large 4's layer kinds: a NoPE layer (R = 0, L-wide latent rows) and a KV-sharing layer (no latent
+    # cache of its own, layer 0's rows), with the learned query scale and RoPE frequencies.
+    config = mla_ops.MLAConfig(**{**mla_configs["tiny"], "num_hidden_layers": 3, **SPARSE, "q_lora_rank": None,
+                                  "indexer_q_norm": True, "learned_query_scale": True,
+                                  "learned_rope_frequencies": True, "no_rope_layers": [1, 0, 1],
+                                  "kv_source_layers": [0, 1, 0], "indexer_types": ["full", "shared", "full"],
+                                  "final_logit_softcapping": 30.0})
+    model = spread_weights(mla_ops.MLAForCausalLM(config).to(torch.float64).eval(), seed=0)
+    reference = copy.deepcopy(model)
+    runner = mla_ops.PrefillGraphs(model.model, max_tokens=32, max_requests=4, max_blocks_per_request=12,
+                                   block_size=BLOCK_SIZE, workspace_size=WORKSPACE, mode="compile",
+                                   compile_backend="aot_eager", chunk_buckets=(1, 2, 4, 8))
+    caches = random_caches(model)
+    assert caches.latent.shape[0] == 2  # layer 2 shares layer 0's
+    check_steps(runner, reference, caches, STEPS[:1])
+    check_steps(runner, reference, caches, STEPS[1:], stance="fail_on_recompile")

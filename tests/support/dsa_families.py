@@ -15,12 +15,19 @@ from tests.support.families import step
 
 @torch.no_grad()
 def indexer_outputs(model, prompt):
-    """{layer: (q_index, weights, k_index)} of one no-cache step over ``prompt``, from the layers' indexers."""
+    """{layer: (q_index, weights, k_index)} of one no-cache step over ``prompt``, from the layers' indexers
+    (the index queries times their learned per-head scale where the model has one: Mistral Large 4's)."""
     outputs, hooks = {}, []
+    logs = (torch.arange(len(prompt), dtype=torch.float64) + 1).log()  # the step's positions are 0 .. n-1
+
+    def record(module, args, out, i):
+        q, weights, k = out
+        outputs[i] = (module.scaled_queries(q, logs.to(q.dtype)), weights, k)
+
     for i, layer in enumerate(model.model.layers):
         if layer.self_attn.indexer is not None:
             hooks.append(layer.self_attn.indexer.register_forward_hook(
-                lambda module, args, out, i=i: outputs.__setitem__(i, out)))
+                lambda module, args, out, i=i: record(module, args, out, i)))
     try:
         blocks = -(-len(prompt) // 4)
         step(model, model.allocate_kv_caches(blocks, 4), [prompt], [0], block_size=4, max_blocks=blocks,
@@ -56,7 +63,7 @@ def check_selection(model, hf, prompt) -> None:
     """Each full layer's top-k of one whole-sequence step equals transformers' (as sets of positions), the
     model's indexer outputs giving the same top-k as ``mla_ops.index_topk``."""
     selected = {}
-    for i, layer in enumerate(hf.model.layers):
+    for i, layer in enumerate(getattr(hf.model, "language_model", hf.model).layers):  # a wrapper's text model
         if getattr(layer.self_attn, "indexer", None) is not None:
             layer.self_attn.indexer.register_forward_hook(
                 lambda module, args, out, i=i: selected.__setitem__(i, out[0].long().sort(-1).values))

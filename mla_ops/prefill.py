@@ -142,8 +142,8 @@ class PrefillStep:
             return_lse: bool = False, topk_indices: torch.Tensor | None = None, write: bool = True):
         """One layer: its new rows written into ``kv_cache`` at the step's slots (when ``begin_step``
         had a ``slot_mapping`` and ``write``; nothing otherwise: ``write=False`` for a layer that attends
-        rows another layer of the step wrote, Mistral Large 4's KV sharing), then ``run_prefill``'s attention. Checks only this
-        layer's tensors, all before anything is written. Returns ``out`` [T, N, V], or ``(out, lse)``
+        rows another layer of the step wrote, Mistral Large 4's KV sharing), then ``run_prefill``'s
+        attention. Checks only this layer's tensors, all before anything is written. Returns ``out`` [T, N, V], or ``(out, lse)``
         with ``return_lse=True`` (``lse`` [N, T], float32 or float64 for float64 q, natural log).
         ``topk_indices`` [T, index_topk] int32: required with a DSA plan, refused without one (see
         ``run_prefill``)."""

@@ -5,7 +5,9 @@ no q LoRA) written by transformers and loaded by both sides (mla-ops with ``from
 float32, weights at ~1/sqrt(fan_in) so that the greedy tokens are far from ties. Sizes: ``tiny``
 (hidden 64, 2 layers) and ``small`` (hidden 256, 4 layers, 16 experts). ``--model deepseek_v32``: the
 same sizes as DeepSeek-V3.2 (a q LoRA of hidden / 2, the lightning indexer: 16 heads of 32, top-64),
-so the long prompts take the sparse path and the short ones the dense route. Workloads:
+so the long prompts take the sparse path and the short ones the dense route; ``glm_moe_dsa`` (GLM-5) the
+same with every other layer "shared" (reusing its full layer's top-k), ``mistral_large4`` (Mistral Large 4,
+no q LoRA, a NoPE layer and a shared layer, its multimodal class with a one-layer vision tower) too. Workloads:
 
 * ``shared_prefix``: 8 prompts sharing 512 tokens, 16 of their own each, 32 new tokens (mla-ops
   computes the shared blocks once and reuses them: prefix caching within the call);
@@ -59,13 +61,14 @@ def _shared(g, vocab, count, prefix_len, own):
     return [prefix + _tokens(g, vocab, own) for _ in range(count)]
 
 
-MODELS = ("deepseek_v2", "deepseek_v32")
+MODELS = ("deepseek_v2", "deepseek_v32", "glm_moe_dsa", "mistral_large4")
+INDEXER = dict(index_topk=64, index_n_heads=16, index_head_dim=32)
 
 
 @torch.no_grad()
 def write_checkpoint(size: str, path: str, seed: int = 0, model_type: str = "deepseek_v2"):
-    """A random V2-Lite-style transformers model (or its DeepSeek-V3.2 twin), saved to ``path``; returns it
-    (eval, float32)."""
+    """A random V2-Lite-style transformers model (or its DSA twin of ``model_type``), saved to ``path``; returns
+    it (eval, float32)."""
     import transformers
 
     common = dict(
@@ -76,18 +79,38 @@ def write_checkpoint(size: str, path: str, seed: int = 0, model_type: str = "dee
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=1024,
                              beta_fast=32, beta_slow=1, mscale=0.707, mscale_all_dim=0.707),
     )
+    layers = SIZES[size]["num_hidden_layers"]
     if model_type == "deepseek_v32":
         config = transformers.DeepseekV32Config(**common, q_lora_rank=SIZES[size]["hidden_size"] // 2, n_group=1,
-                                                topk_group=1, index_topk=64, index_n_heads=16, index_head_dim=32)
-        config._experts_implementation = "eager"
+                                                topk_group=1, **INDEXER)
         model_class = transformers.DeepseekV32ForCausalLM
+    elif model_type == "glm_moe_dsa":
+        config = transformers.GlmMoeDsaConfig(**common, q_lora_rank=SIZES[size]["hidden_size"] // 2, n_group=1,
+                                              topk_group=1, **INDEXER,
+                                              indexer_types=["full", "shared"] * (layers // 2))
+        model_class = transformers.GlmMoeDsaForCausalLM
+    elif model_type == "mistral_large4":
+        text = {k: v for k, v in common.items() if k not in ("pad_token_id", "tie_word_embeddings", "rope_parameters")}
+        config = transformers.MistralLarge4Config(
+            text_config=dict(**text, **INDEXER, rope_parameters=dict(  # its YaRN takes no mscale
+                rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=1024, beta_fast=32.0,
+                beta_slow=1.0, attention_factor=1.0), no_rope_layers=[1, 0] * (layers // 2),
+                indexer_types=["full", "shared"] * (layers // 2)),
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                               patch_size=14, image_size=28, head_dim=16), tie_word_embeddings=False)
+        config.text_config._experts_implementation = "eager"
+        model_class = transformers.MistralLarge4ForConditionalGeneration
     else:
         config = transformers.DeepseekV2Config(**common, q_lora_rank=None, topk_method="greedy")
         model_class = transformers.DeepseekV2ForCausalLM
+    if model_type != "deepseek_v2":
+        config._experts_implementation = "eager"  # as the tests run transformers' DSA models
     torch.manual_seed(seed)
     model = model_class(config).eval()
     g = torch.Generator().manual_seed(seed + 1)
-    for p in model.parameters():
+    for name, p in model.named_parameters():
+        if name.endswith("rotary_emb.alpha"):  # Mistral Large 4's learned RoPE frequencies: kept as initialized
+            continue
         p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5 * 1.5 if p.dim() >= 2 else
                 1 + 0.3 * torch.randn(p.shape, generator=g))
     model.save_pretrained(path)

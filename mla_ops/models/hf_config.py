@@ -48,6 +48,9 @@ MODEL_TYPES = {
 # DeepSeek-V3.2 and GLM-5: DeepSeek-V3's gate (GLM-5's in one group: hf_families)
 MODEL_TYPES["deepseek_v32"] = MODEL_TYPES["glm_moe_dsa"] = MODEL_TYPES["deepseek_v3"]
 MODEL_TYPES["mistral_large4_text"] = MODEL_TYPES["mistral4"]  # Mistral Large 4: Mistral 4's gate, in float32
+# Gate settings a model type's router hard-codes whatever config.json says: MistralLarge4TopkRouter always
+# normalizes its top-k weights (its config's norm_topk_prob is read by nothing).
+FIXED_GATES = {"mistral_large4_text": dict(norm_topk_prob=True)}
 MODEL_TYPES["axk1"] = MODEL_TYPES["deepseek_v3"]  # A.X-K1: DeepSeek-V3's gate (AXK1TopkRouter)
 MODEL_TYPES["kimi_k2"] = MODEL_TYPES["deepseek_v3"]  # Kimi K2's remote-code name for DeepSeek-V3, as transformers reads it
 # Another model_type names its gate itself (scoring_func and topk_method); the rest defaults as V2's.
@@ -193,10 +196,11 @@ def _experts(keys: _Keys, model_type: str | None) -> dict:
                 f"known only for {', '.join(map(repr, MODEL_TYPES))}"
             )
         defaults = _OTHER_TYPE
+    gate = {name: keys.get(name, default) for name, default in defaults.items()}
     return dict(
         n_routed_experts=experts, num_experts_per_tok=keys.need("num_experts_per_tok"),
         moe_intermediate_size=keys.need("moe_intermediate_size"), n_shared_experts=keys.get("n_shared_experts", 0),
         first_k_dense_replace=keys.get("first_k_dense_replace", 0), moe_layer_freq=keys.get("moe_layer_freq", 1),
         n_group=keys.get("n_group", 1), topk_group=keys.get("topk_group", 1),
-        **{name: keys.get(name, default) for name, default in defaults.items()},
+        **{**gate, **FIXED_GATES.get(model_type, {})},
     )

@@ -87,6 +87,14 @@ def test_config_and_layers(checkpoint):
         assert caches.latent.shape == (3, 5, 4, 40) and caches.index.shape == (2, 5, 4, 16)
 
 
+def test_the_router_normalizes_whatever_the_config_says(checkpoint):
+    # MistralLarge4TopkRouter always normalizes its top-k weights; config.json's norm_topk_prob is read by nothing.
+    with open(os.path.join(checkpoint[0], "config.json")) as f:
+        config = json.load(f)
+    config["text_config"]["norm_topk_prob"] = False
+    assert MLAConfig.from_hf(config).norm_topk_prob
+
+
 def test_the_test_data_has_no_near_ties(model64):
     prompts = prompts_of([13, 7, 21], 96, seed=1) + prompts_of([10, 9], 96, seed=2)
     assert index_score_gap(model64, prompts) > 1e-4

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .. import _checks
+from .._env import static_float
 from ..planning.options import PlanOptions
 from ..planning.routing import default_threshold
 from .hf_config import check_yarn, mla_config_kwargs, read_config, yarn_from_dict
@@ -153,7 +154,7 @@ class MLAConfig:
         for name in _OPTIONAL_INTS:
             setattr(self, name, _checks.check_int(getattr(self, name), name, 1, optional=True))
         for name, positive in _REALS.items():
-            setattr(self, name, _checks.check_real(getattr(self, name), name, positive))
+            setattr(self, name, static_float(_checks.check_real(getattr(self, name), name, positive)))
         for name in _BOOLS:
             _checks.check_bool(getattr(self, name), name)
         _checks.check_str(self.scoring_func, "scoring_func")
@@ -321,7 +322,7 @@ class MLAConfig:
     def softmax_scale(self) -> float:
         """1/sqrt(P+R), times YaRN's mscale correction where the checkpoint has one."""
         scale = self.qk_head_dim ** -0.5
-        return scale if self.rope_scaling is None else scale * self.rope_scaling.softmax_scale_factor()
+        return static_float(scale if self.rope_scaling is None else scale * self.rope_scaling.softmax_scale_factor())
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         if self.mlp_layer_types is not None:
@@ -364,7 +365,8 @@ def _int_list(value, name: str, num_layers: int) -> tuple[int, ...]:
 def _check_mistral_large4_layers(c: MLAConfig) -> None:
     """``no_rope_layers``, ``kv_source_layers`` and ``final_logit_softcapping`` (Mistral Large 4's)."""
     if c.final_logit_softcapping is not None:
-        c.final_logit_softcapping = _checks.check_real(c.final_logit_softcapping, "final_logit_softcapping")
+        c.final_logit_softcapping = static_float(_checks.check_real(c.final_logit_softcapping,
+                                                                    "final_logit_softcapping"))
     if (c.no_rope_layers is not None or c.kv_source_layers is not None) and not c.is_sparse:
         raise ValueError("no_rope_layers / kv_source_layers are Mistral Large 4's layer kinds, run by the sparse "
                          "layers (index_topk): set index_topk or leave them None")
@@ -395,7 +397,7 @@ def _check_mistral_large4_layers(c: MLAConfig) -> None:
 
 def _check_layer_types_and_scales(c: MLAConfig) -> None:
     for name in ("embedding_scale", "residual_scale", "logits_scaling"):
-        setattr(c, name, _checks.check_real(getattr(c, name), name))
+        setattr(c, name, static_float(_checks.check_real(getattr(c, name), name)))
     if c.mlp_layer_types is None:
         return
     if not isinstance(c.mlp_layer_types, (list, tuple)):

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from .. import _checks
+from .._env import static_float
 from ..parallel import ContextParallel
 from ..parallel.tensor_parallel import check_divisible
 from ..planning.plan import PrefillPlan
@@ -91,6 +92,7 @@ class MLAModel(nn.Module):
             layer_config, group = local_config(config, context_parallel), context_parallel.process_group
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         nn.init.normal_(self.embed_tokens.weight, std=config.initializer_range)
+        self.embed_tokens.norm_type = static_float(self.embed_tokens.norm_type)  # unused (no max_norm): constant
         self.layer_class = LAYER_CLASSES[config.decoder_layer]
         self.layers = nn.ModuleList(self.layer_class(layer_config, i, group) for i in range(config.num_hidden_layers))
         self.num_cache_layers = sum(layer.num_kv_caches for layer in self.layers)  # KV-sharing layers have none

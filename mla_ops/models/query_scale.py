@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import _checks
+from .._env import static_float
 from .rope import acc_dtype
 
 
@@ -27,7 +28,7 @@ class QueryScale:
     original_max_position_embeddings: int
 
     def __post_init__(self):
-        object.__setattr__(self, "beta", _checks.check_real(self.beta, "query_scale.beta", positive=False))
+        object.__setattr__(self, "beta", static_float(_checks.check_real(self.beta, "query_scale.beta", positive=False)))
         object.__setattr__(self, "original_max_position_embeddings", _checks.check_int(
             self.original_max_position_embeddings, "query_scale.original_max_position_embeddings", 1))
 

@@ -24,7 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .._env import StaticFloat, static_float_fields
 from .longrope import LongRopeScaling
+
+_PI = StaticFloat(math.pi)  # math.pi would be a symbolic float under torch.compile(dynamic=True)
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,9 @@ class YarnScaling:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None  # cos/sin multiplier; None: derived from factor and the mscales
     truncate: bool = True  # round the correction range outwards to whole dimensions
+
+    def __post_init__(self):
+        static_float_fields(self)  # constants to torch.compile (mla_ops._env.StaticFloat)
 
     @classmethod
     def from_dict(cls, scaling: dict, max_position_embeddings: int) -> YarnScaling | None:
@@ -74,7 +80,7 @@ class YarnScaling:
     def correction_range(self, rope_dim: int, theta: float) -> tuple[float, float]:
         """Dimension pairs [low, high] over which the ramp blends kept and interpolated frequencies."""
         def dim_of(rotations: float) -> float:  # the pair index that turns `rotations` times
-            return rope_dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            return rope_dim * math.log(self.original_max_position_embeddings / (rotations * 2 * _PI)) / (
                 2 * math.log(theta))
 
         low, high = dim_of(self.beta_fast), dim_of(self.beta_slow)

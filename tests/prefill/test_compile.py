@@ -3,6 +3,8 @@
 Every test session runs with a fresh Inductor cache directory (tests/conftest.py).
 """
 
+import dataclasses
+import logging
 import math
 import os
 import re
@@ -343,6 +345,49 @@ def test_mla_model_compiles_whole_and_matches_eager():
         expect = model(ids, positions, expect_caches, slots, table, plan)
         torch.testing.assert_close(out, expect, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(caches, expect_caches, rtol=1e-5, atol=1e-5)
+
+
+class RestartCounter(logging.Handler):
+    """Dynamo's "Restarting analysis" log lines (a float specialised late makes one: the whole trace again)."""
+
+    def __enter__(self):
+        self.count, self.logger = 0, logging.getLogger("torch._dynamo.convert_frame")
+        self.level = self.logger.level
+        self.logger.setLevel(logging.INFO)
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.level)
+
+    def emit(self, record):
+        self.count += record.getMessage().startswith("Restarting analysis")
+
+
+# The model's float constants (rope_theta, eps, scales, YaRN's) read as constants: a symbolic float that an
+# op cannot take would be specialised after the trace and the whole analysis restarted.
+SCALED = dict(rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=64, mscale=1.0,
+                                mscale_all_dim=1.0), max_position_embeddings=2560, embedding_scale=12.0,
+              residual_scale=0.5, logits_scaling=4.0, final_logit_softcapping=30.0)
+
+
+@pytest.mark.parametrize("overrides", [{}, SCALED], ids=["tiny", "yarn-and-scalings"])
+@torch.no_grad()
+def test_the_whole_step_compiles_without_restarting_analysis(overrides):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    config = dataclasses.replace(mla_ops.MLAConfig.from_name("tiny"), **overrides)
+    model = mla_ops.MLAForCausalLM(config).eval()
+    ids, positions, slots, table, qsl, lens = model_step(config, [5, 0, 13], [3, 2, 4], seed=0)
+    caches, expect_caches = model.allocate_kv_caches(64, 4), model.allocate_kv_caches(64, 4)
+    with RestartCounter() as restarts:
+        out = torch.compile(model_step_fn(model, 4, 3), backend="aot_eager", fullgraph=True, dynamic=True)(
+            ids, positions, caches, slots, table, qsl, lens)
+    assert restarts.count == 0
+    expect = model(ids, positions, expect_caches, slots, table, mla_ops.plan_prefill(qsl, lens, table, 4, 32))
+    torch.testing.assert_close(out, expect, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(caches, expect_caches, rtol=1e-5, atol=1e-5)
 
 
 @torch.no_grad()

@@ -372,12 +372,12 @@ SCALED = dict(rope_scaling=dict(type="yarn", factor=40, original_max_position_em
               residual_scale=0.5, logits_scaling=4.0, final_logit_softcapping=30.0)
 
 
-@pytest.mark.parametrize("overrides", [{}, SCALED], ids=["tiny", "yarn-and-scalings"])
 @torch.no_grad()
-def test_the_whole_step_compiles_without_restarting_analysis(overrides):
+def test_the_whole_step_compiles_without_restarting_analysis():
+    # The tiny preset's constants and YaRN's and MiniCPM3's on top: one compile covers them all.
     torch._dynamo.reset()
     torch.manual_seed(0)
-    config = dataclasses.replace(mla_ops.MLAConfig.from_name("tiny"), **overrides)
+    config = dataclasses.replace(mla_ops.MLAConfig.from_name("tiny"), **SCALED)
     model = mla_ops.MLAForCausalLM(config).eval()
     ids, positions, slots, table, qsl, lens = model_step(config, [5, 0, 13], [3, 2, 4], seed=0)
     caches, expect_caches = model.allocate_kv_caches(64, 4), model.allocate_kv_caches(64, 4)

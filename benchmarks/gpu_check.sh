@@ -11,8 +11,8 @@
 #
 # Steps and limits in seconds (default / --long): wheels 10, env 20, cuda_kernels 70 (the tests
 # marked cuda, anywhere under tests/, whose names hold neither "graph" nor "reduce_overhead":
-# kernels, FlashMLA, mla_prefill), dsa 40 (the cuda tests of DeepSeek Sparse Attention: the indexer,
-# sparse attention, a DSA step), kernel_bench 50 / 180, absorbed_bench 45 / 175,
+# kernels, FlashMLA, mla_prefill), dsa 40 (the cuda tests of DeepSeek Sparse Attention, in $dsa_files:
+# the indexer, sparse attention, a DSA model's CUDA-graph generation), kernel_bench 50 / 180, absorbed_bench 45 / 175,
 # device_path_bench 40 (the device path at K = 1, 4, 16 against the host path), cuda_graphs 65
 # (those that do: CUDA graphs, torch.compile, PrefillGraphs), graphs_bench 45 / 120 (PrefillGraphs
 # replay vs eager), cuda_models 0 / 120 (--long only: the cuda tests of MoE, generation and context
@@ -86,19 +86,21 @@ step wheels 10 bash -c 'if ! ls .whl/*.whl >/dev/null 2>&1; then echo "no wheels
 step env 20 "$PY" -m benchmarks.gpu_summary env --json "$out/gpu_env.json" "${dry_flag[@]}"
 # The GPU tests: marked cuda wherever they live under tests/ (tests/interpreter is its own run),
 # split by name. The model tests are long: --long only.
-pytest_args=(-m cuda tests --ignore=tests/interpreter -p no:cacheprovider -v -rs)
+pytest_flags=(-m cuda -p no:cacheprovider -v -rs)
+pytest_args=("${pytest_flags[@]}" tests --ignore=tests/interpreter)
 model_tests="test_grouped_moe_on_cuda_compiles_and_captures or test_generation_on_cuda_equals_cpu_eager_and_compiled"
 model_tests+=" or test_cuda_latent_attention_kernel or test_cuda_one_rank_equals_single_device"
-dsa_tests="indexer or sparse or dsa"
-step cuda_kernels 70 "$PY" -m pytest "${pytest_args[@]}" \
-    -k "not graph and not reduce_overhead and not ($model_tests) and not ($dsa_tests)"
-step dsa 40 "$PY" -m pytest "${pytest_args[@]}" -k "($dsa_tests) and not ($model_tests)"
+dsa_files=(tests/ops/test_indexer.py tests/ops/test_sparse.py tests/serving/test_dsa_serving.py)
+step cuda_kernels 70 "$PY" -m pytest "${pytest_args[@]}" "${dsa_files[@]/#/--ignore=}" \
+    -k "not graph and not reduce_overhead and not ($model_tests)"
+step dsa 40 "$PY" -m pytest "${pytest_flags[@]}" "${dsa_files[@]}"
 if [ "$long" = 1 ]; then bench_limit=180; graphs_limit=120; else bench_limit=50; graphs_limit=45; fi
 step kernel_bench "$bench_limit" "$PY" -m benchmarks.kernel_bench --json "$out/gpu_kernels.json" "${flags[@]}"
 step absorbed_bench $((bench_limit - 5)) "$PY" -m benchmarks.absorbed_bench --json "$out/gpu_absorbed.json" \
     "${flags[@]}"
 step device_path_bench 40 "$PY" -m benchmarks.device_path_bench --json "$out/gpu_device_path.json" "${flags[@]}"
-step cuda_graphs 65 "$PY" -m pytest "${pytest_args[@]}" -k "(graph or reduce_overhead) and not ($model_tests)"
+step cuda_graphs 65 "$PY" -m pytest "${pytest_args[@]}" "${dsa_files[@]/#/--ignore=}" \
+    -k "(graph or reduce_overhead) and not ($model_tests)"
 step graphs_bench "$graphs_limit" "$PY" -m benchmarks.graphs_bench --json "$out/gpu_graphs.json" "${flags[@]}"
 if [ "$long" = 1 ]; then
     step cuda_models 120 "$PY" -m pytest "${pytest_args[@]}" -k "$model_tests"

@@ -10,14 +10,15 @@ The keys of sparse request r are its sequence positions ``0 .. c_r + q_r - 1``: 
 ``query_start_loc[r] + p - c_r``). Concatenate the sparse requests' sequences into one stream and cut
 it into row chunks of W rows (the packed schedule, ``device_schedule``); the scores of a row chunk
 against its requests' query tokens would be up to (tokens x W), so each row chunk is split along its
-query tokens (less the first request's queries that precede all of the chunk's rows, causally) into pieces of at most M tokens (``M = scores_budget // W``). Index chunk i is one piece:
-the rows ``cu_seq_lens[i]`` (request r's rows ``starts[i, r] ..`` in workspace rows ``cu_seq_lens[i, r]
-..``) scored by the query tokens ``token_start[i] .. token_end[i]`` (each token against its own
-request's rows, causally). Top-k partials of the pieces merge like LSE partials.
+query tokens (less the first request's queries that precede all of the chunk's rows, causally) into
+pieces of at most M tokens (``M = scores_budget // W``). Index chunk i is one piece: the rows
+``cu_seq_lens[i]`` (request r's rows ``starts[i, r] ..`` in workspace rows ``cu_seq_lens[i, r] ..``)
+scored by the query tokens ``token_start[i] .. token_end[i]`` (each token against its own request's
+rows, causally). Top-k partials of the pieces merge like LSE partials.
 
-Both plan forms use the same tensors: the host form sizes C to what the step needs (no empty chunk),
-the device form takes ``max_chunks`` as C; pieces past C are not scored and their requests are
-``truncated`` (their attention comes out NaN, as the chunk loop's).
+Both plan forms use the same tensors: the host form sizes C, W and M to what the step needs (no empty
+chunk; ``plan.host_index_schedule``), the device form takes ``max_chunks`` as C; pieces past C are not
+scored and their requests are ``truncated`` (their attention comes out NaN, as the chunk loop's).
 """
 
 from __future__ import annotations

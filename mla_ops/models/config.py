@@ -244,16 +244,8 @@ class MLAConfig:
         if self.index_head_dim < self.qk_rope_head_dim:
             raise ValueError(f"index_head_dim ({self.index_head_dim}) must hold the qk_rope_head_dim "
                              f"({self.qk_rope_head_dim}) rotated dims")
-        if self.indexer_types is None:
+        if not _check_layer_list(self, "indexer_types", INDEXER_TYPES):
             return
-        if not isinstance(self.indexer_types, (list, tuple)):
-            raise TypeError(f"indexer_types must be None or a list of {INDEXER_TYPES}, got {self.indexer_types!r}")
-        self.indexer_types = tuple(self.indexer_types)
-        if len(self.indexer_types) != self.num_hidden_layers:
-            raise ValueError(f"indexer_types must have num_hidden_layers={self.num_hidden_layers} entries, got "
-                             f"{len(self.indexer_types)}")
-        for i, kind in enumerate(self.indexer_types):
-            _checks.check_str(kind, f"indexer_types[{i}]", INDEXER_TYPES)
         if self.indexer_types[0] != "full":
             raise ValueError("indexer_types[0] must be 'full': a 'shared' layer reuses the top-k of a full layer "
                              "before it")
@@ -395,19 +387,26 @@ def _check_mistral_large4_layers(c: MLAConfig) -> None:
                              f"{last_owner.get(c.uses_rope(i))}: a layer shares the latest such layer's cache")
 
 
+def _check_layer_list(c: MLAConfig, name: str, choices) -> bool:
+    """``c.<name>``: None (False), or one of ``choices`` per layer, made a tuple (True)."""
+    kinds = getattr(c, name)
+    if kinds is None:
+        return False
+    if not isinstance(kinds, (list, tuple)):
+        raise TypeError(f"{name} must be None or a list of {choices}, got {kinds!r}")
+    if len(kinds) != c.num_hidden_layers:
+        raise ValueError(f"{name} must have num_hidden_layers={c.num_hidden_layers} entries, got {len(kinds)}")
+    for i, kind in enumerate(kinds):
+        _checks.check_str(kind, f"{name}[{i}]", choices)
+    setattr(c, name, tuple(kinds))
+    return True
+
+
 def _check_layer_types_and_scales(c: MLAConfig) -> None:
     for name in ("embedding_scale", "residual_scale", "logits_scaling"):
         setattr(c, name, static_float(_checks.check_real(getattr(c, name), name)))
-    if c.mlp_layer_types is None:
+    if not _check_layer_list(c, "mlp_layer_types", MLP_LAYER_TYPES):
         return
-    if not isinstance(c.mlp_layer_types, (list, tuple)):
-        raise TypeError(f"mlp_layer_types must be None or a list of {MLP_LAYER_TYPES}, got {c.mlp_layer_types!r}")
-    c.mlp_layer_types = tuple(c.mlp_layer_types)
-    if len(c.mlp_layer_types) != c.num_hidden_layers:
-        raise ValueError(f"mlp_layer_types must have num_hidden_layers={c.num_hidden_layers} entries, got "
-                         f"{len(c.mlp_layer_types)}")
-    for i, kind in enumerate(c.mlp_layer_types):
-        _checks.check_str(kind, f"mlp_layer_types[{i}]", MLP_LAYER_TYPES)
     if c.n_routed_experts is None and "sparse" in c.mlp_layer_types:
         raise ValueError(f"mlp_layer_types[{c.mlp_layer_types.index('sparse')}] is 'sparse' but n_routed_experts is "
                          "None (no experts)")

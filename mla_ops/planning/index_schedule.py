@@ -17,13 +17,14 @@ scored by the query tokens ``token_start[i] .. token_end[i]`` (each token agains
 rows, causally). Top-k partials of the pieces merge like LSE partials.
 
 Both plan forms use the same tensors: the host form sizes C, W and M to what the step needs (no empty
-chunk; ``plan.host_index_schedule``), the device form takes ``max_chunks`` as C; pieces past C are not
+chunk: ``host_index_schedule``), the device form takes ``max_chunks`` as C; pieces past C are not
 scored and their requests are ``truncated`` (their attention comes out NaN, as the chunk loop's).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -69,9 +70,19 @@ def sparse_requests(query_start_loc: torch.Tensor, context_lens: torch.Tensor, i
     return context_lens + (query_start_loc[1:] - query_start_loc[:-1]) > index_topk
 
 
-def _row_chunks(seq_lens, context_lens, query_start_loc, rows: int, tokens: int, row_capacity: int):
-    """The packed row chunks (at most ``row_capacity``), their query tokens and the pieces each needs."""
-    starts, lens, cu, _ = device_plan_tensors(seq_lens, rows, row_capacity)  # [R, B], [R, B], [R, B+1]
+class _RowChunks(NamedTuple):
+    """The packed row chunks of a step (at most R), their query tokens and the pieces each needs."""
+
+    starts: torch.Tensor  # [R, B]
+    lens: torch.Tensor  # [R, B]
+    cu: torch.Tensor  # [R, B+1]
+    token_lo: torch.Tensor  # [R]
+    token_hi: torch.Tensor  # [R]
+    pieces: torch.Tensor  # [R]
+
+
+def _row_chunks(seq_lens, context_lens, query_start_loc, rows: int, tokens: int, row_capacity: int) -> _RowChunks:
+    starts, lens, cu, _ = device_plan_tensors(seq_lens, rows, row_capacity)
     batch = seq_lens.shape[0]
     has = lens > 0
     live = has.any(1)
@@ -82,40 +93,58 @@ def _row_chunks(seq_lens, context_lens, query_start_loc, rows: int, tokens: int,
     blind = (starts.gather(1, first.unsqueeze(1)).squeeze(1) - context_lens.long()[first]).clamp(min=0)
     token_lo, token_hi = qsl[first] + blind, qsl[last + 1]
     pieces = torch.where(live, (token_hi - token_lo + tokens - 1) // tokens, 0)
-    return starts, lens, cu, token_lo, token_hi, pieces
+    return _RowChunks(starts, lens, cu, token_lo, token_hi, pieces)
 
 
-def index_schedule_tensors(seq_lens: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                           rows: int, tokens: int, max_chunks: int, row_capacity: int | None = None):
-    """The schedule's tensors (module doc) with tensor code only (no host read): ``(starts, seq_lens,
-    cu_seq_lens, token_start, token_end, truncated)``. ``row_capacity``: row chunks to plan (default
-    ``max_chunks``: each needs at least one piece)."""
-    row_capacity = max_chunks if row_capacity is None else row_capacity
-    row_starts, row_lens, row_cu, token_lo, token_hi, pieces = _row_chunks(seq_lens, context_lens, query_start_loc, rows,
-                                                                           tokens, row_capacity)
-    done = torch.cumsum(pieces, 0)  # [R] pieces up to and including row chunk k
+def _pieces(rc: _RowChunks, seq_lens, query_start_loc, rows: int, tokens: int, max_chunks: int):
+    """The row chunks' pieces in ``max_chunks`` slots: the schedule's tensors (module doc)."""
+    row_capacity = rc.starts.shape[0]
+    done = torch.cumsum(rc.pieces, 0)  # [R] pieces up to and including row chunk k
     chunk = torch.arange(max_chunks, device=seq_lens.device)
     row_chunk = torch.searchsorted(done, chunk, right=True)  # [C]; row_capacity past the last piece
     used = row_chunk < row_capacity
     k = row_chunk.clamp(max=row_capacity - 1)
-    piece = chunk - (done[k] - pieces[k])
-    token_start = torch.where(used, token_lo[k] + piece * tokens, 0)
-    token_end = torch.where(used, torch.minimum(token_start + tokens, token_hi[k]), 0)
+    piece = chunk - (done[k] - rc.pieces[k])
+    token_start = torch.where(used, rc.token_lo[k] + piece * tokens, 0)
+    token_end = torch.where(used, torch.minimum(token_start + tokens, rc.token_hi[k]), 0)
     keep = used.unsqueeze(1)
-    starts, lens, cu = (torch.where(keep, x.index_select(0, k), 0) for x in (row_starts, row_lens, row_cu))
+    starts, lens, cu = (torch.where(keep, x.index_select(0, k), 0) for x in (rc.starts, rc.lens, rc.cu))
     # Truncated: a request with rows in a row chunk whose piece of its last token is past C, or with rows
     # past the row chunks planned.
-    last_piece = (done - pieces + 1).unsqueeze(1) \
-        + (query_start_loc.long()[1:].unsqueeze(0) - token_lo.unsqueeze(1) - 1).div(tokens, rounding_mode="floor")
-    dropped = ((last_piece > max_chunks) & (row_lens > 0)).any(0)
+    last_piece = (done - rc.pieces + 1).unsqueeze(1) \
+        + (query_start_loc.long()[1:].unsqueeze(0) - rc.token_lo.unsqueeze(1) - 1).div(tokens, rounding_mode="floor")
+    dropped = ((last_piece > max_chunks) & (rc.lens > 0)).any(0)
     beyond = (torch.cumsum(seq_lens.long(), 0) > row_capacity * rows) & (seq_lens > 0)
     return starts.int(), lens.int(), cu.int(), token_start.int(), token_end.int(), dropped | beyond
 
 
-def pieces_needed(seq_lens: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor, rows: int,
-                  tokens: int) -> int:
-    """The host form's capacity: the pieces the step needs (reads the CPU lengths' values)."""
-    row_chunks = -(-int(seq_lens.long().sum()) // rows)
-    if row_chunks == 0:
-        return 0
-    return int(_row_chunks(seq_lens, context_lens, query_start_loc, rows, tokens, row_chunks)[-1].sum())
+def device_index_schedule(query_start_loc, context_lens, sparse, rows: int, tokens: int,
+                          max_chunks: int) -> IndexSchedule:
+    """The device form: W = ``rows``, M = ``tokens``, ``max_chunks`` slots, with tensor code only (no host
+    read; each row chunk needs a piece, so ``max_chunks`` row chunks are planned)."""
+    seq_lens = sequence_lens(query_start_loc, context_lens, sparse)
+    rc = _row_chunks(seq_lens, context_lens, query_start_loc, rows, tokens, max_chunks)
+    return IndexSchedule(*_pieces(rc, seq_lens, query_start_loc, rows, tokens, max_chunks), rows=rows, tokens=tokens)
+
+
+def _host_row_chunks(seq_lens, context_lens, query_start_loc, rows: int, tokens: int) -> _RowChunks:
+    row_chunks = max(1, -(-int(seq_lens.long().sum()) // rows))
+    return _row_chunks(seq_lens, context_lens, query_start_loc, rows, tokens, row_chunks)
+
+
+def host_index_schedule(query_start_loc, context_lens, sparse, workspace_size: int,
+                        scores_budget: int) -> IndexSchedule:
+    """The host form, from CPU lengths: as many pieces as the step needs. A step with fewer sparse keys than the
+    workspace takes them in one chunk of just those rows, scored by proportionally more queries at a time (at
+    most the step's: a piece's scores buffer is never larger than the step needs)."""
+    seq_lens = sequence_lens(query_start_loc, context_lens, sparse)
+    rows = max(1, min(workspace_size, int(seq_lens.long().sum())))
+    tokens = max(1, min(scores_budget // rows, int(query_start_loc[-1])))
+    rc = _host_row_chunks(seq_lens, context_lens, query_start_loc, rows, tokens)
+    count = int(rc.pieces.sum())
+    return IndexSchedule(*_pieces(rc, seq_lens, query_start_loc, rows, tokens, count), rows=rows, tokens=tokens)
+
+
+def pieces_needed(seq_lens, context_lens, query_start_loc, rows: int, tokens: int) -> int:
+    """The pieces a step's CPU lengths need at W = ``rows``, M = ``tokens`` (``PrefillGraphs``' chunk bucket)."""
+    return int(_host_row_chunks(seq_lens, context_lens, query_start_loc, rows, tokens).pieces.sum())

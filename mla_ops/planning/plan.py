@@ -28,7 +28,7 @@ import torch.utils._pytree as pytree
 from .. import _checks
 from .._mla import absorbed_token_loc
 from .device_schedule import DeviceSchedule, plan_context_chunks_device
-from .index_schedule import IndexSchedule, index_schedule_tensors, pieces_needed, sequence_lens, sparse_requests
+from .index_schedule import IndexSchedule, device_index_schedule, host_index_schedule, sparse_requests
 from .options import PlanOptions
 from .routing import route_context
 from .schedule import SMALL_BATCH, ContextSchedule, frozen_instance, schedule_checked
@@ -219,7 +219,8 @@ def plan_host(query_start_loc, context_lens, block_table, options: PlanOptions) 
         host_qsl = torch.as_tensor(qsl, dtype=torch.int32)
         host_ctx = torch.as_tensor(ctx, dtype=torch.int32)
         sparse = sparse_requests(host_qsl, host_ctx, options.index_topk)
-        index_schedule = host_index_schedule(host_qsl, host_ctx, sparse, options).to(device)
+        index_schedule = host_index_schedule(host_qsl, host_ctx, sparse, options.workspace_size,
+                                             options.index_scores_budget).to(device)
         ctx = [0 if s else c for c, s in zip(ctx, sparse.tolist())] if small else np.where(sparse.numpy(), 0, ctx)
         sparse = sparse.to(device, non_blocking=True)
     mha_lens, absorbed_lens = ctx, None
@@ -255,28 +256,6 @@ def plan_host(query_start_loc, context_lens, block_table, options: PlanOptions) 
     ))
 
 
-def host_index_schedule(query_start_loc, context_lens, sparse, options: PlanOptions) -> IndexSchedule:
-    """The indexer's chunks of CPU lengths, as many as the step needs. A step with fewer sparse keys than the
-    workspace takes them in one chunk of just those rows, scored by proportionally more queries at a time
-    (at most the step's: a chunk's scores buffer is never larger than the step needs)."""
-    seq_lens = sequence_lens(query_start_loc, context_lens, sparse)
-    total = int(seq_lens.long().sum())
-    rows = max(1, min(options.workspace_size, total))
-    tokens = max(1, min(options.index_scores_budget // rows, int(query_start_loc[-1])))
-    count = pieces_needed(seq_lens, context_lens, query_start_loc, rows, tokens)
-    row_chunks = max(1, -(-total // rows))
-    return IndexSchedule(*index_schedule_tensors(seq_lens, context_lens, query_start_loc, rows, tokens, count,
-                                                 row_chunks), rows=rows, tokens=tokens)
-
-
-def device_index_schedule(query_start_loc, context_lens, sparse, options: PlanOptions) -> IndexSchedule:
-    """The indexer's chunks in ``max_chunks`` slots, with tensor code on the lengths' device."""
-    seq_lens = sequence_lens(query_start_loc, context_lens, sparse)
-    rows, tokens = options.workspace_size, options.index_tokens
-    return IndexSchedule(*index_schedule_tensors(seq_lens, context_lens, query_start_loc, rows, tokens,
-                                                 options.max_chunks), rows=rows, tokens=tokens)
-
-
 def plan_device(query_start_loc, context_lens, block_table, options: PlanOptions) -> PrefillPlan:
     """The device form (module doc): tensor code on the block table's device, no host read."""
     check_on_plan_device(query_start_loc, context_lens, block_table)
@@ -292,7 +271,8 @@ def plan_device(query_start_loc, context_lens, block_table, options: PlanOptions
     mha_lens = context_lens
     if options.index_topk:
         sparse = sparse_requests(query_start_loc, context_lens, options.index_topk)
-        index_schedule = device_index_schedule(query_start_loc, context_lens, sparse, options)
+        index_schedule = device_index_schedule(query_start_loc, context_lens, sparse, options.workspace_size,
+                                               options.index_tokens, options.max_chunks)
         mha_lens = torch.where(sparse, 0, context_lens)
     if threshold and capacity:
         mha_lens, absorbed = route_context(mha_lens, query_start_loc[1:] - query_start_loc[:-1], threshold,

@@ -18,7 +18,7 @@ import mla_ops
 from mla_ops.models.config import MLAConfig
 
 transformers = pytest.importorskip("transformers")
-from tests.support.families import prompts_of, relative_diff, rewrite_checkpoint, step, transformers_greedy  # noqa: E402
+from tests.support.families import check_generation, prompts_of, relative_diff, rewrite_checkpoint, step  # noqa: E402
 
 ROUTED, IDENTITY = 6, 3
 HF_CONFIG = dict(
@@ -178,19 +178,7 @@ def test_regionally_compiled_layers_equal_eager(checkpoint):
 
 
 def test_greedy_generation_matches_transformers_and_reuses_prefixes(checkpoint):
-    path, hf = checkpoint
-    model = mla_ops.MLAForCausalLM.from_pretrained(path, dtype=torch.float64)
-    vocab = model.config.vocab_size
-    shared, other = prompts_of([10, 9], vocab, seed=2)
-    prompts = [shared + [3, 4, 5], shared + [6], other[:5], shared + [3, 4, 5]]
-    expect = transformers_greedy(hf, prompts, 6, pad_token_id=vocab - 1)
-    generator = mla_ops.Generator(model, block_size=4)
-    assert generator.generate(prompts, 6) == expect
-    # Blocks of 4: prompt 1 reuses prompt 0's 2 shared blocks, prompt 3 (= prompt 0) 3 of them.
-    assert generator.stats.cached_tokens == 8 + 12
-    assert generator.generate(prompts, 6) == expect  # again: every full prompt block is cached now
-    assert generator.stats.cached_tokens == 12 + 8 + 4 + 12
-    assert mla_ops.generate(model, prompts[:2], 6, block_size=16) == expect[:2]
+    check_generation(*checkpoint, dtype=torch.float64)
 
 
 def test_cli_generates(checkpoint, capsys):

@@ -10,7 +10,7 @@ the model's own float64 index queries, weights and keys; the tests assert it is 
 import torch
 
 import mla_ops
-from tests.support.families import step
+from tests.support.families import prompts_of, step, transformers_greedy
 
 
 @torch.no_grad()
@@ -78,11 +78,14 @@ def check_selection(model, hf, prompt) -> None:
             assert mine[t, :n].tolist() == selected[i][t, :n].tolist(), f"layer {i}, token {t}: top-k differs"
 
 
-def check_cache_bookkeeping(model, calls, num_blocks) -> None:
-    """``calls``: (prompts, transformers' tokens) per ``generate`` call, with too few blocks to keep every
-    prefix: a later call evicts an earlier one's cached blocks (latent and index rows alike, one block id naming
-    both) and rewrites them, and every call still generates transformers' tokens. Nothing leaks: between calls
-    no block is in use and every block is cached or free. Returns the calls' cached-token counts."""
+def check_cache_bookkeeping(path, hf, num_blocks=15) -> list[int]:
+    """Three ``generate`` calls (prompts A, B, A) with too few blocks to keep every prefix: the second call evicts
+    some of the first's cached blocks (latent and index rows alike, one block id naming both) and the third
+    rewrites them, and every call still generates transformers' tokens. Nothing leaks: between calls no block
+    is in use and every block is cached or free. Returns the calls' cached-token counts."""
+    model = mla_ops.MLAForCausalLM.from_pretrained(path, dtype=torch.float32)
+    first, second = prompts_of([14, 11, 13], 96, seed=6), prompts_of([15, 10], 96, seed=7)
+    calls = [(p, transformers_greedy(hf.to(torch.float32), p, 5, pad_token_id=95)) for p in (first, second, first)]
     generator = mla_ops.Generator(model, block_size=4, num_blocks=num_blocks)
     hits = []
     for prompts, expect in calls:

@@ -102,10 +102,11 @@ def transformers_greedy(hf, prompts, max_new_tokens: int, pad_token_id: int = 0)
     return out
 
 
-def check_generation(path, hf):
-    """Greedy tokens equal transformers', with prefixes cached across prompts and calls."""
-    model = mla_ops.MLAForCausalLM.from_pretrained(path, dtype=torch.float32)
-    hf = hf.to(torch.float32)
+def check_generation(path, hf, dtype=torch.float32):
+    """Greedy tokens equal transformers', with prefixes cached across prompts and calls (both sides in
+    ``dtype``)."""
+    model = mla_ops.MLAForCausalLM.from_pretrained(path, dtype=dtype)
+    hf = hf.to(dtype)
     vocab = model.config.vocab_size
     shared, other = prompts_of([10, 9], vocab, seed=2)
     prompts = [shared + [3, 4, 5], shared + [6], other[:5], shared + [3, 4, 5]]

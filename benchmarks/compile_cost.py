@@ -2,10 +2,12 @@
 
 Every measurement runs in a fresh process with an empty Inductor cache (a cold start), on the
 ``tiny`` preset with float32 weights, and reports the seconds to the first output, the graphs Dynamo
-made and its restarts ("Restarting analysis", e.g. when float attributes are tensorified):
+made and its restarts ("Restarting analysis", e.g. when float attributes are tensorified); the by-layers
+rows also the steady step time after it (``step_ms``, one thread, the mean of 20 steps):
 
 * ``whole`` (by layers): ``torch.compile(step, fullgraph=True, dynamic=True)`` of a step that plans
-  on the device (``max_chunks=4``) and runs the model: one graph, its size growing with the layers;
+  on the device (``max_chunks=4``) and runs the model: one graph, each layer's parts nested compile
+  regions traced once and stamped out for every other layer (``mla_ops.models.regions``);
 * ``regional`` (by layers): ``MLAModel.compile_layers()`` and the same step run as is: the layers'
   dense regions compiled once and shared by every layer;
 * ``warmup``: ``PrefillGraphs(mode="compile").warmup()`` of 20 buckets (``max_tokens=32``,
@@ -38,7 +40,8 @@ from benchmarks._lib.batches import model_step
 from benchmarks._lib.report import write_json_atomic
 
 LAYERS = (1, 2, 4, 8, 61)
-WHOLE_LAYERS = (1, 2, 4, 8)  # a whole 61-layer graph would take minutes per run
+WHOLE_LAYERS = LAYERS
+STEPS = 20  # steps timed after the first output (and 3 warm ones): the steady step time
 
 
 def _config(layers: int):
@@ -69,6 +72,7 @@ def measure(kind: str, size: int) -> dict:
     """One cold measurement in this process (run by ``main`` in a subprocess of its own)."""
     torch.manual_seed(0)
     torch.set_num_threads(1)
+    mla_ops.enable()  # as the README's recipe does
     restarts = _Restarts()
     dynamo_log = logging.getLogger("torch._dynamo.convert_frame")
     level = dynamo_log.level
@@ -92,16 +96,24 @@ def _measure(kind: str, size: int, restarts: _Restarts) -> dict:
             x = model_step(config, [9, 30, 0], [3, 5, 4], block_size, "cpu")
             caches = model.allocate_kv_caches(x["num_blocks"], block_size)
 
-            def step(ids, positions, caches, slots, table, qsl, ctx):
-                plan = mla_ops.plan_prefill(qsl, ctx, table, block_size, workspace, max_chunks=4)
+            def step(ids, positions, caches, slots, table, qsl, ctx):  # literals: an int closed over is symbolic
+                plan = mla_ops.plan_prefill(qsl, ctx, table, 4, 64, max_chunks=4)
                 return model(ids, positions, caches, slots, table, plan)
 
             if kind == "whole":
                 step = torch.compile(step, fullgraph=True, dynamic=True)
             else:
                 model.compile_layers()
-            step(x["input_ids"], x["positions"], caches, x["slot_mapping"], x["block_table"], x["query_start_loc"],
-                 x["context_lens"])
+            args = (x["input_ids"], x["positions"], caches, x["slot_mapping"], x["block_table"], x["query_start_loc"],
+                    x["context_lens"])
+            step(*args)
+            seconds = time.perf_counter() - start
+            for _ in range(3):  # warm
+                step(*args)
+            begin = time.perf_counter()
+            for _ in range(STEPS):
+                step(*args)
+            step_ms = (time.perf_counter() - begin) / STEPS * 1e3
         else:  # "warmup-regional-20", "warmup-whole-1", ...
             _, scope, count = kind.split("-")
             buckets = dict(chunk_buckets=(1, 2, 4, 8, 16)) if count == "20" else \
@@ -111,9 +123,12 @@ def _measure(kind: str, size: int, restarts: _Restarts) -> dict:
                                            workspace_size=workspace, mode="compile", **buckets)
             runner.warmup(model.allocate_kv_caches(64, block_size))
             assert len(runner.built) == int(count)
-    seconds = time.perf_counter() - start
-    return dict(kind=kind, size=size, seconds=round(seconds, 2), graphs=counters["stats"]["unique_graphs"] - graphs,
-                restarts=restarts.count)
+            seconds, step_ms = time.perf_counter() - start, None
+    row = dict(kind=kind, size=size, seconds=round(seconds, 2), graphs=counters["stats"]["unique_graphs"] - graphs,
+               restarts=restarts.count)
+    if step_ms is not None:
+        row["step_ms"] = round(step_ms, 2)
+    return row
 
 
 def run_cold(kind: str, size: int) -> dict:
@@ -144,6 +159,10 @@ def run(layers=LAYERS, whole_layers=WHOLE_LAYERS, whole_buckets: bool = False) -
             ratios[f"{kind}_8_over_1_layers"] = round(seconds[kind, 8] / seconds[kind, 1], 2)
         if 8 in sizes and 61 in sizes:
             ratios[f"{kind}_61_over_8_layers"] = round(seconds[kind, 61] / seconds[kind, 8], 2)
+    step_ms = {(r["kind"], r["size"]): r["step_ms"] for r in rows if "step_ms" in r}
+    for n in sorted({size for kind, size in step_ms if kind == "whole"}):
+        if ("regional", n) in step_ms:
+            ratios[f"whole_over_regional_step_{n}_layers"] = round(step_ms["whole", n] / step_ms["regional", n], 2)
     for scope in ("regional", "whole"):
         if (f"warmup-{scope}-20", 0) in seconds:
             ratios[f"{scope}_20_buckets_over_1"] = round(

@@ -50,3 +50,12 @@ def static_float_fields(obj) -> None:
             object.__setattr__(obj, field.name, StaticFloat(value))
         elif type(value) is tuple and any(type(v) is float for v in value):
             object.__setattr__(obj, field.name, tuple(StaticFloat(v) if type(v) is float else v for v in value))
+
+
+def static_module_floats(module) -> None:
+    """Every float attribute of ``module`` and its submodules (eps, scales, torch's own ``norm_type``) made
+    ``StaticFloat``: a nested compile region would otherwise lift each into a symbolic input."""
+    for m in module.modules():
+        for name, value in vars(m).items():
+            if type(value) is float:
+                setattr(m, name, StaticFloat(value))

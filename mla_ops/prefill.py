@@ -124,13 +124,13 @@ class PrefillStep:
     FlashMLA's), the truncated-token map made. ``run`` is one layer's call; no layer writes to it."""
 
     def __init__(self, plan: PrefillPlan, slot_mapping: torch.Tensor | None, k_scale: torch.Tensor | None,
-                 truncated: torch.Tensor | None, kernels: backends.Kernels, cache: torch.Tensor,
-                 truncated_made: bool):
+                 truncated: torch.Tensor | None, kernels: backends.Kernels, cache_blocks: tuple[int, int],
+                 cache_dtype: torch.dtype, truncated_made: bool):
         self.plan, self.slot_mapping, self.k_scale, self.kernels = plan, slot_mapping, k_scale, kernels
         self.truncated = truncated  # [T] bool, chunk_loop.truncated_tokens (where truncated_made)
         self.truncated_made = truncated_made  # T was known at begin_step: else each layer makes it
-        self.cache_blocks = tuple(cache.shape[-3:-1])  # (num_blocks, block_size) every layer's cache has
-        self.cache_dtype = cache.dtype
+        self.cache_blocks = cache_blocks  # (num_blocks, block_size) every layer's cache has
+        self.cache_dtype = cache_dtype
         # DSA: the requests whose tokens the sparse op writes. Requests the device plan truncated keep
         # the NaN that mark_truncated gave the merged result.
         self.sparse_rows = None
@@ -174,6 +174,11 @@ class PrefillStep:
         if out is not None:
             result = out.copy_(result)
         return (result, lse) if return_lse else result
+
+    def write(self, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor) -> None:
+        """A layer's new rows into ``kv_cache`` at the step's slots (nothing without a slot mapping)."""
+        if self.slot_mapping is not None:
+            write_checked(kv_c, k_pe, self.slot_mapping, kv_cache, self.k_scale)
 
     def _check_topk(self, topk_indices, num_tokens: int) -> None:
         """``topk_indices``: with a DSA plan and only there, ``[T, index_topk]`` int32 on the plan's device,
@@ -246,6 +251,23 @@ class PrefillStep:
         return dims
 
 
+def _unflatten_step(leaves, context) -> PrefillStep:
+    plan, slot_mapping, k_scale, truncated, cache_blocks, sparse_rows = leaves
+    kernels, cache_dtype, truncated_made = context
+    step = PrefillStep(plan, slot_mapping, k_scale, truncated, kernels, cache_blocks, cache_dtype, truncated_made)
+    step.sparse_rows = sparse_rows
+    return step
+
+
+# A pytree, as a nested compile region's input must be (mla_ops.models.regions): every tensor a layer reads
+# and the cache's sizes are leaves, the kernels and flags static context.
+torch.utils._pytree.register_pytree_node(
+    PrefillStep,
+    lambda s: ((s.plan, s.slot_mapping, s.k_scale, s.truncated, s.cache_blocks, s.sparse_rows),
+               (s.kernels, s.cache_dtype, s.truncated_made)),
+    _unflatten_step, serialized_type_name="mla_ops.PrefillStep")
+
+
 def begin_step(plan: PrefillPlan, kv_cache: torch.Tensor, slot_mapping: torch.Tensor | None = None, *,
                k_scale: float | torch.Tensor | None = None, backend: str = "auto") -> PrefillStep:
     """Set up a step's attention once for every layer: a ``PrefillStep`` whose ``run`` each layer calls.
@@ -292,8 +314,8 @@ def begin_step(plan: PrefillPlan, kv_cache: torch.Tensor, slot_mapping: torch.Te
     kernels = backends.select(backend, device, plan.absorbed_query_bound)
     num_tokens = plan.num_tokens if slot_mapping is None else slot_mapping.shape[0]
     truncated = None if num_tokens is None else truncated_tokens(plan, num_tokens)
-    return PrefillStep(plan, slot_mapping, checks.k_scale_tensor(k_scale, kv_cache), truncated, kernels, kv_cache,
-                       num_tokens is not None)
+    return PrefillStep(plan, slot_mapping, checks.k_scale_tensor(k_scale, kv_cache), truncated, kernels,
+                       (num_blocks, plan.block_size), kv_cache.dtype, num_tokens is not None)
 
 
 def run_prefill(

@@ -38,16 +38,17 @@ import torch
 from torch import nn
 
 from .. import _checks
-from .._env import static_float
+from .._env import static_module_floats
 from ..parallel import ContextParallel
 from ..parallel.tensor_parallel import check_divisible
 from ..planning.plan import PrefillPlan
 from .config import MLAConfig
 from .kv_caches import Caches, DSACaches, check_caches
-from .layer import CompiledRegion, DecoderLayer, ModelStep, RMSNorm, check_plan_block_table, scaled
+from .layer import DecoderLayer, ModelStep, RMSNorm, check_plan_block_table, scaled
 from .longcat import LongcatDecoderLayer
 from .mistral_large4 import RotaryFrequencies, softcap
 from .moe import linear
+from .regions import CompiledRegion, warn_inlined
 
 # MLAConfig.decoder_layer -> the layer structure of the family's model.
 LAYER_CLASSES: dict[str, type[nn.Module]] = {"deepseek": DecoderLayer, "longcat": LongcatDecoderLayer}
@@ -92,7 +93,6 @@ class MLAModel(nn.Module):
             layer_config, group = local_config(config, context_parallel), context_parallel.process_group
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         nn.init.normal_(self.embed_tokens.weight, std=config.initializer_range)
-        self.embed_tokens.norm_type = static_float(self.embed_tokens.norm_type)  # unused (no max_norm): constant
         self.layer_class = LAYER_CLASSES[config.decoder_layer]
         self.layers = nn.ModuleList(self.layer_class(layer_config, i, group) for i in range(config.num_hidden_layers))
         self.num_cache_layers = sum(layer.num_kv_caches for layer in self.layers)  # KV-sharing layers have none
@@ -100,6 +100,7 @@ class MLAModel(nn.Module):
         # Mistral Large 4's learned RoPE frequencies (model.rotary_emb.alpha), or None
         self.rotary_emb = RotaryFrequencies(config.qk_rope_head_dim) if config.learned_rope_frequencies else None
         self._compile_options: dict | None = None  # compile_layers'
+        static_module_floats(self)  # constants under torch.compile, guarded by value (mla_ops._env)
 
     def compile_layers(self, **options) -> MLAModel:
         """Regional compilation: the decoder layers' dense regions (their class's ``compiled_regions``:
@@ -153,7 +154,9 @@ class MLAModel(nn.Module):
         k_scale_index: float | torch.Tensor | None = None,  # a float8 index cache's scale (sparse models)
     ) -> torch.Tensor:
         c = self.config
-        check_caches(kv_caches, self.num_cache_layers, c.num_index_layers if c.is_sparse else None)
+        warn_inlined()  # a compiled model whose torch cannot reuse nested regions: once, at trace time
+        check_caches(kv_caches, self.num_cache_layers, c.kv_lora_rank + c.qk_rope_head_dim,
+                     (c.num_index_layers, c.index_head_dim) if c.is_sparse else None)
         check_plan_block_table(block_table, plan)
         if plan.index_topk != (c.index_topk or 0):
             raise ValueError(f"plan was made with index_topk={plan.index_topk or None}, but the model selects "

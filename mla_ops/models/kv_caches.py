@@ -53,25 +53,28 @@ def grown(caches: Caches, bigger: Caches) -> Caches:
     return bigger
 
 
-def check_caches(caches, num_cache_layers: int, num_index_layers: int | None) -> None:
-    """A model's caches (``allocate_kv_caches``): ``num_index_layers`` None for a dense model (one tensor),
-    else a ``DSACaches`` whose two tensors share the block geometry, dtype and device."""
-    if num_index_layers is None:
+def check_caches(caches, num_cache_layers: int, width: int, index: tuple[int, int] | None = None) -> None:
+    """A model's caches (``allocate_kv_caches``): rows ``width`` (L+R) wide; ``index`` None for a dense model
+    (one tensor), else (index layers, D_I) of a ``DSACaches`` whose two tensors share the block geometry,
+    dtype and device. (Checking the widths here, before any layer, also keeps them static under
+    ``torch.compile(dynamic=True)``, where a layer's region would meet them symbolic.)"""
+    if index is None:
         if not isinstance(caches, torch.Tensor):
             raise TypeError(f"kv_caches must be a tensor [num_cache_layers={num_cache_layers}, num_blocks, "
-                            f"block_size, L+R] for a dense model, got {type(caches).__name__}")
-        if caches.dim() != 4 or caches.shape[0] != num_cache_layers:
-            raise ValueError(f"kv_caches must be [num_cache_layers={num_cache_layers}, num_blocks, block_size, L+R], "
-                             f"got shape {tuple(caches.shape)} (see allocate_kv_caches)")
+                            f"block_size, L+R={width}] for a dense model, got {type(caches).__name__}")
+        if caches.dim() != 4 or caches.shape[0] != num_cache_layers or caches.shape[3] != width:
+            raise ValueError(f"kv_caches must be [num_cache_layers={num_cache_layers}, num_blocks, block_size, "
+                             f"L+R={width}], got shape {tuple(caches.shape)} (see allocate_kv_caches)")
         return
     if not isinstance(caches, DSACaches):
         raise TypeError(f"kv_caches must be a DSACaches (latent, index) for a sparse (index_topk) model, got "
                         f"{type(caches).__name__} (see allocate_kv_caches)")
-    latent, index = caches
-    for name, tensor, layers in (("latent", latent, num_cache_layers), ("index", index, num_index_layers)):
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4 or tensor.shape[0] != layers:
-            raise ValueError(f"kv_caches.{name} must be [{layers} layers, num_blocks, block_size, width], got "
+    latent, index_cache = caches
+    for name, tensor, (layers, row) in (("latent", latent, (num_cache_layers, width)), ("index", index_cache, index)):
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4 or tensor.shape[0] != layers \
+                or tensor.shape[3] != row:
+            raise ValueError(f"kv_caches.{name} must be [{layers} layers, num_blocks, block_size, {row}], got "
                              f"{tuple(getattr(tensor, 'shape', ()))} (see allocate_kv_caches)")
-    if index.shape[1:3] != latent.shape[1:3] or index.device != latent.device:
+    if index_cache.shape[1:3] != latent.shape[1:3] or index_cache.device != latent.device:
         raise ValueError(f"kv_caches.index must have the latent cache's blocks {tuple(latent.shape[1:3])} on "
-                         f"{latent.device}, got {tuple(index.shape[1:3])} on {index.device}")
+                         f"{latent.device}, got {tuple(index_cache.shape[1:3])} on {index_cache.device}")

@@ -1,5 +1,7 @@
-"""One decoder layer of the MLA decoder (DeepSeek-V2/V3's): its attention (``MLAAttention``), its norms,
-the step it runs on (``ModelStep``) and its regions for regional compilation (``CompiledRegion``).
+"""One decoder layer of the MLA decoder (DeepSeek-V2/V3's): its attention (``MLAAttention``), its norms and
+the step it runs on (``ModelStep``). Its parts are the regions of ``mla_ops.models.regions``: nested regions
+under ``torch.compile(model)`` (the part before the cache write, and the attention with the rest), or the
+dense parts alone for regional compilation.
 
 T new tokens (all requests, concatenated)   H hidden_size        N num_attention_heads
 L kv_lora_rank   P qk_nope_head_dim   R qk_rope_head_dim   V v_head_dim
@@ -19,12 +21,11 @@ from these parts; ``mla_ops.models.decoder`` picks a model's layer class by ``ML
 from __future__ import annotations
 
 import re
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from .._env import own_code
 from ..ops.cache import write_index_cache
 from ..ops.indexer import index_topk
 from ..parallel.tensor_parallel import all_reduce
@@ -34,6 +35,7 @@ from .config import MLAConfig
 from .indexer import Indexer
 from .mistral_large4 import LogPositionScale, log_positions
 from .moe import FeedForward, MoE, linear
+from .regions import CompiledRegion, nested
 from .rope import acc_dtype, apply_rotary_emb, rotary_cos_sin
 
 
@@ -57,43 +59,6 @@ class ModelStep(NamedTuple):
         q_scale = None if config.query_scale is None else config.query_scale.scales(positions, dtype)
         logs = log_positions(positions, dtype) if config.learned_query_scale else None
         return cls(cos, sin, attention, q_scale, k_scale_index, logs)
-
-
-class CompiledRegion:
-    """One dense region of the decoder layers (``DecoderLayer.attention_inputs`` or ``attention_output``,
-    called ``region(layer, *tensors)``) compiled for ``MLAModel.compile_layers``.
-
-    One ``torch.compile`` per (device, dtype, grad mode, inference mode and, for ``by_mlp``, the layer's
-    MLP kind), each with a code object of its own: no combination spends another's recompile budget,
-    so casting the model or switching modes compiles once more, never into the recompile limit. The
-    tensors' first dim (the tokens) is dynamic, and nothing else: ``dynamic=True`` would make every dim
-    symbolic, and duck sizing would tie a token count to an equal head count. Steps of 0 or 1 tokens
-    run padded to 2 (zero rows, sliced off after), since sizes 0 and 1 would specialise and compile anew.
-    """
-
-    def __init__(self, region: Callable, options: dict, owner: str, by_mlp: bool):
-        self.region, self.options, self.owner, self.by_mlp = region, options, owner, by_mlp
-        self.compiled: dict[tuple, Callable] = {}
-
-    def __call__(self, layer: DecoderLayer, *tensors: torch.Tensor):
-        if torch.compiler.is_compiling():  # inside a compiled step: traced inline
-            return self.region(layer, *tensors)
-        num_tokens = tensors[0].shape[0]
-        if num_tokens < 2:
-            tensors = tuple(torch.cat([t, t.new_zeros(2 - num_tokens, *t.shape[1:])]) for t in tensors)
-        first = tensors[0]
-        key = (first.device, first.dtype, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-               type(layer.mlp) if self.by_mlp else None)
-        compiled = self.compiled.get(key)
-        if compiled is None:
-            name = f"{self.region.__name__}_{len(self.compiled)}_{self.owner}"
-            compiled = self.compiled[key] = torch.compile(own_code(self.region, name), **self.options)
-        for t in tensors:
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-        out = compiled(layer, *tensors)
-        if num_tokens < 2:
-            out = torch.utils._pytree.tree_map(lambda t: t.narrow(0, 0, num_tokens), out)
-        return out
 
 
 class RMSNorm(nn.Module):
@@ -190,11 +155,20 @@ class MLAAttention(nn.Module):
             latent = (q, self.kv_a_layernorm(kv_c), apply_rotary_emb(k_pe, cos, sin) if R else k_pe)
         return latent if self.indexer is None else latent + self.indexer(hidden, q_resid, cos, sin)
 
-    def attend(self, q, kv_c, k_pe, kv_cache, step: ModelStep) -> torch.Tensor:
+    def attend(self, q, kv_c, k_pe, kv_cache, step: ModelStep, write: bool = True) -> torch.Tensor:
         """Write the new rows into the cache and attend (``PrefillStep.run``): ``[T, N, V]``, before
-        ``o_proj``. Everything is checked before the cache is written: a rejected call writes nothing."""
+        ``o_proj``. Everything is checked before the cache is written: a rejected call writes nothing.
+        ``write=False``: the rows are in already (``write``)."""
         return step.attention.run(self.scaled_queries(q, step), kv_c, k_pe, kv_cache, self.kv_b_proj.weight,
-                                  self.softmax_scale, write=self.owns_kv)
+                                  self.softmax_scale, write=self.owns_kv and write)
+
+    def write(self, kv_c, k_pe, kv_cache, step: ModelStep, k_index=None, index_cache=None) -> None:
+        """The new tokens' latent rows into ``kv_cache`` (none for a KV-sharing layer) and, with an indexer,
+        their index keys ``k_index`` into ``index_cache``, at the step's slots (nothing without a slot mapping)."""
+        if self.indexer is not None and step.attention.slot_mapping is not None:
+            write_index_cache(k_index, step.attention.slot_mapping, index_cache, step.k_scale_index)
+        if self.owns_kv:
+            step.attention.write(kv_c, k_pe, kv_cache)
 
     def scaled_queries(self, q: torch.Tensor, step: ModelStep) -> torch.Tensor:
         """q [T, N, P+R] times the step's per-token factors (Mistral 4) or the learned per-head ones (Mistral
@@ -205,21 +179,23 @@ class MLAAttention(nn.Module):
             q = self.softmax_scaling(q, step.log_positions)
         return q
 
-    def attend_sparse(self, q, kv_c, k_pe, kv_cache, step: ModelStep, index, index_cache, topk):
+    def attend_sparse(self, q, kv_c, k_pe, kv_cache, step: ModelStep, index, index_cache, topk,
+                      write: bool = True):
         """``attend`` over each query's selected keys: with an indexer (``index`` = its q_index, weights,
         k_index) this layer's top-k, its index keys written into ``index_cache``; without (a shared layer)
-        ``topk``, the step's from its full layer. Returns ([T, N, V], the top-k it attended)."""
+        ``topk``, the step's from its full layer. Returns ([T, N, V], the top-k it attended). ``write=False``:
+        the rows and index keys are in already (``write``)."""
         if self.indexer is not None:
             q_index, weights, k_index = index
             q_index = self.indexer.scaled_queries(q_index, step.log_positions)
             topk = index_topk(q_index, weights, k_index, index_cache, step.attention.plan,
                               k_scale_index=step.k_scale_index)  # scores the new keys as given: order is free
-            if step.attention.slot_mapping is not None:
+            if write and step.attention.slot_mapping is not None:
                 write_index_cache(k_index, step.attention.slot_mapping, index_cache, step.k_scale_index)
         elif topk is None:
             raise ValueError("a shared DSA layer (indexer_types 'shared') needs the top-k of a full layer before it")
         out = step.attention.run(self.scaled_queries(q, step), kv_c, k_pe, kv_cache, self.kv_b_proj.weight,
-                                 self.softmax_scale, topk_indices=topk, write=self.owns_kv)
+                                 self.softmax_scale, topk_indices=topk, write=self.owns_kv and write)
         return out, topk
 
 
@@ -243,7 +219,9 @@ _POST_MLP_NORM = re.compile(r"^model\.layers\.(\d+)\.(?:mlp\.)?post_mlp_layernor
 class DecoderLayer(nn.Module):
     """Attention and MLP with pre-norm residuals. Its dense parts, ``attention_inputs`` and
     ``attention_output``, are the regions ``MLAModel.compile_layers`` compiles; the attention
-    between them (cache write, plan, chunk loop) runs the library's ops."""
+    between them (cache write, plan, chunk loop) runs the library's ops. Otherwise (eager, and as
+    nested regions under ``torch.compile``) it runs ``attention_inputs``, the cache write, then
+    ``attention_and_output``."""
 
     num_kv_caches = 1  # cache layers per layer: one attention
 
@@ -264,14 +242,19 @@ class DecoderLayer(nn.Module):
         self.post_mlp_layernorm = None
         if config.post_mlp_layernorm and config.is_moe_layer(layer_idx):
             self.post_mlp_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.regions: tuple[Callable, Callable] | None = None  # compiled by MLAModel.compile_layers
+        self.regions: tuple[CompiledRegion, CompiledRegion] | None = None  # compiled by MLAModel.compile_layers
 
     def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, step: ModelStep) -> torch.Tensor:
         """``x`` [T, H] -> the residual stream after the layer; ``step``: ``ModelStep.begin``'s, shared
         by every layer of the step."""
-        inputs, output = self.regions or (DecoderLayer.attention_inputs, DecoderLayer.attention_output)
+        if self.regions is not None:
+            inputs, output = self.regions
+            q, kv_c, k_pe = inputs(self, x, step.cos, step.sin)
+            return output(self, x, self.self_attn.attend(q, kv_c, k_pe, kv_cache, step))
+        inputs, rest, _ = layer_parts(self, step)
         q, kv_c, k_pe = inputs(self, x, step.cos, step.sin)
-        return output(self, x, self.self_attn.attend(q, kv_c, k_pe, kv_cache, step))
+        self.self_attn.write(kv_c, k_pe, kv_cache, step)
+        return rest(self, x, q, kv_c, k_pe, kv_cache, step)
 
     def forward_sparse(self, x: torch.Tensor, kv_cache: torch.Tensor, index_cache: torch.Tensor | None,
                        step: ModelStep, topk: torch.Tensor | None, shared_latent=None):
@@ -280,18 +263,37 @@ class DecoderLayer(nn.Module):
         shared layer); ``topk``: the step's last full layer's (None before the first); ``shared_latent``: a
         KV-sharing layer's source's (kv_c, k_pe) of the step's new tokens. Returns (the residual stream after
         the layer, the top-k the next shared layer reuses, the (kv_c, k_pe) it attended)."""
-        inputs, output = self.regions or (DecoderLayer.attention_inputs, DecoderLayer.attention_output)
+        regional = self.regions is not None
+        inputs, _, rest = (self.regions[0], None, None) if regional else layer_parts(self, step)
         q, kv_c, k_pe, *index = inputs(self, x, step.cos, step.sin)
         if not self.self_attn.owns_kv:
             if shared_latent is None:
                 raise ValueError("a KV-sharing layer (kv_source_layers) needs its source layer's new latent rows")
             kv_c, k_pe = shared_latent
-        attention, topk = self.self_attn.attend_sparse(q, kv_c, k_pe, kv_cache, step, index, index_cache, topk)
-        return output(self, x, attention), topk, (kv_c, k_pe)
+        if regional:  # the attention runs eagerly between the compiled dense regions
+            attention, topk = self.self_attn.attend_sparse(q, kv_c, k_pe, kv_cache, step, index, index_cache, topk)
+            return self.regions[1](self, x, attention), topk, (kv_c, k_pe)
+        self.self_attn.write(kv_c, k_pe, kv_cache, step, index[2] if index else None, index_cache)
+        out = rest(self, x, q, kv_c, k_pe, kv_cache, step, tuple(index), index_cache, topk)
+        x, topk = out if self.self_attn.indexer is not None else (out, topk)
+        return x, topk, (kv_c, k_pe)
 
     def attention_inputs(self, x, cos, sin):
         """``x`` [T, H] -> the attention's ``q``, ``kv_c``, ``k_pe`` (``MLAAttention.project``)."""
         return self.self_attn.project(self.input_layernorm(x), cos, sin)
+
+    def attention_and_output(self, x, q, kv_c, k_pe, kv_cache, step: ModelStep):
+        """The layer after its cache write: the attention (``MLAAttention.attend``, writing nothing) and
+        ``attention_output``."""
+        return self.attention_output(x, self.self_attn.attend(q, kv_c, k_pe, kv_cache, step, write=False))
+
+    def sparse_attention_and_output(self, x, q, kv_c, k_pe, kv_cache, step: ModelStep, index, index_cache, topk):
+        """``attention_and_output`` of a sparse layer (``forward_sparse``): the residual stream, and with an
+        indexer the top-k it selected (a shared layer's is its input: a region returns no input)."""
+        attention, selected = self.self_attn.attend_sparse(q, kv_c, k_pe, kv_cache, step, index, index_cache, topk,
+                                                           write=False)
+        out = self.attention_output(x, attention)
+        return out if self.self_attn.indexer is None else (out, selected)
 
     def attention_output(self, x, attention):
         """The residual stream after the layer, from its input ``x`` and the attention's [T, N, V]."""
@@ -303,6 +305,8 @@ class DecoderLayer(nn.Module):
 
     # MLAModel.compile_layers' regions: (function, compiled per MLP kind)
     compiled_regions = ((attention_inputs, False), (attention_output, True))
+    # forward's (and forward_sparse's) parts, plain; nested_parts: the same as nested regions (layer_parts)
+    parts = (attention_inputs, attention_and_output, sparse_attention_and_output)
 
     @staticmethod
     def checkpoint_name(config: MLAConfig, name: str) -> str | None:
@@ -315,6 +319,16 @@ class DecoderLayer(nn.Module):
             return name
         layer = int(norm.group(1))
         return f"model.layers.{layer}.post_mlp_layernorm.weight" if config.is_moe_layer(layer) else None
+
+
+DecoderLayer.nested_parts = tuple(nested(part) for part in DecoderLayer.parts)
+
+
+def layer_parts(layer: nn.Module, step: ModelStep) -> tuple:
+    """A layer's parts for this step (its class's ``parts``): as nested regions, but where the step's plan
+    holds what a region cannot be handed (context parallel's process group)."""
+    cls = type(layer)
+    return cls.parts if step.attention.plan.context_parallel is not None else cls.nested_parts
 
 
 def scaled(x: torch.Tensor, scale: float) -> torch.Tensor:

@@ -34,8 +34,9 @@ import torch
 from torch import nn
 
 from .config import MLAConfig
-from .layer import MLAAttention, ModelStep, RMSNorm
+from .layer import MLAAttention, ModelStep, RMSNorm, layer_parts
 from .moe import FeedForward, MoE
+from .regions import nested
 
 _ROUTER = re.compile(r"^(model\.layers\.\d+\.mlp)\.router\.(classifier\.weight|e_score_correction_bias)$")
 _EXPERT_GATE_UP = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.(gate_proj|up_proj)\.weight$")
@@ -76,12 +77,26 @@ class LongcatDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, kv_caches: torch.Tensor, step: ModelStep) -> torch.Tensor:
         """``x`` [T, H] -> the residual stream after the layer; ``kv_caches`` [2, num_blocks, block_size, L+R]."""
-        inputs, middle, output = self.regions or (LongcatDecoderLayer.attention_inputs, LongcatDecoderLayer.middle,
-                                                  LongcatDecoderLayer.attention_output)
+        if self.regions is not None:
+            inputs, middle, output = self.regions
+            q, kv_c, k_pe = inputs(self, x, step.cos, step.sin)
+            attention = self.self_attn[0].attend(q, kv_c, k_pe, kv_caches[0], step)  # [T, N, V]
+            h, shortcut, q, kv_c, k_pe = middle(self, x, attention, step.cos, step.sin)
+            return output(self, h, shortcut, self.self_attn[1].attend(q, kv_c, k_pe, kv_caches[1], step))
+        inputs, middle, output = layer_parts(self, step)  # each attention in the part after its cache write
         q, kv_c, k_pe = inputs(self, x, step.cos, step.sin)
-        attention = self.self_attn[0].attend(q, kv_c, k_pe, kv_caches[0], step)  # [T, N, V]
-        h, shortcut, q, kv_c, k_pe = middle(self, x, attention, step.cos, step.sin)
-        return output(self, h, shortcut, self.self_attn[1].attend(q, kv_c, k_pe, kv_caches[1], step))
+        self.self_attn[0].write(kv_c, k_pe, kv_caches[0], step)
+        h, shortcut, q, kv_c, k_pe = middle(self, x, q, kv_c, k_pe, kv_caches[0], step)
+        self.self_attn[1].write(kv_c, k_pe, kv_caches[1], step)
+        return output(self, h, shortcut, q, kv_c, k_pe, kv_caches[1], step)
+
+    def attended_middle(self, x, q, kv_c, k_pe, kv_cache, step: ModelStep):
+        """The first attention (its rows written) and ``middle``."""
+        return self.middle(x, self.self_attn[0].attend(q, kv_c, k_pe, kv_cache, step, write=False), step.cos, step.sin)
+
+    def attended_output(self, h, shortcut, q, kv_c, k_pe, kv_cache, step: ModelStep):
+        """The second attention (its rows written) and ``attention_output``."""
+        return self.attention_output(h, shortcut, self.self_attn[1].attend(q, kv_c, k_pe, kv_cache, step, write=False))
 
     def attention_inputs(self, x, cos, sin):
         """``x`` [T, H] -> the first attention's ``q``, ``kv_c``, ``k_pe``."""
@@ -104,6 +119,8 @@ class LongcatDecoderLayer(nn.Module):
 
     # MLAModel.compile_layers' regions: (function, compiled per MLP kind); every layer has the same MLPs
     compiled_regions = ((attention_inputs, False), (middle, False), (attention_output, False))
+    # forward's parts, split at the cache writes (mla_ops.models.layer.layer_parts)
+    parts = (attention_inputs, attended_middle, attended_output)
 
     @staticmethod
     def checkpoint_name(config: MLAConfig, name: str) -> str | None:
@@ -117,3 +134,6 @@ class LongcatDecoderLayer(nn.Module):
         if router:
             return f"{router.group(1)}.gate.{'weight' if router.group(2) == 'classifier.weight' else router.group(2)}"
         return name
+
+
+LongcatDecoderLayer.nested_parts = tuple(nested(part) for part in LongcatDecoderLayer.parts)

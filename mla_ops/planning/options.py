@@ -111,6 +111,9 @@ class PlanOptions:
         return max(1, self.index_scores_budget // self.workspace_size)
 
 
+_DEFAULTS = {f.name: f.default for f in fields(PlanOptions)}  # read while tracing: a constant
+
+
 def options_from(options: PlanOptions | None, **loose) -> PlanOptions:
     """``options``, or the loose keywords (``PlanOptions`` fields) that build one: not both, so a
     keyword is never silently overridden. Keywords left at their defaults are not "set"."""
@@ -118,9 +121,8 @@ def options_from(options: PlanOptions | None, **loose) -> PlanOptions:
         return plan_options(**loose)
     if not isinstance(options, PlanOptions):
         raise TypeError(f"options must be a mla_ops.PlanOptions or None, got {type(options).__name__}")
-    defaults = {f.name: f.default for f in fields(PlanOptions)}
     for name, value in loose.items():
-        if value is not defaults[name] and value != defaults[name]:
+        if value is not _DEFAULTS[name] and value != _DEFAULTS[name]:
             raise ValueError(f"{name}={value!r} was passed beside options=: set it in the PlanOptions "
                              f"(options.{name} is {getattr(options, name)!r})")
     return options

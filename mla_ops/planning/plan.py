@@ -12,7 +12,7 @@ which requests overflow the chunk capacity. ``run_prefill`` then only launches.
   be planned inside the compiled step) and CUDA graphs.
 
 The plan lives on the block table's device (the device of the cache and the kernels). It is a
-frozen dataclass and a pytree: tensors are its leaves, the sizes it was planned for static ints.
+frozen dataclass and a pytree whose leaves are its tensors and the sizes it was planned for (ints).
 """
 
 from __future__ import annotations
@@ -115,7 +115,11 @@ class PrefillPlan:
         return f"PrefillPlan({', '.join(planned)})"
 
 
-def register_plan_pytree(cls, static: tuple[str, ...]) -> None:
+def register_plan_pytree(cls, static: tuple[str, ...] = ()) -> None:
+    """A plan dataclass as a pytree: ``static`` fields are its context (compared, never traced: objects
+    such as a process group), the others its children. The sizes are children too: under
+    ``torch.compile`` one may be symbolic (an int Dynamo made dynamic), which a context cannot hold,
+    and a nested compile region compares its inputs' leaves, not its context."""
     children = tuple(f.name for f in fields(cls) if f.name not in static)
 
     def flatten(obj):
@@ -127,10 +131,10 @@ def register_plan_pytree(cls, static: tuple[str, ...]) -> None:
     pytree.register_pytree_node(cls, flatten, unflatten, serialized_type_name=f"mla_ops.{cls.__name__}")
 
 
-register_plan_pytree(PrefillPlan, ("block_size", "workspace_size", "absorbed_query_bound", "num_tokens", "max_block_id",
-                                   "absorbed_rows", "options", "index_topk"))
-register_plan_pytree(DeviceSchedule, ("workspace_size",))
-register_plan_pytree(IndexSchedule, ("rows", "tokens"))
+register_plan_pytree(PlanOptions)
+register_plan_pytree(PrefillPlan)
+register_plan_pytree(DeviceSchedule)
+register_plan_pytree(IndexSchedule)
 
 
 def check_inputs(query_start_loc, context_lens, block_table) -> None:

@@ -17,7 +17,8 @@ import torch
 import mla_ops
 from mla_ops.models.config import MLAConfig
 from tests.support.dsa_families import check_cache_bookkeeping, check_selection, index_score_gap
-from tests.support.families import check_cli, check_generation, check_logits, prompts_of, spread_weights
+from tests.support.families import check_cli, check_generation, check_logits, check_whole_model_compile, \
+    prompts_of, spread_weights
 
 transformers = pytest.importorskip("transformers")
 
@@ -161,3 +162,9 @@ def test_generator_options_take_the_models_index_topk(model64):
     dense = mla_ops.MLAForCausalLM(MLAConfig.from_name("tiny"))
     with pytest.raises(ValueError, match=r"options.index_topk is 4, but the model has no indexer"):
         mla_ops.Generator(dense, options=mla_ops.PlanOptions(index_topk=4))
+
+
+def test_the_whole_model_compiles_with_a_region_per_layer_kind(model64):
+    """torch.compile of the whole step: the parts before and after each cache write, the second for dense and MoE layers."""
+    check_whole_model_compile(model64, prompts_of([9, 14, 3], model64.config.vocab_size, seed=5), [4, 10, 0],
+                              max_regions=3)

@@ -16,7 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import mla_ops
 from mla_ops.models.config import MLAConfig
 from tests.support.dsa_families import check_selection, index_score_gap
-from tests.support.families import check_cli, check_generation, check_logits, prompts_of, spread_weights, step
+from tests.support.families import check_cli, check_generation, check_logits, check_whole_model_compile, \
+    prompts_of, spread_weights, step
 
 transformers = pytest.importorskip("transformers")
 
@@ -125,3 +126,9 @@ def test_config_errors_name_the_key(checkpoint, change, error, match):
         config = json.load(f)
     with pytest.raises(error, match=match):
         MLAConfig.from_hf(dict(config, **change))
+
+
+def test_the_whole_model_compiles_with_a_region_per_layer_kind(model64):
+    """torch.compile of the whole step: full and shared layers (which reuse the top-k handed in), dense and MoE."""
+    check_whole_model_compile(model64, prompts_of([9, 14, 3], model64.config.vocab_size, seed=5), [4, 10, 0],
+                              max_regions=6)

@@ -18,7 +18,8 @@ import mla_ops
 from mla_ops.models.config import MLAConfig
 
 transformers = pytest.importorskip("transformers")
-from tests.support.families import check_generation, prompts_of, relative_diff, rewrite_checkpoint, step  # noqa: E402
+from tests.support.families import (  # noqa: E402
+    check_generation, check_whole_model_compile, prompts_of, relative_diff, rewrite_checkpoint, step)
 
 ROUTED, IDENTITY = 6, 3
 HF_CONFIG = dict(
@@ -223,3 +224,11 @@ def test_context_parallel_is_refused(checkpoint):
     config = MLAConfig.from_hf(checkpoint[0])
     with pytest.raises(ValueError, match="context_parallel: only DeepSeek.s layers"):  # before any group is read
         mla_ops.MLAForCausalLM(config, context_parallel=mla_ops.ContextParallel())
+
+
+def test_the_whole_model_compiles_with_a_region_per_part(checkpoint):
+    """torch.compile of the whole step: each of a layer's three parts (split at its two cache writes) is one
+    region, whatever the layer."""
+    model = mla_ops.MLAForCausalLM.from_pretrained(checkpoint[0], dtype=torch.float64)
+    check_whole_model_compile(model, prompts_of([9, 14, 3], model.config.vocab_size, seed=5), [4, 10, 0],
+                              max_regions=3)

@@ -5,6 +5,7 @@ Every test session runs with a fresh Inductor cache directory (tests/conftest.py
 
 import dataclasses
 import logging
+from collections import Counter
 import math
 import os
 import re
@@ -317,11 +318,15 @@ def test_device_path_runs_on_fake_tensors():
 # ---- the MLA model compiles whole ------------------------------------------------------------
 
 
-def model_step_fn(model, max_chunks, absorb_max_query_len):
-    """One compiled step: the device plan is made inside the graph, once for every layer."""
+def model_step_fn(model, max_chunks, absorb_max_query_len, block_size=4):
+    """One compiled step: the device plan is made inside the graph, once for every layer. Its options are
+    made outside: under dynamic=True an int the step closed over would be symbolic, and a plan's sizes are
+    static."""
+    options = mla_ops.PlanOptions(block_size=block_size, workspace_size=32, max_chunks=max_chunks,
+                                  absorb_max_query_len=absorb_max_query_len)
+
     def step(ids, positions, caches, slots, table, qsl, lens):
-        plan = mla_ops.plan_prefill(qsl, lens, table, caches.shape[2], workspace_size=32, max_chunks=max_chunks,
-                                    absorb_max_query_len=absorb_max_query_len)
+        plan = mla_ops.plan_prefill(qsl, lens, table, options=options)
         return model(ids, positions, caches, slots, table, plan)
     return step
 
@@ -414,23 +419,39 @@ def test_a_device_plan_passed_into_the_compiled_model():
 
 
 @torch.no_grad()
-def test_the_device_planner_runs_once_per_step_whatever_the_layer_count():
+def test_the_whole_model_compiles_its_layer_once_plans_once_and_fuses_the_merge():
+    """Inductor's code of a whole step, at 2 and 3 layers: the same kernels (the layer is a nested region, its
+    code generated once and called per layer; at 1 layer a region called once is inlined), the device planner
+    once, the merge fused. The caches are not
+    marked static: their writes land in each layer's own cache (mla_ops.enable's sym_storage_offset lowering)."""
     def generated(layers):
         torch._dynamo.reset()
         torch.manual_seed(0)
         config = mla_ops.MLAConfig(**{**mla_ops.models.config.mla_configs["tiny"], "num_hidden_layers": layers})
         model = mla_ops.MLAModel(config).eval()
         ids, positions, slots, table, qsl, lens = model_step(config, [5, 0, 13], [3, 2, 4], seed=0)
-        caches = model.allocate_kv_caches(64, 4)
-        _, codes = run_and_get_code(torch.compile(model_step_fn(model, 4, 3), fullgraph=True, dynamic=True),
-                                    ids, positions, caches, slots, table, qsl, lens)
+        caches, expect_caches = model.allocate_kv_caches(64, 4), model.allocate_kv_caches(64, 4)
+        step = model_step_fn(model, 4, 3)
+        out, codes = run_and_get_code(torch.compile(step, fullgraph=True, dynamic=True),
+                                      ids, positions, caches, slots, table, qsl, lens)
+        torch.testing.assert_close(out, step(ids, positions, expect_caches, slots, table, qsl, lens),
+                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(caches, expect_caches, rtol=1e-5, atol=1e-5)
         code = "\n".join(codes)
-        planner = re.findall(r"^cpp_fused_\w*plan_context_chunks_device\w* = async_compile", code, flags=re.M)
-        return len(planner), len(re.findall(r"mla_ops\.context_attention\.default\(", code))
+        kernels = re.findall(r"^(cpp_fused_\w+) = async_compile", code, flags=re.M)
+        return code, kernels, re.findall(r"= (repeated_subgraph\d+)\(", code)
 
-    one_layer, two_layers = generated(1), generated(2)
-    assert two_layers[1] == 2 * one_layer[1] == 2 * 4  # every layer attends over K=4 chunk slots
-    assert 1 <= two_layers[0] == one_layer[0], (one_layer, two_layers)  # but plans once
+    (one_code, one_kernels, one_calls), (code, kernels, calls) = generated(2), generated(3)
+    assert kernels == one_kernels  # nothing generated per layer
+    # the two parts of a layer (before and after its cache write), each called once per layer
+    assert Counter(one_calls) == {name: 2 for name in set(one_calls)} and len(set(one_calls)) == 2
+    assert Counter(calls) == {name: 3 for name in set(one_calls)}
+    # The layer's attention (K=4 chunk slots) is in its region's code once; the planner runs once per step.
+    assert code.count("mla_ops.context_attention.default(") == one_code.count("mla_ops.context_attention.default(") == 4
+    call = code[code.index("def call("):]
+    assert len(re.findall(r"cpp_fused_\w*plan_context_chunks_device\w*\(", call)) == \
+        len(re.findall(r"cpp_fused_\w*plan_context_chunks_device\w*\(", one_code[one_code.index("def call("):])) >= 1
+    assert any("merge_attn_states" in k for k in kernels) and "torch.ops.mla_ops.merge_attn_states" not in code
 
 
 # ---- a changed lowering never reuses stale compiled code --------------------------------------

@@ -8,6 +8,7 @@ that transformers' own ``save_pretrained`` wrote:
   caching included; ``python -m mla_ops generate --model DIR``.
 """
 
+import collections
 import os
 import shutil
 
@@ -37,8 +38,9 @@ def prompts_of(lengths, vocab, seed):
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def step(model, caches, prompts, starts, block_size=4, max_blocks=8, **plan_options):
-    """One batched prefill of prompts[r][starts[r]:], with prompts[r][:starts[r]] already cached."""
+def step_inputs(prompts, starts, block_size=4, max_blocks=8):
+    """ids, positions, slot_mapping, block_table, query_start_loc, context_lens of a batched prefill of
+    prompts[r][starts[r]:], with prompts[r][:starts[r]] already cached (request r owns blocks r * max_blocks...)."""
     ids, positions, slots, qsl = [], [], [], [0]
     table = (torch.arange(len(prompts))[:, None] * max_blocks + torch.arange(max_blocks)).to(torch.int32)
     for r, (prompt, start) in enumerate(zip(prompts, starts)):
@@ -46,9 +48,15 @@ def step(model, caches, prompts, starts, block_size=4, max_blocks=8, **plan_opti
         positions += range(start, len(prompt))
         slots += [int(table[r, p // block_size]) * block_size + p % block_size for p in range(start, len(prompt))]
         qsl.append(qsl[-1] + len(prompt) - start)
-    plan = mla_ops.plan_prefill(torch.tensor(qsl, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32), table,
-                                block_size, **plan_options)
-    logits = model(torch.tensor(ids), torch.tensor(positions), caches, torch.tensor(slots), table, plan)
+    return (torch.tensor(ids), torch.tensor(positions), torch.tensor(slots), table, torch.tensor(qsl, dtype=torch.int32),
+            torch.tensor(starts, dtype=torch.int32))
+
+
+def step(model, caches, prompts, starts, block_size=4, max_blocks=8, **plan_options):
+    """One batched prefill of prompts[r][starts[r]:], with prompts[r][:starts[r]] already cached."""
+    ids, positions, slots, table, qsl, ctx = step_inputs(prompts, starts, block_size, max_blocks)
+    plan = mla_ops.plan_prefill(qsl, ctx, table, block_size, **plan_options)
+    logits = model(ids, positions, caches, slots, table, plan)
     return logits.split([len(p) - s for p, s in zip(prompts, starts)])
 
 
@@ -130,3 +138,46 @@ def check_cli(path, capsys):
     out = capsys.readouterr()
     assert out.out.strip() == ",".join(map(str, expect))
     assert "4/4 tokens" in out.err
+
+
+_OPTIONS = {}  # check_whole_model_compile's plan options, by model
+
+
+@torch.no_grad()
+def check_whole_model_compile(model, prompts, starts, max_regions: int, block_size=4, max_blocks=8):
+    """``torch.compile`` of a whole step (its device plan made inside) equals eager, logits and caches, after
+    each request's first ``starts[r]`` tokens were prefilled eagerly; its layers are nested regions, at most
+    ``max_regions`` distinct ones (one per part and layer kind, each called by two layers or more: one called
+    once is inlined) however many layers call them. Traced with
+    aot_eager: what is checked is the graph, not Inductor's code. Returns the graph."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    torch._dynamo.reset()
+    caches = model.allocate_kv_caches(len(prompts) * max_blocks, block_size)
+    step(model, caches, [p[:s] for p, s in zip(prompts, starts)], [0] * len(prompts), block_size, max_blocks,
+         index_topk=model.config.index_topk)
+    expect_caches = mla_ops.DSACaches(*(t.clone() for t in caches)) if isinstance(caches, mla_ops.DSACaches) \
+        else caches.clone()
+    # A global: under dynamic=True the ints of an object the step closed over would be symbolic, and a plan's
+    # sizes must be constants (docs/compile-and-graphs.md).
+    _OPTIONS[model] = mla_ops.PlanOptions(block_size=block_size, workspace_size=8, max_chunks=4,
+                                          index_topk=model.config.index_topk)
+
+    def run(ids, positions, caches, slots, table, qsl, ctx):
+        plan = mla_ops.plan_prefill(qsl, ctx, table, options=_OPTIONS[model])
+        return model(ids, positions, caches, slots, table, plan)
+
+    ids, positions, slots, table, qsl, ctx = step_inputs(prompts, starts, block_size, max_blocks)
+    backend = AotEagerAndRecordGraphs()
+    out = torch.compile(run, backend=backend, fullgraph=True, dynamic=True)(ids, positions, caches, slots, table, qsl,
+                                                                           ctx)
+    expect = run(ids, positions, expect_caches, slots, table, qsl, ctx)
+    torch.testing.assert_close(out, expect, rtol=1e-10, atol=1e-10)
+    for got, ref in zip(mla_ops.models.kv_caches.cache_tensors(caches), mla_ops.models.kv_caches.cache_tensors(expect_caches)):
+        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    (graph,) = backend.graphs
+    calls = collections.Counter(n.args[1] for n in graph.graph.nodes
+                                if n.target is torch.ops.higher_order.invoke_subgraph)
+    # a region is stamped out for each later layer of its kind (one called once is inlined)
+    assert len(calls) <= max_regions and all(count >= 2 for count in calls.values()), calls
+    return graph

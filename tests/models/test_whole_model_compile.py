@@ -1,0 +1,96 @@
+"""``torch.compile`` of a whole model step: the device plan made inside the graph, each layer's parts nested
+compile regions (``mla_ops.models.regions``), traced once per layer kind and stamped out for every other
+layer. (The generated code, the fused merge and the planner run once: tests/prefill/test_compile.py; the
+families' layer kinds: their test files.)"""
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+import mla_ops
+from mla_ops.models import regions
+from tests.support.batches import model_step
+from tests.support.gpu import DEVICE, TOL, needs_cuda
+
+# Two dense layers then two mixture-of-experts ones: two kinds of the part after the cache write, one before it
+# (a region called once is inlined: two of each kind).
+MOE = dataclasses.replace(mla_ops.MLAConfig.from_name("tiny"), num_hidden_layers=4, first_k_dense_replace=2,
+                          n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1)
+OPTIONS = mla_ops.PlanOptions(block_size=4, workspace_size=16, max_chunks=4, absorb_max_query_len=3)
+# Three requests every step (the cache's block size is 4, and so is B + 1: kept apart by marking nothing
+# static, a different B would only be another graph); contexts and queries vary, chunked and absorbed.
+MIXES = [([5, 0, 13], [3, 2, 4]), ([0, 0, 0], [6, 1, 2]), ([20, 9, 3], [1, 7, 2]), ([31, 0, 8], [2, 2, 9])]
+
+
+def run(model, ids, positions, caches, slots, table, qsl, ctx):
+    plan = mla_ops.plan_prefill(qsl, ctx, table, options=OPTIONS)
+    return model(ids, positions, caches, slots, table, plan)
+
+
+@torch.no_grad()
+@pytest.mark.skipif(not regions.NESTED_REGIONS, reason="this torch has no reusable nested regions")
+def test_dense_and_moe_layers_compile_once_for_every_batch_mix():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = mla_ops.MLAForCausalLM(MOE).eval()
+    base = torch.nn.init.normal_(model.allocate_kv_caches(64, 4))
+    backend = AotEagerAndRecordGraphs()
+    compiled = torch.compile(lambda *args: run(model, *args), backend=backend, fullgraph=True, dynamic=True)
+    for i, (context_lens, query_lens) in enumerate(MIXES):
+        ids, positions, slots, table, qsl, ctx = model_step(MOE, context_lens, query_lens, seed=i)
+        caches, expect_caches = base.clone(), base.clone()
+        with torch.compiler.set_stance("fail_on_recompile" if i else "default"):
+            out = compiled(ids, positions, caches, slots, table, qsl, ctx)
+        expect = run(model, ids, positions, expect_caches, slots, table, qsl, ctx)
+        torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(caches, expect_caches, rtol=1e-5, atol=1e-5)
+    (graph,) = backend.graphs
+    calls = [n.args[1] for n in graph.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
+    assert len(calls) == 2 * MOE.num_hidden_layers  # each layer: the part before its cache write, and the rest
+    assert len(set(calls)) == 3, calls  # the first part is one region, the rest one per MLP kind
+
+
+def test_without_reusable_regions_a_compiled_model_warns_once(monkeypatch):
+    """Where torch cannot reuse nested regions (before 2.13) a compiled model traces every layer, and says so
+    once, at trace time (the flag is what the layers read; the graph still equals eager)."""
+    monkeypatch.setattr(regions, "NESTED_REGIONS", False)
+    regions._warn_inlined.cache_clear()
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    config = mla_ops.MLAConfig.from_name("tiny")
+    model = mla_ops.MLAModel(config).eval()
+    ids, positions, slots, table, qsl, ctx = model_step(config, [5, 0, 13], [3, 2, 4], seed=0)
+    compiled = torch.compile(lambda *args: run(model, *args), backend="aot_eager", fullgraph=True, dynamic=True)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        out = compiled(ids, positions, model.allocate_kv_caches(64, 4), slots, table, qsl, ctx)
+        compiled(ids, positions, model.allocate_kv_caches(64, 4), slots, table, qsl, ctx)
+    messages = [str(w.message) for w in caught if "nested compile regions" in str(w.message)]
+    assert len(messages) == 1 and "model.compile_layers()" in messages[0], messages
+    with torch.no_grad():
+        expect = run(model, ids, positions, model.allocate_kv_caches(64, 4), slots, table, qsl, ctx)
+    torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@torch.no_grad()
+def test_the_whole_model_compiles_on_cuda_and_equals_eager():
+    """Inductor with the CUDA kernels (Triton ops inside the regions), unmarked caches, two batch mixes."""
+    mla_ops.enable()  # the caches are not marked static: their writes need the sym_storage_offset lowering
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = mla_ops.MLAForCausalLM(MOE).eval().to(DEVICE)
+    base = torch.nn.init.normal_(model.allocate_kv_caches(64, 4))
+    compiled = torch.compile(lambda *args: run(model, *args), fullgraph=True, dynamic=True)
+    for i, (context_lens, query_lens) in enumerate(MIXES[:2]):
+        inputs = [t.to(DEVICE) for t in model_step(MOE, context_lens, query_lens, seed=i)]
+        caches, expect_caches = base.clone(), base.clone()
+        with torch.compiler.set_stance("fail_on_recompile" if i else "default"):
+            out = compiled(*inputs[:2], caches, *inputs[2:])
+        expect = run(model, *inputs[:2], expect_caches, *inputs[2:])
+        torch.testing.assert_close(out, expect, rtol=TOL[torch.float32], atol=TOL[torch.float32])
+        torch.testing.assert_close(caches, expect_caches, rtol=TOL[torch.float32], atol=TOL[torch.float32])

@@ -116,10 +116,10 @@ class PrefillPlan:
 
 
 def register_plan_pytree(cls, static: tuple[str, ...] = ()) -> None:
-    """A plan dataclass as a pytree: ``static`` fields are its context (compared, never traced: objects
-    such as a process group), the others its children. The sizes are children too: under
-    ``torch.compile`` one may be symbolic (an int Dynamo made dynamic), which a context cannot hold,
-    and a nested compile region compares its inputs' leaves, not its context."""
+    """A plan dataclass as a pytree: ``static`` fields are its context (objects such as a process group),
+    the others its children, sizes and ``PlanOptions`` included: a nested compile region's input is
+    flattened while tracing, and its context must then be a constant Dynamo can rebuild, which a frozen
+    dataclass (or an int that a compile made symbolic) is not."""
     children = tuple(f.name for f in fields(cls) if f.name not in static)
 
     def flatten(obj):

@@ -21,6 +21,7 @@ from torch._inductor.utils import get_first_incompatible_cudagraph_node, run_and
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mla_ops
+from mla_ops.models.regions import NESTED_REGIONS
 from tests.support import REPO_ROOT
 from tests.support.batches import BUCKET_4, make_batch, model_step
 
@@ -419,6 +420,7 @@ def test_a_device_plan_passed_into_the_compiled_model():
 
 
 @torch.no_grad()
+@pytest.mark.skipif(not NESTED_REGIONS, reason="this torch has no reusable nested regions")
 def test_the_whole_model_compiles_its_layer_once_plans_once_and_fuses_the_merge():
     """Inductor's code of a whole step, at 2 and 3 layers: the same kernels (the layer is a nested region, its
     code generated once and called per layer; at 1 layer a region called once is inlined), the device planner

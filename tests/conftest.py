@@ -17,6 +17,15 @@ settings.register_profile("ci", max_examples=50, **_COMMON)
 settings.register_profile("long", max_examples=5000, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# Under pytest-xdist (`make test` runs `-n 2`) the workers share the cores: each worker, and every
+# process it starts, gets its share of intra-op threads. Two workers of two threads each on 2 cores
+# spend their time spinning against each other (the suite took half as long again as serially).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    _threads = max(1, _cores // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+    torch.set_num_threads(_threads)
+
 
 @pytest.fixture(autouse=True)
 def _grad_mode_kept():
@@ -25,3 +34,11 @@ def _grad_mode_kept():
     enabled = torch.is_grad_enabled()
     yield
     torch.set_grad_enabled(enabled)
+
+
+@pytest.fixture(autouse=True)
+def _threads_kept():
+    """Likewise the intra-op thread count, which several benchmarks' ``main()`` set for good."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)

@@ -314,6 +314,8 @@ def begin_step(plan: PrefillPlan, kv_cache: torch.Tensor, slot_mapping: torch.Te
     kernels = backends.select(backend, device, plan.absorbed_query_bound)
     num_tokens = plan.num_tokens if slot_mapping is None else slot_mapping.shape[0]
     truncated = None if num_tokens is None else truncated_tokens(plan, num_tokens)
+    # The plan's block size (an int), not the cache's size it equals: under torch.compile that one is a symbol
+    # the check above fixed, which a nested region cannot be handed.
     return PrefillStep(plan, slot_mapping, checks.k_scale_tensor(k_scale, kv_cache), truncated, kernels,
                        (num_blocks, plan.block_size), kv_cache.dtype, num_tokens is not None)
 

@@ -310,8 +310,13 @@ def run_cases(argv: list[str], run_case) -> int:
 
 def run_case(name: str, rank: int, world: int) -> dict:
     if name == "rank_0_fails":  # the launcher must stop rank 1, which hangs
+        # Rank 0 fails only once rank 1 is past its set-up: a rank still joining the group when its
+        # peer exits can fail on its own (exit code 1, seen once in CI), which this case does not test.
+        ready = torch.zeros(1)
         if rank == 0:
+            dist.recv(ready, src=1)
             raise RuntimeError("rank 0 fails on purpose")
+        dist.send(ready, dst=0)
         time.sleep(600)
         return {}
     if name == "disagreement":

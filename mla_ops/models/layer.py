@@ -263,18 +263,18 @@ class DecoderLayer(nn.Module):
         shared layer); ``topk``: the step's last full layer's (None before the first); ``shared_latent``: a
         KV-sharing layer's source's (kv_c, k_pe) of the step's new tokens. Returns (the residual stream after
         the layer, the top-k the next shared layer reuses, the (kv_c, k_pe) it attended)."""
-        regional = self.regions is not None
-        inputs, _, rest = (self.regions[0], None, None) if regional else layer_parts(self, step)
+        parts = layer_parts(self, step)
+        inputs = parts[0] if self.regions is None else self.regions[0]
         q, kv_c, k_pe, *index = inputs(self, x, step.cos, step.sin)
         if not self.self_attn.owns_kv:
             if shared_latent is None:
                 raise ValueError("a KV-sharing layer (kv_source_layers) needs its source layer's new latent rows")
             kv_c, k_pe = shared_latent
-        if regional:  # the attention runs eagerly between the compiled dense regions
+        if self.regions is not None:  # regional compilation: the attention runs eagerly between its regions
             attention, topk = self.self_attn.attend_sparse(q, kv_c, k_pe, kv_cache, step, index, index_cache, topk)
             return self.regions[1](self, x, attention), topk, (kv_c, k_pe)
         self.self_attn.write(kv_c, k_pe, kv_cache, step, index[2] if index else None, index_cache)
-        out = rest(self, x, q, kv_c, k_pe, kv_cache, step, tuple(index), index_cache, topk)
+        out = parts[2](self, x, q, kv_c, k_pe, kv_cache, step, tuple(index), index_cache, topk)
         x, topk = out if self.self_attn.indexer is not None else (out, topk)
         return x, topk, (kv_c, k_pe)
 

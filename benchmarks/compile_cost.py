@@ -8,6 +8,8 @@ rows also the steady step time after it (``step_ms``, one thread, the mean of 20
 * ``whole`` (by layers): ``torch.compile(step, fullgraph=True, dynamic=True)`` of a step that plans
   on the device (``max_chunks=4``) and runs the model: one graph, each layer's parts nested compile
   regions traced once and stamped out for every other layer (``mla_ops.models.regions``);
+* ``whole_per_layer``: the same with the caches a list of one tensor per layer
+  (``allocate_kv_caches(per_layer=True)``) instead of one stacked tensor;
 * ``regional`` (by layers): ``MLAModel.compile_layers()`` and the same step run as is: the layers'
   dense regions compiled once and shared by every layer;
 * ``warmup``: ``PrefillGraphs(mode="compile").warmup()`` of 20 buckets (``max_tokens=32``,
@@ -41,6 +43,7 @@ from benchmarks._lib.report import write_json_atomic
 
 LAYERS = (1, 2, 4, 8, 61)
 WHOLE_LAYERS = LAYERS
+WHOLE_KINDS = ("whole", "whole_per_layer")  # the step's caches: one stacked tensor, a list per layer
 STEPS = 20  # steps timed after the first output (and 3 warm ones): the steady step time
 
 
@@ -92,15 +95,15 @@ def _measure(kind: str, size: int, restarts: _Restarts) -> dict:
     model = mla_ops.MLAModel(config).eval()
     start = time.perf_counter()
     with torch.no_grad():
-        if kind in ("whole", "regional"):
+        if kind in WHOLE_KINDS + ("regional",):
             x = model_step(config, [9, 30, 0], [3, 5, 4], block_size, "cpu")
-            caches = model.allocate_kv_caches(x["num_blocks"], block_size)
+            caches = model.allocate_kv_caches(x["num_blocks"], block_size, per_layer=kind == "whole_per_layer")
 
             def step(ids, positions, caches, slots, table, qsl, ctx):  # literals: an int closed over is symbolic
                 plan = mla_ops.plan_prefill(qsl, ctx, table, 4, 64, max_chunks=4)
                 return model(ids, positions, caches, slots, table, plan)
 
-            if kind == "whole":
+            if kind in WHOLE_KINDS:
                 step = torch.compile(step, fullgraph=True, dynamic=True)
             else:
                 model.compile_layers()
@@ -142,7 +145,8 @@ def run_cold(kind: str, size: int) -> dict:
 
 def run(layers=LAYERS, whole_layers=WHOLE_LAYERS, whole_buckets: bool = False) -> dict:
     rows = []
-    for kind, sizes in (("regional", layers), ("whole", whole_layers)):
+    by_layers = (("regional", layers),) + tuple((kind, whole_layers) for kind in WHOLE_KINDS)
+    for kind, sizes in by_layers:
         for n in sizes:
             rows.append(run_cold(kind, n))
             print(rows[-1], flush=True)
@@ -154,7 +158,7 @@ def run(layers=LAYERS, whole_layers=WHOLE_LAYERS, whole_buckets: bool = False) -
         print(rows[-1], flush=True)
     seconds = {(r["kind"], r["size"]): r["seconds"] for r in rows}
     ratios = {}
-    for kind, sizes in (("regional", layers), ("whole", whole_layers)):
+    for kind, sizes in by_layers:
         if 1 in sizes and 8 in sizes:
             ratios[f"{kind}_8_over_1_layers"] = round(seconds[kind, 8] / seconds[kind, 1], 2)
         if 8 in sizes and 61 in sizes:
@@ -163,6 +167,8 @@ def run(layers=LAYERS, whole_layers=WHOLE_LAYERS, whole_buckets: bool = False) -
     for n in sorted({size for kind, size in step_ms if kind == "whole"}):
         if ("regional", n) in step_ms:
             ratios[f"whole_over_regional_step_{n}_layers"] = round(step_ms["whole", n] / step_ms["regional", n], 2)
+        if ("whole_per_layer", n) in seconds:
+            ratios[f"whole_per_layer_over_whole_{n}_layers"] = round(seconds["whole_per_layer", n] / seconds["whole", n], 2)
     for scope in ("regional", "whole"):
         if (f"warmup-{scope}-20", 0) in seconds:
             ratios[f"{scope}_20_buckets_over_1"] = round(
@@ -173,7 +179,7 @@ def run(layers=LAYERS, whole_layers=WHOLE_LAYERS, whole_buckets: bool = False) -
 def plot(result: dict, path: str) -> None:
     plt = plotting.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for kind in ("whole", "regional"):
+    for kind in WHOLE_KINDS + ("regional",):
         rows = [r for r in result["rows"] if r["kind"] == kind]
         ax.plot([r["size"] for r in rows], [r["seconds"] for r in rows], "o-", label=kind)
     ax.set_xscale("log", base=2)

@@ -43,7 +43,7 @@ from ..parallel import ContextParallel
 from ..parallel.tensor_parallel import check_divisible
 from ..planning.plan import PrefillPlan
 from .config import MLAConfig
-from .kv_caches import Caches, DSACaches, check_caches
+from .kv_caches import Caches, DSACaches, allocate, check_caches
 from .layer import DecoderLayer, ModelStep, RMSNorm, check_plan_block_table, scaled
 from .longcat import LongcatDecoderLayer
 from .mistral_large4 import RotaryFrequencies, softcap
@@ -122,29 +122,31 @@ class MLAModel(nn.Module):
         return self
 
     def allocate_kv_caches(
-        self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None, device=None
+        self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None, device=None, *,
+        per_layer: bool = False,
     ) -> Caches:
         """Zeroed caches [num_cache_layers, num_blocks, block_size, L+R] (one per attention: num_hidden_layers,
         twice that for LongCat-Flash); dtype and device default to the model's (a float8_e4m3fn cache then needs
         ``k_scale`` in ``forward``). A sparse model's: a ``DSACaches`` of that latent tensor and its index cache
         [num_index_layers, num_blocks, block_size, D_I] (one per layer with an indexer; float8 needs
         ``k_scale_index``). KV-sharing layers (``kv_source_layers``) have no latent cache; a NoPE layer's
-        (``no_rope_layers``, R = 0) is the first L columns of its L+R rows."""
+        (``no_rope_layers``, R = 0) is the first L columns of its L+R rows. ``per_layer=True``: each of these a
+        list of one tensor [num_blocks, block_size, width] per layer, which ``torch.compile(model)`` compiles
+        faster (``mla_ops.models.kv_caches``)."""
         c = self.config
         weight = self.embed_tokens.weight
-        dtype, device = dtype or weight.dtype, device or weight.device
-        latent = torch.zeros(self.num_cache_layers, num_blocks, block_size, c.kv_lora_rank + c.qk_rope_head_dim,
-                             dtype=dtype, device=device)
+        geometry = (num_blocks, block_size)
+        kinds = (dtype or weight.dtype, device or weight.device, per_layer)
+        latent = allocate(self.num_cache_layers, *geometry, c.kv_lora_rank + c.qk_rope_head_dim, *kinds)
         if not c.is_sparse:
             return latent
-        return DSACaches(latent, torch.zeros(c.num_index_layers, num_blocks, block_size, c.index_head_dim,
-                                             dtype=dtype, device=device))
+        return DSACaches(latent, allocate(c.num_index_layers, *geometry, c.index_head_dim, *kinds))
 
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: Caches,  # [num_cache_layers, num_blocks, block_size, L+R] or DSACaches (allocate_kv_caches)
+        kv_caches: Caches,  # [num_cache_layers, num_blocks, block_size, L+R], a list per layer, or DSACaches
         slot_mapping: torch.Tensor,  # [T]
         block_table: torch.Tensor,  # [B, max_blocks] int32, shared by all layers: the plan's
         plan: PrefillPlan,  # one plan per step (mla_ops.plan_prefill), shared by all layers
@@ -165,13 +167,13 @@ class MLAModel(nn.Module):
         check_step_inputs(input_ids, positions, plan, self.embed_tokens.num_embeddings)
         latent = kv_caches.latent if c.is_sparse else kv_caches
         alpha = None if self.rotary_emb is None else self.rotary_emb.alpha
-        step = ModelStep.begin(c, positions, plan, latent, slot_mapping, k_scale, backend,
+        step = ModelStep.begin(c, positions, plan, latent[0], slot_mapping, k_scale, backend,
                                self.embed_tokens.weight.dtype, k_scale_index, alpha)  # once, not per layer
         x = scaled(self.embed_tokens(input_ids), c.embedding_scale)  # [T, H]
         if c.is_sparse:
             return self.norm(self._sparse_layers(x, kv_caches, step))
         first = 0
-        for layer in self.layers:  # a layer of several attentions gets its caches [n, num_blocks, block_size, L+R]
+        for layer in self.layers:  # a layer of several attentions gets its n caches (a slice of kv_caches)
             n = layer.num_kv_caches
             x = layer(x, kv_caches[first] if n == 1 else kv_caches[first : first + n], step)
             first += n
@@ -244,8 +246,8 @@ class MLAForCausalLM(nn.Module):
         return load_pretrained(cls, path, dtype=dtype, device=device, context_parallel=context_parallel)
 
     def allocate_kv_caches(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
-                           device=None) -> Caches:
-        return self.model.allocate_kv_caches(num_blocks, block_size, dtype, device)
+                           device=None, *, per_layer: bool = False) -> Caches:
+        return self.model.allocate_kv_caches(num_blocks, block_size, dtype, device, per_layer=per_layer)
 
     def compile_layers(self, **options) -> MLAForCausalLM:
         """``MLAModel.compile_layers`` of the decoder; returns the model."""
@@ -256,7 +258,7 @@ class MLAForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: Caches,  # [num_cache_layers, num_blocks, block_size, L+R], or a sparse model's DSACaches
+        kv_caches: Caches,  # [num_cache_layers, num_blocks, block_size, L+R], a list per layer, or DSACaches
         slot_mapping: torch.Tensor,  # [T]
         block_table: torch.Tensor,  # [B, max_blocks] int32: the plan's
         plan: PrefillPlan,

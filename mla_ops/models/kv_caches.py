@@ -1,80 +1,114 @@
-"""The paged caches of a model step: a dense MLA model's one tensor, or a sparse (DSA) model's ``DSACaches``.
+"""The paged caches of a model step: a dense MLA model's latent caches, or a sparse (DSA) model's ``DSACaches``.
 
 dense   kv_caches        [cache_layers, num_blocks, block_size, L+R]     one latent row per token and layer
 sparse  DSACaches.latent [cache_layers, num_blocks, block_size, L+R]     the same
         DSACaches.index  [index_layers, num_blocks, block_size, D_I]     one index key per token and full layer
 
+Each of these is one stacked tensor, or a list of one tensor per layer (``[num_blocks, block_size, width]``
+each, ``allocate_kv_caches(per_layer=True)``), as engines that bind a cache to each attention layer keep
+them. A model indexes either alike; under ``torch.compile`` a per-layer list compiles faster, because
+every layer's cache then has the same metadata (a stacked tensor's layers differ in storage offset, which
+keeps the tracer from reusing its work on one layer's region for the next: docs/compile-and-graphs.md).
+
 A sparse model's index cache lives beside its latent cache (DESIGN §12): the same blocks, block size and block
 table, so one block id names a token's rows in both, and the block manager's prefix sharing and eviction
 (``mla_ops.serving``) cover both at once. Only the layers with an indexer of their own have an index cache
 (``MLAConfig.num_index_layers``: GLM-5's "shared" layers reuse another layer's top-k and allocate none).
-``DSACaches`` is a NamedTuple, so torch.compile and pytrees take it as its two tensors.
+``DSACaches`` is a NamedTuple, so torch.compile and pytrees take it as its tensors.
 
-The helpers below let the serving code treat either form alike: its tensors, its geometry, growing it.
+The helpers below let the serving code treat every form alike: its tensors, its geometry, growing it.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Union
+from typing import NamedTuple, Sequence, Union
 
 import torch
 
 
+LayerCaches = Union[torch.Tensor, Sequence[torch.Tensor]]  # [layers, num_blocks, block_size, W], or per layer
+
+
 class DSACaches(NamedTuple):
-    latent: torch.Tensor  # [cache_layers, num_blocks, block_size, L+R]
-    index: torch.Tensor  # [index_layers, num_blocks, block_size, D_I]
+    latent: LayerCaches  # [cache_layers, num_blocks, block_size, L+R]
+    index: LayerCaches  # [index_layers, num_blocks, block_size, D_I]
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.latent.dtype
+        return cache_tensors(self)[0].dtype
 
     @property
     def device(self) -> torch.device:
-        return self.latent.device
+        return cache_tensors(self)[0].device
 
     @property
     def num_blocks(self) -> int:
-        return self.latent.shape[1]
+        return cache_tensors(self)[0].shape[-3]
 
 
-Caches = Union[torch.Tensor, DSACaches]
+Caches = Union[LayerCaches, DSACaches]
 
 
 def cache_tensors(caches: Caches) -> tuple[torch.Tensor, ...]:
-    """The tensors of a step's caches, each ``[layers, num_blocks, block_size, width]``."""
-    return tuple(caches) if isinstance(caches, DSACaches) else (caches,)
+    """The tensors of a step's caches: stacked ``[layers, num_blocks, block_size, width]``, or one per layer
+    ``[num_blocks, block_size, width]`` (the blocks are dim -3 of both)."""
+    parts = caches if isinstance(caches, DSACaches) else (caches,)
+    return tuple(t for part in parts for t in ((part,) if isinstance(part, torch.Tensor) else part))
 
 
 def grown(caches: Caches, bigger: Caches) -> Caches:
     """``bigger`` (``allocate_kv_caches`` with more blocks) holding ``caches``' rows in its first blocks:
     block ids, and the rows cached under them, stay valid."""
     for old, new in zip(cache_tensors(caches), cache_tensors(bigger)):
-        new[:, : old.shape[1]] = old
+        new.narrow(-3, 0, old.shape[-3]).copy_(old)
     return bigger
+
+
+def allocate(layers: int, num_blocks: int, block_size: int, width: int, dtype, device, per_layer: bool) -> LayerCaches:
+    """Zeroed caches of ``layers`` layers: one stacked tensor, or a list of one tensor per layer."""
+    if per_layer:
+        return [torch.zeros(num_blocks, block_size, width, dtype=dtype, device=device) for _ in range(layers)]
+    return torch.zeros(layers, num_blocks, block_size, width, dtype=dtype, device=device)
+
+
+def _check_layer_caches(caches, name: str, layers: int, width: int) -> tuple[int, int]:
+    """``caches``: ``[layers, num_blocks, block_size, width]``, or a list (or tuple) of ``layers`` tensors
+    ``[num_blocks, block_size, width]`` of one shape, dtype and device. Returns (num_blocks, block_size)."""
+    form = f"[{layers} layers, num_blocks, block_size, {width}] or a list of {layers} [num_blocks, block_size, {width}]"
+    if isinstance(caches, torch.Tensor):
+        if caches.dim() != 4 or caches.shape[0] != layers or caches.shape[3] != width:
+            raise ValueError(f"{name} must be {form}, got shape {tuple(caches.shape)} (see allocate_kv_caches)")
+        return caches.shape[1], caches.shape[2]
+    if not isinstance(caches, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in caches):
+        raise TypeError(f"{name} must be {form}, got {type(caches).__name__} (see allocate_kv_caches)")
+    if len(caches) != layers:
+        raise ValueError(f"{name} must be {form}, got a list of {len(caches)}")
+    first = caches[0] if caches else None
+    for i, t in enumerate(caches):
+        if t.dim() != 3 or t.shape[2] != width or t.shape != first.shape or t.dtype != first.dtype \
+                or t.device != first.device:
+            raise ValueError(f"{name}[{i}] must be [num_blocks, block_size, {width}] like {name}[0] "
+                             f"({tuple(first.shape)} {first.dtype} on {first.device}), got {tuple(t.shape)} "
+                             f"{t.dtype} on {t.device}")
+    return (first.shape[0], first.shape[1]) if first is not None else (0, 0)
 
 
 def check_caches(caches, num_cache_layers: int, width: int, index: tuple[int, int] | None = None) -> None:
     """A model's caches (``allocate_kv_caches``): rows ``width`` (L+R) wide; ``index`` None for a dense model
-    (one tensor), else (index layers, D_I) of a ``DSACaches`` whose two tensors share the block geometry,
+    (its latent caches), else (index layers, D_I) of a ``DSACaches`` whose two parts share the block geometry,
     dtype and device. (Checking the widths here, before any layer, also keeps them static under
     ``torch.compile(dynamic=True)``, where a layer's region would meet them symbolic.)"""
     if index is None:
-        if not isinstance(caches, torch.Tensor):
-            raise TypeError(f"kv_caches must be a tensor [num_cache_layers={num_cache_layers}, num_blocks, "
-                            f"block_size, L+R={width}] for a dense model, got {type(caches).__name__}")
-        if caches.dim() != 4 or caches.shape[0] != num_cache_layers or caches.shape[3] != width:
-            raise ValueError(f"kv_caches must be [num_cache_layers={num_cache_layers}, num_blocks, block_size, "
-                             f"L+R={width}], got shape {tuple(caches.shape)} (see allocate_kv_caches)")
+        if isinstance(caches, DSACaches):
+            raise TypeError("kv_caches is a DSACaches, but this dense model takes its latent caches alone")
+        _check_layer_caches(caches, "kv_caches", num_cache_layers, width)
         return
     if not isinstance(caches, DSACaches):
         raise TypeError(f"kv_caches must be a DSACaches (latent, index) for a sparse (index_topk) model, got "
                         f"{type(caches).__name__} (see allocate_kv_caches)")
-    latent, index_cache = caches
-    for name, tensor, (layers, row) in (("latent", latent, (num_cache_layers, width)), ("index", index_cache, index)):
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4 or tensor.shape[0] != layers \
-                or tensor.shape[3] != row:
-            raise ValueError(f"kv_caches.{name} must be [{layers} layers, num_blocks, block_size, {row}], got "
-                             f"{tuple(getattr(tensor, 'shape', ()))} (see allocate_kv_caches)")
-    if index_cache.shape[1:3] != latent.shape[1:3] or index_cache.device != latent.device:
-        raise ValueError(f"kv_caches.index must have the latent cache's blocks {tuple(latent.shape[1:3])} on "
-                         f"{latent.device}, got {tuple(index_cache.shape[1:3])} on {index_cache.device}")
+    blocks = _check_layer_caches(caches.latent, "kv_caches.latent", num_cache_layers, width)
+    index_blocks = _check_layer_caches(caches.index, "kv_caches.index", *index)
+    latent, index_cache = (cache_tensors(part)[0] for part in caches)
+    if tuple(index_blocks) != tuple(blocks) or index_cache.device != latent.device:
+        raise ValueError(f"kv_caches.index must have the latent cache's blocks {tuple(blocks)} on "
+                         f"{latent.device}, got {tuple(index_blocks)} on {index_cache.device}")

@@ -76,7 +76,8 @@ class LongcatDecoderLayer(nn.Module):
         self.regions = None  # compiled by MLAModel.compile_layers
 
     def forward(self, x: torch.Tensor, kv_caches: torch.Tensor, step: ModelStep) -> torch.Tensor:
-        """``x`` [T, H] -> the residual stream after the layer; ``kv_caches`` [2, num_blocks, block_size, L+R]."""
+        """``x`` [T, H] -> the residual stream after the layer; ``kv_caches`` [2, num_blocks, block_size, L+R]
+        (or a list of its two caches)."""
         if self.regions is not None:
             inputs, middle, output = self.regions
             q, kv_c, k_pe = inputs(self, x, step.cos, step.sin)

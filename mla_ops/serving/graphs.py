@@ -46,7 +46,7 @@ import torch
 from .. import _checks as checks
 from .._env import own_code
 from ..models.config import MLAConfig
-from ..models.kv_caches import DSACaches, cache_tensors
+from ..models.kv_caches import cache_tensors
 from ..ops.backends import BACKENDS
 from ..parallel.layout import local_context_lens
 from ..planning.options import PlanOptions, options_from
@@ -200,7 +200,7 @@ class PrefillGraphs:
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches,  # the model's caches (MLAModel: [layers, num_blocks, block_size, L+R], or DSACaches)
+        kv_caches,  # the model's caches (MLAModel: [layers, num_blocks, block_size, L+R], per layer, DSACaches)
         slot_mapping: torch.Tensor,  # [T], negative = write nothing
         block_table: torch.Tensor,  # [B, max_blocks] int32
         query_start_loc: torch.Tensor,  # [B+1] int32, best on the CPU (read on the host)
@@ -357,10 +357,10 @@ class PrefillGraphs:
 
     def _check_caches(self, kv_caches) -> None:
         """Buckets are built for one cache: its memory (captured) or its geometry (compiled). A sparse model's
-        ``DSACaches``: both its tensors."""
-        if not isinstance(kv_caches, (torch.Tensor, DSACaches)):
-            raise TypeError(f"kv_caches must be a torch.Tensor (or a sparse model's DSACaches), got "
-                            f"{type(kv_caches).__name__}")
+        ``DSACaches``, and per-layer caches: each of their tensors."""
+        if not isinstance(kv_caches, (torch.Tensor, list, tuple)):  # a DSACaches is a tuple
+            raise TypeError(f"kv_caches must be a torch.Tensor, a list of one per layer, or a sparse model's "
+                            f"DSACaches, got {type(kv_caches).__name__}")
         tensors = cache_tensors(kv_caches)
         if any(not isinstance(t, torch.Tensor) or t.device != self.device for t in tensors):
             raise ValueError(f"kv_caches must be on {self.device} (the model's device), got "
@@ -403,7 +403,8 @@ class PrefillGraphs:
                 raise TypeError(f"{name} must be an integer tensor, got {x.dtype}")
             if x.shape[0] != tokens:
                 raise ValueError(f"{name} must have T = query_start_loc[-1] = {tokens} entries, got {x.shape[0]}")
-        first = cache_tensors(kv_caches)[0] if isinstance(kv_caches, (torch.Tensor, DSACaches)) else None
+        tensors = cache_tensors(kv_caches) if isinstance(kv_caches, (torch.Tensor, list, tuple)) else ()
+        first = tensors[0] if tensors else None
         if isinstance(first, torch.Tensor) and first.dim() >= 3:
             num_blocks = first.shape[-3]
             if block_table.device.type == "cpu" and max_block_id >= num_blocks:

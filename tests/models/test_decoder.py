@@ -17,6 +17,7 @@ import torch
 
 import mla_ops
 from mla_ops import MLAAttention, MLAConfig, MLAModel
+from mla_ops.models.kv_caches import grown
 from tests.support.batches import paged_block_table, spread_weights
 
 
@@ -194,6 +195,49 @@ def test_model_rejects_caches_for_the_wrong_layer_count():
     plan = mla_ops.plan_prefill(torch.tensor([0, 1], dtype=torch.int32), torch.zeros(1, dtype=torch.int32), table, 4)
     with pytest.raises(ValueError, match="kv_caches"):
         model(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), caches,
+              torch.zeros(1, dtype=torch.long), table, plan)
+
+
+def test_per_layer_caches_equal_the_stacked_tensor():
+    """``allocate_kv_caches(per_layer=True)``: a list of one cache per layer, run and written as the stacked
+    tensor is, and grown the same way (``grown``: the old rows in the first blocks)."""
+    torch.manual_seed(0)
+    config = MLAConfig.from_name("tiny")
+    model = MLAModel(config).eval()
+    ctx, qlens, block_size = [0, 5, 9], [4, 3, 2], 4
+    num_blocks, table = block_table_for([c + q for c, q in zip(ctx, qlens)], block_size, seed=7)
+    positions, slots, qsl, ctx_t = step_inputs(table, ctx, qlens, block_size)
+    ids = torch.arange(len(positions)) * 7 % config.vocab_size
+    stacked = torch.nn.init.normal_(model.allocate_kv_caches(num_blocks, block_size))
+    per_layer = model.allocate_kv_caches(num_blocks, block_size, per_layer=True)
+    assert isinstance(per_layer, list) and len(per_layer) == config.num_hidden_layers
+    for layer, cache in zip(stacked, per_layer):
+        assert cache.shape == layer.shape and cache.is_contiguous()
+        cache.copy_(layer)
+    plan = mla_ops.plan_prefill(qsl, ctx_t, table, block_size, workspace_size=4)
+    with torch.no_grad():
+        expect = model(ids, positions, stacked, slots, table, plan)
+        got = model(ids, positions, tuple(per_layer), slots, table, plan)
+    assert torch.equal(got, expect)
+    assert torch.equal(torch.stack(per_layer), stacked)
+    bigger = grown(per_layer, model.allocate_kv_caches(num_blocks + 3, block_size, per_layer=True))
+    assert torch.equal(torch.stack(bigger)[:, :num_blocks], stacked) and not torch.stack(bigger)[:, num_blocks:].any()
+
+
+@pytest.mark.parametrize("caches,match", [
+    (lambda m: m.allocate_kv_caches(4, 4, per_layer=True)[:1], "a list of 2 .* got a list of 1"),
+    (lambda m: [m.allocate_kv_caches(4, 4)[0], m.allocate_kv_caches(5, 4)[0]], r"kv_caches\[1\] must be .* like"),
+    (lambda m: [c.double() if i else c for i, c in enumerate(m.allocate_kv_caches(4, 4, per_layer=True))],
+     r"kv_caches\[1\] must be .*float64"),
+    (lambda m: [c[..., :-1] for c in m.allocate_kv_caches(4, 4, per_layer=True)], r"kv_caches\[0\] must be .*, 40\]"),
+    (lambda m: mla_ops.DSACaches(*m.allocate_kv_caches(4, 4, per_layer=True)), "DSACaches"),
+])
+def test_model_rejects_per_layer_caches_that_do_not_fit(caches, match):
+    model = MLAModel(MLAConfig.from_name("tiny"))
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    plan = mla_ops.plan_prefill(torch.tensor([0, 1], dtype=torch.int32), torch.zeros(1, dtype=torch.int32), table, 4)
+    with pytest.raises((ValueError, TypeError), match=match):
+        model(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), caches(model),
               torch.zeros(1, dtype=torch.long), table, plan)
 
 

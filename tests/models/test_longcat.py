@@ -228,7 +228,7 @@ def test_context_parallel_is_refused(checkpoint):
 
 def test_the_whole_model_compiles_with_a_region_per_part(checkpoint):
     """torch.compile of the whole step: each of a layer's three parts (split at its two cache writes) is one
-    region, whatever the layer."""
+    region, whatever the layer; the caches per layer (each layer is handed its two)."""
     model = mla_ops.MLAForCausalLM.from_pretrained(checkpoint[0], dtype=torch.float64)
     check_whole_model_compile(model, prompts_of([9, 14, 3], model.config.vocab_size, seed=5), [4, 10, 0],
-                              max_regions=3)
+                              max_regions=3, per_layer=True)

@@ -188,6 +188,7 @@ def test_config_errors_name_the_key(checkpoint, change, error, match):
 
 
 def test_the_whole_model_compiles_with_a_region_per_layer_kind(model64):
-    """torch.compile of the whole step: RoPE and NoPE layers, full and shared indexers, KV-sharing layers."""
+    """torch.compile of the whole step: RoPE and NoPE layers, full and shared indexers, KV-sharing layers;
+    the latent and index caches per layer."""
     check_whole_model_compile(model64, prompts_of([9, 14, 3], model64.config.vocab_size, seed=5), [4, 10, 0],
-                              max_regions=8)
+                              max_regions=8, per_layer=True)

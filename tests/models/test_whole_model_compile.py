@@ -32,7 +32,9 @@ def run(model, ids, positions, caches, slots, table, qsl, ctx):
 
 @torch.no_grad()
 @pytest.mark.skipif(not regions.NESTED_REGIONS, reason="this torch has no reusable nested regions")
-def test_dense_and_moe_layers_compile_once_for_every_batch_mix():
+@pytest.mark.parametrize("per_layer", [False, True], ids=["stacked_caches", "per_layer_caches"])
+def test_dense_and_moe_layers_compile_once_for_every_batch_mix(per_layer):
+    """Per-layer caches (``allocate_kv_caches(per_layer=True)``) are a list of graph inputs, the same regions."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = mla_ops.MLAForCausalLM(MOE).eval()
@@ -43,7 +45,7 @@ def test_dense_and_moe_layers_compile_once_for_every_batch_mix():
         ids, positions, slots, table, qsl, ctx = model_step(MOE, context_lens, query_lens, seed=i)
         caches, expect_caches = base.clone(), base.clone()
         with torch.compiler.set_stance("fail_on_recompile" if i else "default"):
-            out = compiled(ids, positions, caches, slots, table, qsl, ctx)
+            out = compiled(ids, positions, list(caches.unbind()) if per_layer else caches, slots, table, qsl, ctx)
         expect = run(model, ids, positions, expect_caches, slots, table, qsl, ctx)
         torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(caches, expect_caches, rtol=1e-5, atol=1e-5)

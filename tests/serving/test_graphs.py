@@ -83,9 +83,11 @@ def random_steps(count, seed):
     return steps
 
 
-def check_steps(runner, model, steps, caches, *, built=()):
+def check_steps(runner, model, steps, caches, *, built=(), per_layer=False):
     """Each step through the runner equals the eager model (output and cache writes); returns the
-    buckets the steps touched. A step in a bucket built before runs under fail_on_recompile."""
+    buckets the steps touched. A step in a bucket built before runs under fail_on_recompile.
+    ``per_layer``: the runner is handed the caches as a list of its layers (views: the writes land in ``caches``)."""
+    runner_caches = list(caches.unbind()) if per_layer else caches
     touched = set()
     for i, (context_lens, query_lens) in enumerate(steps):
         ids, positions, slots, table, qsl, ctx = model_step(model.config, context_lens, query_lens, seed=i,
@@ -97,7 +99,7 @@ def check_steps(runner, model, steps, caches, *, built=()):
         variant = expected_variant(context_lens, query_lens)
         stance = "fail_on_recompile" if variant in touched or variant in built else "default"
         with torch.compiler.set_stance(stance):
-            out = runner(ids, positions, caches, slots, table, qsl, ctx)
+            out = runner(ids, positions, runner_caches, slots, table, qsl, ctx)
         torch.testing.assert_close(out, expect, msg=lambda m: f"step {i} {context_lens} {query_lens}: {m}")
         torch.testing.assert_close(caches, expect_caches)
         if variant is not None:
@@ -143,17 +145,18 @@ def test_eager_mode_random_steps_equal_the_eager_model():
     assert any(v.chunks > 1 for v in touched) and any(v.requests == 1 for v in touched)
 
 
-def test_compile_mode_whole_step_one_graph_per_bucket_and_none_for_a_repeat():
+@pytest.mark.parametrize("per_layer", [False, True], ids=["stacked_caches", "per_layer_caches"])
+def test_compile_mode_whole_step_one_graph_per_bucket_and_none_for_a_repeat(per_layer):
     """A model without ``compile_layers``: each bucket's whole step compiles, static shapes. T = 1 /
     B = 1 reuse the graph of their bucket (under dynamic=True they would specialise); a repeated
-    bucket runs under fail_on_recompile."""
+    bucket runs under fail_on_recompile. The caches stacked or per layer."""
     model = WithHead(make_model(layers=1)).eval()
     runner = make_runner(model, "compile", compile_backend="aot_eager")  # Dynamo's graphs, no C++ build
     assert not runner.regional
     caches = model.model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
     torch.nn.init.normal_(caches)
     graphs_before = counters["stats"]["unique_graphs"]
-    touched = check_steps(runner, model, COMPILE_STEPS, caches)
+    touched = check_steps(runner, model, COMPILE_STEPS, caches, per_layer=per_layer)
     assert len(touched) == 4 and runner.stats["graphs"] == 4
     assert counters["stats"]["unique_graphs"] - graphs_before == 4
     assert runner.stats["replays"] == 7 and runner.stats["eager"] == 1

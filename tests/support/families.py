@@ -15,6 +15,7 @@ import shutil
 import torch
 
 import mla_ops
+from mla_ops.models.kv_caches import cache_tensors
 
 
 @torch.no_grad()
@@ -144,20 +145,27 @@ _OPTIONS = {}  # check_whole_model_compile's plan options, by model
 
 
 @torch.no_grad()
-def check_whole_model_compile(model, prompts, starts, max_regions: int, block_size=4, max_blocks=8):
+def stacked(caches):
+    """A model's caches as stacked tensors (a copy), whether stacked or per layer (``allocate_kv_caches``)."""
+    stack = lambda part: part.clone() if isinstance(part, torch.Tensor) else torch.stack(part)  # noqa: E731
+    return mla_ops.DSACaches(*map(stack, caches)) if isinstance(caches, mla_ops.DSACaches) else stack(caches)
+
+
+def check_whole_model_compile(model, prompts, starts, max_regions: int, block_size=4, max_blocks=8,
+                              per_layer=False):
     """``torch.compile`` of a whole step (its device plan made inside) equals eager, logits and caches, after
     each request's first ``starts[r]`` tokens were prefilled eagerly; its layers are nested regions, at most
     ``max_regions`` distinct ones (one per part and layer kind, each called by two layers or more: one called
-    once is inlined) however many layers call them. Traced with
-    aot_eager: what is checked is the graph, not Inductor's code. Returns the graph."""
+    once is inlined) however many layers call them. ``per_layer``: the compiled and the first eager steps
+    take per-layer caches (``allocate_kv_caches(per_layer=True)``), the eager reference stacked ones. Traced
+    with aot_eager: what is checked is the graph, not Inductor's code. Returns the graph."""
     from torch._dynamo.testing import AotEagerAndRecordGraphs
 
     torch._dynamo.reset()
-    caches = model.allocate_kv_caches(len(prompts) * max_blocks, block_size)
+    caches = model.allocate_kv_caches(len(prompts) * max_blocks, block_size, per_layer=per_layer)
     step(model, caches, [p[:s] for p, s in zip(prompts, starts)], [0] * len(prompts), block_size, max_blocks,
          index_topk=model.config.index_topk)
-    expect_caches = mla_ops.DSACaches(*(t.clone() for t in caches)) if isinstance(caches, mla_ops.DSACaches) \
-        else caches.clone()
+    expect_caches = stacked(caches)
     # A global: under dynamic=True the ints of an object the step closed over would be symbolic, and a plan's
     # sizes must be constants (docs/compile-and-graphs.md).
     _OPTIONS[model] = mla_ops.PlanOptions(block_size=block_size, workspace_size=8, max_chunks=4,
@@ -173,7 +181,7 @@ def check_whole_model_compile(model, prompts, starts, max_regions: int, block_si
                                                                            ctx)
     expect = run(ids, positions, expect_caches, slots, table, qsl, ctx)
     torch.testing.assert_close(out, expect, rtol=1e-10, atol=1e-10)
-    for got, ref in zip(mla_ops.models.kv_caches.cache_tensors(caches), mla_ops.models.kv_caches.cache_tensors(expect_caches)):
+    for got, ref in zip(cache_tensors(stacked(caches)), cache_tensors(expect_caches)):
         torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
     (graph,) = backend.graphs
     calls = collections.Counter(n.args[1] for n in graph.graph.nodes

@@ -135,12 +135,13 @@ class MLAModel(nn.Module):
         faster (``mla_ops.models.kv_caches``)."""
         c = self.config
         weight = self.embed_tokens.weight
-        geometry = (num_blocks, block_size)
-        kinds = (dtype or weight.dtype, device or weight.device, per_layer)
-        latent = allocate(self.num_cache_layers, *geometry, c.kv_lora_rank + c.qk_rope_head_dim, *kinds)
-        if not c.is_sparse:
-            return latent
-        return DSACaches(latent, allocate(c.num_index_layers, *geometry, c.index_head_dim, *kinds))
+        dtype, device = dtype or weight.dtype, device or weight.device
+
+        def zeros(layers: int, width: int):
+            return allocate(layers, num_blocks, block_size, width, dtype, device, per_layer)
+
+        latent = zeros(self.num_cache_layers, c.kv_lora_rank + c.qk_rope_head_dim)
+        return DSACaches(latent, zeros(c.num_index_layers, c.index_head_dim)) if c.is_sparse else latent
 
     def forward(
         self,

@@ -151,8 +151,8 @@ class PrefillStep:
         self._check_topk(topk_indices, q.shape[0])
         if not isinstance(write, bool):
             raise TypeError(f"write must be a bool, got {type(write).__name__}")
-        if self.slot_mapping is not None and write:
-            write_checked(kv_c, k_pe, self.slot_mapping, kv_cache, self.k_scale)
+        if write:
+            self.write(kv_c, k_pe, kv_cache)
         truncated = self.truncated if self.truncated_made else truncated_tokens(self.plan, q.shape[0])
         step = Step(self.kernels, dims, q, kv_cache, kv_b_proj_weight, float(softmax_scale), self.k_scale, self.plan,
                     truncated)

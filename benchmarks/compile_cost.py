@@ -99,7 +99,7 @@ def _measure(kind: str, size: int, restarts: _Restarts) -> dict:
             x = model_step(config, [9, 30, 0], [3, 5, 4], block_size, "cpu")
             caches = model.allocate_kv_caches(x["num_blocks"], block_size, per_layer=kind == "whole_per_layer")
 
-            def step(ids, positions, caches, slots, table, qsl, ctx):  # literals: an int closed over is symbolic
+            def step(ids, positions, caches, slots, table, qsl, ctx):
                 plan = mla_ops.plan_prefill(qsl, ctx, table, 4, 64, max_chunks=4)
                 return model(ids, positions, caches, slots, table, plan)
 

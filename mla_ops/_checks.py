@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 import os
 
 import numpy as np
@@ -55,13 +56,18 @@ def _got(value) -> str:
 
 def check_int(value, name: str, least: int | None = None, *, optional: bool = False, meaning: str = "") -> int | None:
     """``value`` as an int (numpy ints too; a bool, float or str is a TypeError naming ``name``),
-    at least ``least``; None passes where ``optional``. ``meaning`` follows the type in messages."""
+    at least ``least``; None passes where ``optional``. ``meaning`` follows the type in messages.
+
+    Traced, an int the compiled function closes over (or reads from ``self``) arrives symbolic under
+    ``dynamic=True``: ``operator.index`` makes Dynamo specialise it (a guard on its value), so every size
+    derived from it is a constant, as a plan's static sizes must be (a nested region cannot be stamped
+    out over a symbol that a guard inside it would fix)."""
     if value is None and optional:
         return None
     either = " or None" if optional else ""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int{meaning}{either}, got {_got(value)}")
-    value = int(value)
+    value = operator.index(value)
     if least is not None and value < least:
         bound = "a positive int" if least == 1 else f"an int >= {least}"
         raise ValueError(f"{name} must be {bound}{meaning}{either}, got {value}")

@@ -145,9 +145,10 @@ def step_inputs(config, context_lens, query_lens, block_size, max_blocks, seed):
     return ids, torch.tensor(positions), torch.tensor(slots), table, qsl, torch.tensor(context_lens, dtype=torch.int32)
 
 
-def compiled_demo(max_chunks: int = 4, workspace_size: int = 32, block_size: int = 4) -> None:
+def compiled_demo(max_chunks: int = 4, workspace_size: int = 32, block_size: int = 4) -> list[tuple[list[int], int, float]]:
     """A tiny model step compiled whole, planned on the device inside the graph: one graph serves
-    every batch of the bucket (contexts up to ``max_chunks * workspace_size`` rows)."""
+    every batch of the bucket (contexts up to ``max_chunks * workspace_size`` rows). Returns, per batch,
+    its context lens, the graphs compiled so far and the largest difference from the eager step."""
     mla_ops.enable()
     torch.manual_seed(0)
     config = mla_ops.MLAConfig.from_name("tiny")
@@ -167,6 +168,7 @@ def compiled_demo(max_chunks: int = 4, workspace_size: int = 32, block_size: int
     print(f"\ntorch.compile(fullgraph=True, dynamic=True), tiny {config.num_hidden_layers}-layer model, "
           f"device plan max_chunks={max_chunks}, workspace {workspace_size} rows")
     print(f"{'batch (context lens)':<24}{'chunks':>8}{'graphs':>8}{'max |eager - compiled|':>25}")
+    rows = []
     for i, (context_lens, query_lens) in enumerate(batches):
         ids, positions, slots, table, qsl, lens = step_inputs(config, context_lens, query_lens, block_size, 20, i)
         eager_caches, compiled_caches = caches.clone(), caches.clone()
@@ -177,8 +179,11 @@ def compiled_demo(max_chunks: int = 4, workspace_size: int = 32, block_size: int
         expect = step(ids, positions, eager_caches, slots, table, qsl, lens)
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         chunks = -(-sum(context_lens) // workspace_size)
+        error = (got - expect).abs().max().item()
         note = f"  (compiled in {elapsed:.1f} s)" if i == 0 else ""
-        print(f"{str(context_lens):<24}{chunks:>8}{graphs:>8}{(got - expect).abs().max().item():>25.2e}{note}")
+        print(f"{str(context_lens):<24}{chunks:>8}{graphs:>8}{error:>25.2e}{note}")
+        rows.append((context_lens, graphs, error))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:

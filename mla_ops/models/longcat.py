@@ -21,9 +21,10 @@ x [T, H]   kv_caches [2, num_blocks, block_size, L+R]: attention i's cache is kv
 Checkpoint names are transformers' (``self_attn.{i}``, ``mlps.{i}``, ``input_layernorm.{i}``, ...), which
 are the release's too, but for three things ``checkpoint_name`` handles: the router is
 ``mlp.router.classifier.weight`` / ``mlp.router.e_score_correction_bias`` (the model's ``mlp.gate.*``);
-transformers' ``gate_up_proj`` has rows for the identity experts, so ``save_pretrained`` writes
-``mlp.experts.{e}.gate_proj`` / ``up_proj`` for e in [E, E + Z) that nothing computes with (skipped,
-a release lacks them); the release's Multi-Token-Prediction weights ``model.mtp.*`` are skipped.
+the identity experts have no weights: transformers 5.25's ``save_pretrained`` writes ``mlp.experts.{e}.*``
+for the E routed experts only, as the release does, while 5.24's ``gate_up_proj`` had rows for the
+identity experts too, written as ``mlp.experts.{e}.gate_proj`` / ``up_proj`` for e in [E, E + Z) that
+nothing computes with (skipped); the release's Multi-Token-Prediction weights ``model.mtp.*`` are skipped.
 """
 
 from __future__ import annotations

@@ -96,3 +96,42 @@ def test_the_whole_model_compiles_on_cuda_and_equals_eager():
         expect = run(model, *inputs[:2], expect_caches, *inputs[2:])
         torch.testing.assert_close(out, expect, rtol=TOL[torch.float32], atol=TOL[torch.float32])
         torch.testing.assert_close(caches, expect_caches, rtol=TOL[torch.float32], atol=TOL[torch.float32])
+
+
+class Runner:
+    """An engine-style runner: the plan's sizes live on ``self``, as plain ints."""
+
+    def __init__(self, model):
+        self.model, self.block_size, self.workspace_size, self.max_chunks = model, 4, 16, 4
+
+    def step(self, ids, positions, caches, slots, table, qsl, ctx):
+        plan = mla_ops.plan_prefill(qsl, ctx, table, self.block_size, self.workspace_size, max_chunks=self.max_chunks)
+        return self.model(ids, positions, caches, slots, table, plan)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("holder", ["closure", "self"])
+def test_plan_sizes_held_in_closures_or_on_self_compile_under_dynamic_shapes(holder):
+    """Ints a compiled step closes over (or reads from ``self``) arrive symbolic under ``dynamic=True``; the plan
+    specialises them (a guard on their values), so the nested regions meet constants and one graph serves
+    every batch mix."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = mla_ops.MLAForCausalLM(MOE).eval()
+    base = torch.nn.init.normal_(model.allocate_kv_caches(64, 4))
+    block_size, workspace_size, max_chunks = 4, 16, 4
+
+    def closure_step(ids, positions, caches, slots, table, qsl, ctx):
+        plan = mla_ops.plan_prefill(qsl, ctx, table, block_size, workspace_size, max_chunks=max_chunks)
+        return model(ids, positions, caches, slots, table, plan)
+
+    step = closure_step if holder == "closure" else Runner(model).step
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True, dynamic=True)
+    for i, (context_lens, query_lens) in enumerate(MIXES):
+        ids, positions, slots, table, qsl, ctx = model_step(MOE, context_lens, query_lens, seed=i)
+        caches, expect_caches = base.clone(), base.clone()
+        with torch.compiler.set_stance("fail_on_recompile" if i else "default"):
+            out = compiled(ids, positions, list(caches.unbind()), slots, table, qsl, ctx)
+        torch.testing.assert_close(out, step(ids, positions, expect_caches, slots, table, qsl, ctx),
+                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(caches, expect_caches, rtol=1e-5, atol=1e-5)

@@ -39,6 +39,32 @@ def debug_enabled() -> bool:
     return _debug
 
 
+class TracedValueError(torch._dynamo.exc.UserError, ValueError):
+    """A ``ValueError`` that ``torch.compile(fullgraph=True)`` lets out as it is (Dynamo reports a plain exception
+    raised in traced code as "Observed exception", the message buried in its debug context)."""
+
+    def __init__(self, message: str):
+        super().__init__(torch._dynamo.exc.UserErrorType.INVALID_INPUT, message)
+
+
+def _raise_at_trace_time(ctx) -> None:
+    """A ``comptime`` callback: under ``fullgraph=True`` raise the caller's ``message`` now; otherwise do nothing,
+    so the caller's plain raise falls back to eager and reaches the user as a ``ValueError`` (a trace-time
+    error there would make Dynamo skip the frame silently)."""
+    tx = torch._dynamo.symbolic_convert.InstructionTranslator.current_tx()
+    if getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False):
+        raise TracedValueError(ctx.get_local("message").as_python_constant())
+
+
+def raise_value_error(message: str):
+    """``raise ValueError(message)``, also as itself (first line, our words) when traced with ``fullgraph=True``."""
+    if torch.compiler.is_compiling():
+        from torch._dynamo.comptime import comptime
+
+        comptime(_raise_at_trace_time)
+    raise ValueError(message)
+
+
 def values_readable(*tensors: torch.Tensor) -> bool:
     """True when reading these tensors' values on the host is free: plain CPU tensors (not fake or
     other subclasses), not being traced."""

@@ -101,7 +101,7 @@ def plan_with_options(query_start_loc, context_lens, block_table, options: PlanO
                       context_parallel: ContextParallel | None = None) -> PrefillPlan:
     """``plan_prefill`` with its options already in a ``PlanOptions`` (inputs checked by the caller)."""
     if not options.device_form and torch.compiler.is_compiling():
-        raise ValueError(
+        checks.raise_value_error(
             "plan_prefill under torch.compile needs max_chunks=K (a static capacity): the host planner "
             "reads the lengths' values. Pick K per batch bucket, e.g. ceil(max total context / workspace_size)."
         )
@@ -300,7 +300,7 @@ def begin_step(plan: PrefillPlan, kv_cache: torch.Tensor, slot_mapping: torch.Te
     if max_block_id >= num_blocks:
         raise ValueError(f"plan.block_table uses block {max_block_id}, past the {num_blocks} blocks of kv_cache")
     if plan.max_chunks is None and torch.compiler.is_compiling():
-        raise ValueError(
+        checks.raise_value_error(
             "run_prefill under torch.compile needs a device plan (plan_prefill(..., max_chunks=K)): a host "
             "plan's chunks are Python values that would be baked into the graph"
         )

@@ -48,7 +48,7 @@ from .layer import DecoderLayer, ModelStep, RMSNorm, check_plan_block_table, sca
 from .longcat import LongcatDecoderLayer
 from .mistral_large4 import RotaryFrequencies, softcap
 from .moe import linear
-from .regions import CompiledRegion, warn_inlined
+from .regions import CompiledRegion, compile_options, warn_inlined
 
 # MLAConfig.decoder_layer -> the layer structure of the family's model.
 LAYER_CLASSES: dict[str, type[nn.Module]] = {"deepseek": DecoderLayer, "longcat": LongcatDecoderLayer}
@@ -109,9 +109,9 @@ class MLAModel(nn.Module):
         layers' output) and per dtype, device, grad and inference mode (``CompiledRegion``), the token
         count dynamic, so every step size (zero and one token included), cache size and plan reuses them.
         The attention between them runs the library's ops. ``options`` go to ``torch.compile`` (defaults
-        ``fullgraph=True``, ``backend="inductor"``); calling it again with the same options keeps the
-        compiled regions. Returns the model."""
-        options = {"fullgraph": True, "backend": "inductor", **options}
+        ``fullgraph=True``, ``backend="inductor"``), which refuses bad ones here, the model left as it was;
+        calling it again with the same options keeps the compiled regions. Returns the model."""
+        options = compile_options(options)
         if self._compile_options != options:
             owner = f"{id(self):x}"
             regions = tuple(CompiledRegion(region, options, owner, by_mlp)

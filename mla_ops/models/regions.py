@@ -63,6 +63,24 @@ def warn_inlined() -> None:
         comptime(lambda ctx: _warn_inlined())
 
 
+def _nothing() -> None:
+    pass
+
+
+def compile_options(options: dict) -> dict:
+    """``MLAModel.compile_layers``' options (defaults ``fullgraph=True``, ``backend="inductor"``) as
+    ``torch.compile`` takes them, refused at the call as ``torch.compile`` refuses them: a bad mode, backend,
+    option or keyword (a ``TypeError`` stays one, the rest are ``ValueError``s), before any layer changes."""
+    options = {"fullgraph": True, "backend": "inductor", **options}
+    try:
+        torch.compile(_nothing, **options)  # compiles nothing until called: only the arguments are checked
+    except TypeError as e:
+        raise TypeError(f"compile_layers: {e}") from None
+    except Exception as e:  # noqa: BLE001 - torch raises RuntimeError, InvalidBackend, AssertionError
+        raise ValueError(f"compile_layers: {e}") from None
+    return options
+
+
 class CompiledRegion:
     """One dense region of the decoder layers (``DecoderLayer.attention_inputs`` or ``attention_output``,
     called ``region(layer, *tensors)``) compiled for ``MLAModel.compile_layers``.

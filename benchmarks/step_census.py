@@ -59,8 +59,9 @@ class LayerCensus(TorchDispatchMode):
     def _enter(self, index: int):
         def hook(module, args):
             self.layer = index
-            for x in args[:2]:  # the hidden states and the layer's cache
-                self._mark(x)
+            for x in pytree.tree_leaves(args[:2]):  # the hidden states and the layer's caches
+                if isinstance(x, torch.Tensor):
+                    self._mark(x)
         return hook
 
     def _leave(self, module, args, output):

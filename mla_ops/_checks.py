@@ -57,7 +57,8 @@ def _raise_at_trace_time(ctx) -> None:
 
 
 def raise_value_error(message: str):
-    """``raise ValueError(message)``, also as itself (first line, our words) when traced with ``fullgraph=True``."""
+    """``raise ValueError(message)``, also as itself (first line, our words) when traced with ``fullgraph=True``.
+    ``message`` must be a constant while tracing (no symbolic sizes in it)."""
     if torch.compiler.is_compiling():
         from torch._dynamo.comptime import comptime
 

@@ -153,9 +153,9 @@ def compiled_demo(max_chunks: int = 4, workspace_size: int = 32, block_size: int
     torch.manual_seed(0)
     config = mla_ops.MLAConfig.from_name("tiny")
     model = mla_ops.MLAModel(config).eval()
-    caches = model.allocate_kv_caches(64, block_size)
-    torch.nn.init.normal_(caches)
-    torch._dynamo.mark_static(caches)  # a runner's fixed cache buffer, not a dynamic shape
+    caches = model.allocate_kv_caches(64, block_size)  # one tensor per layer
+    for cache in caches:
+        torch.nn.init.normal_(cache)
 
     def step(ids, positions, kv_caches, slots, table, qsl, context_lens):
         plan = mla_ops.plan_prefill(qsl, context_lens, table, block_size, workspace_size, max_chunks=max_chunks)
@@ -171,8 +171,9 @@ def compiled_demo(max_chunks: int = 4, workspace_size: int = 32, block_size: int
     rows = []
     for i, (context_lens, query_lens) in enumerate(batches):
         ids, positions, slots, table, qsl, lens = step_inputs(config, context_lens, query_lens, block_size, 20, i)
-        eager_caches, compiled_caches = caches.clone(), caches.clone()
-        torch._dynamo.mark_static(compiled_caches)
+        eager_caches, compiled_caches = [c.clone() for c in caches], [c.clone() for c in caches]
+        for cache in compiled_caches:
+            torch._dynamo.mark_static(cache)  # a runner's fixed cache buffers, not dynamic shapes
         start = time.perf_counter()
         got = compiled(ids, positions, compiled_caches, slots, table, qsl, lens)
         elapsed = time.perf_counter() - start

@@ -140,19 +140,27 @@ class PrefillStep:
     def run(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
             kv_b_proj_weight: torch.Tensor, softmax_scale: float, *, out: torch.Tensor | None = None,
             return_lse: bool = False, topk_indices: torch.Tensor | None = None, write: bool = True):
-        """One layer: its new rows written into ``kv_cache`` at the step's slots (when ``begin_step``
-        had a ``slot_mapping`` and ``write``; nothing otherwise: ``write=False`` for a layer that attends
-        rows another layer of the step wrote, Mistral Large 4's KV sharing), then ``run_prefill``'s
-        attention. Checks only this layer's tensors, all before anything is written. Returns ``out`` [T, N, V], or ``(out, lse)``
-        with ``return_lse=True`` (``lse`` [N, T], float32 or float64 for float64 q, natural log).
-        ``topk_indices`` [T, index_topk] int32: required with a DSA plan, refused without one (see
-        ``run_prefill``)."""
-        dims = self._check_layer(q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, out, return_lse)
-        self._check_topk(topk_indices, q.shape[0])
+        """One layer: ``attend``, then its new rows written into ``kv_cache`` at the step's slots (when
+        ``begin_step`` had a ``slot_mapping`` and ``write``; nothing otherwise: ``write=False`` for rows that
+        are written elsewhere). Checks only this layer's tensors, all before anything is written. Returns
+        ``out`` [T, N, V], or ``(out, lse)`` with ``return_lse=True`` (``lse`` [N, T], float32 or float64 for
+        float64 q, natural log). ``topk_indices`` [T, index_topk] int32: required with a DSA plan, refused
+        without one (see ``run_prefill``)."""
         if not isinstance(write, bool):
             raise TypeError(f"write must be a bool, got {type(write).__name__}")
-        if write:
+        result = self.attend(q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, out=out,
+                             return_lse=return_lse, topk_indices=topk_indices)
+        if write:  # after the attention, which takes the new rows as given (never from the cache)
             self.write(kv_c, k_pe, kv_cache)
+        return result
+
+    def attend(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+               kv_b_proj_weight: torch.Tensor, softmax_scale: float, *, out: torch.Tensor | None = None,
+               return_lse: bool = False, topk_indices: torch.Tensor | None = None):
+        """One layer's attention (``run``'s) without the cache write: the new tokens' rows ``kv_c``, ``k_pe``
+        are read as given, the context's from ``kv_cache``."""
+        dims = self._check_layer(q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, out, return_lse)
+        self._check_topk(topk_indices, q.shape[0])
         truncated = self.truncated if self.truncated_made else truncated_tokens(self.plan, q.shape[0])
         step = Step(self.kernels, dims, q, kv_cache, kv_b_proj_weight, float(softmax_scale), self.k_scale, self.plan,
                     truncated)

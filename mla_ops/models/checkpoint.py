@@ -45,7 +45,7 @@ from .checkpoint_files import checkpoint_files as tensor_files, open_safetensors
 from .checkpoint_names import LAYER, SCALE, Source, check_layers, map_tensors, quant_block
 from .config import MLAConfig
 from .indexer import Indexer, convert_interleaved
-from .mistral_large4 import RotaryFrequencies
+from .rope import RotaryEmbedding
 from .moe import MoEGate
 from .rope import deinterleave_index
 from .wrappers import unwrap
@@ -163,7 +163,7 @@ def _meta_model(cls, config: MLAConfig, dtype: torch.dtype, **kwargs):
         model = cls(config, **kwargs)
     model.to(dtype)
     for module in model.modules():
-        if isinstance(module, (MoEGate, RotaryFrequencies)):  # routers and learned RoPE frequencies: float32
+        if isinstance(module, (MoEGate, RotaryEmbedding)):  # routers and learned RoPE frequencies: float32
             module.float()
         elif isinstance(module, Indexer) and dtype in (torch.float16, torch.bfloat16):
             module.weights_proj.float()  # as transformers keeps it (_keep_in_fp32_modules)

@@ -46,7 +46,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .. import _checks
-from .._env import static_float
 from ..planning.options import PlanOptions
 from ..planning.routing import default_threshold
 from .hf_config import check_yarn, mla_config_kwargs, read_config, yarn_from_dict
@@ -154,7 +153,7 @@ class MLAConfig:
         for name in _OPTIONAL_INTS:
             setattr(self, name, _checks.check_int(getattr(self, name), name, 1, optional=True))
         for name, positive in _REALS.items():
-            setattr(self, name, static_float(_checks.check_real(getattr(self, name), name, positive)))
+            setattr(self, name, _checks.check_real(getattr(self, name), name, positive))
         for name in _BOOLS:
             _checks.check_bool(getattr(self, name), name)
         _checks.check_str(self.scoring_func, "scoring_func")
@@ -314,7 +313,7 @@ class MLAConfig:
     def softmax_scale(self) -> float:
         """1/sqrt(P+R), times YaRN's mscale correction where the checkpoint has one."""
         scale = self.qk_head_dim ** -0.5
-        return static_float(scale if self.rope_scaling is None else scale * self.rope_scaling.softmax_scale_factor())
+        return scale if self.rope_scaling is None else scale * self.rope_scaling.softmax_scale_factor()
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         if self.mlp_layer_types is not None:
@@ -357,8 +356,7 @@ def _int_list(value, name: str, num_layers: int) -> tuple[int, ...]:
 def _check_mistral_large4_layers(c: MLAConfig) -> None:
     """``no_rope_layers``, ``kv_source_layers`` and ``final_logit_softcapping`` (Mistral Large 4's)."""
     if c.final_logit_softcapping is not None:
-        c.final_logit_softcapping = static_float(_checks.check_real(c.final_logit_softcapping,
-                                                                    "final_logit_softcapping"))
+        c.final_logit_softcapping = _checks.check_real(c.final_logit_softcapping, "final_logit_softcapping")
     if (c.no_rope_layers is not None or c.kv_source_layers is not None) and not c.is_sparse:
         raise ValueError("no_rope_layers / kv_source_layers are Mistral Large 4's layer kinds, run by the sparse "
                          "layers (index_topk): set index_topk or leave them None")
@@ -404,7 +402,7 @@ def _check_layer_list(c: MLAConfig, name: str, choices) -> bool:
 
 def _check_layer_types_and_scales(c: MLAConfig) -> None:
     for name in ("embedding_scale", "residual_scale", "logits_scaling"):
-        setattr(c, name, static_float(_checks.check_real(getattr(c, name), name)))
+        setattr(c, name, _checks.check_real(getattr(c, name), name))
     if not _check_layer_list(c, "mlp_layer_types", MLP_LAYER_TYPES):
         return
     if c.n_routed_experts is None and "sparse" in c.mlp_layer_types:

@@ -17,17 +17,17 @@ their softmax-scale correction come from the config (``mla_ops.models.rope``); l
 (``mla_ops.models.moe``). MiniCPM3's scalings (``embedding_scale``, ``residual_scale``, ``logits_scaling``)
 are config values, 1 (nothing done) for the others.
 
-The cache tensors, slot mapping, block table and the step's ``PrefillPlan`` (``mla_ops.plan_prefill``,
-made once per step) are passed in on every call; nothing is stored in the modules. ``MLAModel``
-begins the step once (``ModelStep``: the rotary tables and ``mla_ops.begin_step``'s checked
-attention step) and every layer makes one attention call on it: with a device plan
-(``max_chunks=K``) the whole step reads no device value and compiles to one graph, the planner
-running once however many layers there are.
+The caches (a list of one tensor per cache layer: ``allocate_kv_caches``), slot mapping, block table and the
+step's ``PrefillPlan`` (``mla_ops.plan_prefill``, made once per step) are passed in on every call; nothing is
+stored in the modules. ``MLAModel`` begins the step once (``ModelStep``: the rotary tables and
+``mla_ops.begin_step``'s checked attention step) and every layer makes its attention calls on it: with a
+device plan (``max_chunks=K``) the whole step reads no device value and compiles to one graph, the planner
+running once however many layers there are. One loop runs every kind of layer, handing each its caches and
+the carry of the layer before (``layer.Carry``); ``mla_ops.models.regions`` decides how each layer runs.
 
 A sparse model (DeepSeek Sparse Attention: ``MLAConfig.index_topk``, DeepSeek-V3.2, GLM-5) keeps an index
-cache beside the latent one (``kv_caches.DSACaches``) and needs a plan made with its ``index_topk``; its
-layers pass the step's top-k along (``DecoderLayer.forward_sparse``), so a "shared" layer reuses its full
-layer's selection instead of recomputing it.
+cache beside the latent one (``kv_caches.DSACaches``) and needs a plan made with its ``index_topk``; the carry
+hands a full layer's top-k to the "shared" layers after it, which reuse it instead of recomputing it.
 """
 
 from __future__ import annotations
@@ -38,17 +38,18 @@ import torch
 from torch import nn
 
 from .. import _checks
-from .._env import static_module_floats
 from ..parallel import ContextParallel
 from ..parallel.tensor_parallel import check_divisible
 from ..planning.plan import PrefillPlan
+from . import regions
 from .config import MLAConfig
 from .kv_caches import Caches, DSACaches, allocate, check_caches
-from .layer import DecoderLayer, ModelStep, RMSNorm, check_plan_block_table, scaled
+from .layer import Carry, DecoderLayer, LayerCaches, ModelStep, RMSNorm, check_plan_block_table, scaled
 from .longcat import LongcatDecoderLayer
-from .mistral_large4 import RotaryFrequencies, softcap
+from .mistral_large4 import softcap
 from .moe import linear
-from .regions import CompiledRegion, compile_options, warn_inlined
+from .query_scale import PositionScale
+from .rope import RotaryEmbedding
 
 # MLAConfig.decoder_layer -> the layer structure of the family's model.
 LAYER_CLASSES: dict[str, type[nn.Module]] = {"deepseek": DecoderLayer, "longcat": LongcatDecoderLayer}
@@ -97,48 +98,44 @@ class MLAModel(nn.Module):
         self.layers = nn.ModuleList(self.layer_class(layer_config, i, group) for i in range(config.num_hidden_layers))
         self.num_cache_layers = sum(layer.num_kv_caches for layer in self.layers)  # KV-sharing layers have none
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # Mistral Large 4's learned RoPE frequencies (model.rotary_emb.alpha), or None
-        self.rotary_emb = RotaryFrequencies(config.qk_rope_head_dim) if config.learned_rope_frequencies else None
-        self._compile_options: dict | None = None  # compile_layers'
-        static_module_floats(self)  # constants under torch.compile, guarded by value (mla_ops._env)
+        # The rotary frequencies, built once (Mistral Large 4's learned ones: model.rotary_emb.alpha)
+        self.rotary_emb = RotaryEmbedding(config.qk_rope_head_dim, config.rope_theta, config.rope_scaling,
+                                          learned=config.learned_rope_frequencies)
+        self.position_scale = None if config.query_scale is None else PositionScale(config.query_scale)
+        self.embedding_scale = config.embedding_scale  # MiniCPM3's; 1: none
+        self.compiled_regions: tuple[regions.CompiledRegion, ...] | None = None  # compile_layers'
+        self._compile_options: dict | None = None
+        regions.static_floats(self)
 
     def compile_layers(self, **options) -> MLAModel:
-        """Regional compilation: the decoder layers' dense regions (their class's ``compiled_regions``:
-        ``DecoderLayer.attention_inputs`` and ``attention_output``; LongCat-Flash's three) compiled once and
-        shared by every layer of this model, whatever its depth: one graph per region (a second for MoE
-        layers' output) and per dtype, device, grad and inference mode (``CompiledRegion``), the token
-        count dynamic, so every step size (zero and one token included), cache size and plan reuses them.
-        The attention between them runs the library's ops. ``options`` go to ``torch.compile`` (defaults
-        ``fullgraph=True``, ``backend="inductor"``), which refuses bad ones here, the model left as it was;
-        calling it again with the same options keeps the compiled regions. Returns the model."""
-        options = compile_options(options)
+        """Regional compilation: the decoder layers' dense parts (the attentions' projections, the MLPs and
+        mixtures of experts: ``regions.DENSE_PARTS``) compiled once and shared by every layer of this model,
+        whatever its depth: one graph per part and structure (a dense MLP and a MoE each have theirs) and per
+        dtype, device, grad and inference mode (``regions.CompiledRegion``), the token count dynamic, so every
+        step size (zero and one token included), cache size and plan reuses them. The attention ops between
+        them run eagerly. ``options`` go to ``torch.compile`` (defaults ``fullgraph=True``,
+        ``backend="inductor"``), which refuses bad ones here, the model left as it was; calling it again with
+        the same options keeps the compiled regions. Returns the model."""
+        options = regions.compile_options(options)
         if self._compile_options != options:
-            owner = f"{id(self):x}"
-            regions = tuple(CompiledRegion(region, options, owner, by_mlp)
-                            for region, by_mlp in self.layer_class.compiled_regions)
-            for layer in self.layers:
-                layer.regions = regions
+            self.compiled_regions = regions.compile_layers(self.layers, options)
             self._compile_options = options
         return self
 
-    def allocate_kv_caches(
-        self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None, device=None, *,
-        per_layer: bool = False,
-    ) -> Caches:
-        """Zeroed caches [num_cache_layers, num_blocks, block_size, L+R] (one per attention: num_hidden_layers,
-        twice that for LongCat-Flash); dtype and device default to the model's (a float8_e4m3fn cache then needs
-        ``k_scale`` in ``forward``). A sparse model's: a ``DSACaches`` of that latent tensor and its index cache
-        [num_index_layers, num_blocks, block_size, D_I] (one per layer with an indexer; float8 needs
-        ``k_scale_index``). KV-sharing layers (``kv_source_layers``) have no latent cache; a NoPE layer's
-        (``no_rope_layers``, R = 0) is the first L columns of its L+R rows. ``per_layer=True``: each of these a
-        list of one tensor [num_blocks, block_size, width] per layer, which ``torch.compile(model)`` compiles
-        faster (``mla_ops.models.kv_caches``)."""
+    def allocate_kv_caches(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
+                           device=None) -> Caches:
+        """Zeroed caches: a list of one ``[num_blocks, block_size, L+R]`` tensor per cache layer (one per attention:
+        num_hidden_layers, twice that for LongCat-Flash), as engines bind one to each attention layer; dtype and
+        device default to the model's (a float8_e4m3fn cache then needs ``k_scale`` in ``forward``). A sparse
+        model's: a ``DSACaches`` of that list and its index caches, one ``[num_blocks, block_size, D_I]`` per
+        layer with an indexer (float8 needs ``k_scale_index``). KV-sharing layers (``kv_source_layers``) have no
+        latent cache; a NoPE layer's (``no_rope_layers``, R = 0) is the first L columns of its L+R rows."""
         c = self.config
         weight = self.embed_tokens.weight
         dtype, device = dtype or weight.dtype, device or weight.device
 
         def zeros(layers: int, width: int):
-            return allocate(layers, num_blocks, block_size, width, dtype, device, per_layer)
+            return allocate(layers, num_blocks, block_size, width, dtype, device)
 
         latent = zeros(self.num_cache_layers, c.kv_lora_rank + c.qk_rope_head_dim)
         return DSACaches(latent, zeros(c.num_index_layers, c.index_head_dim)) if c.is_sparse else latent
@@ -147,7 +144,7 @@ class MLAModel(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: Caches,  # [num_cache_layers, num_blocks, block_size, L+R], a list per layer, or DSACaches
+        kv_caches: Caches,  # a list of [num_blocks, block_size, L+R], one per cache layer, or a DSACaches
         slot_mapping: torch.Tensor,  # [T]
         block_table: torch.Tensor,  # [B, max_blocks] int32, shared by all layers: the plan's
         plan: PrefillPlan,  # one plan per step (mla_ops.plan_prefill), shared by all layers
@@ -157,9 +154,8 @@ class MLAModel(nn.Module):
         k_scale_index: float | torch.Tensor | None = None,  # a float8 index cache's scale (sparse models)
     ) -> torch.Tensor:
         c = self.config
-        warn_inlined()  # a compiled model whose torch cannot reuse nested regions: once, at trace time
-        check_caches(kv_caches, self.num_cache_layers, c.kv_lora_rank + c.qk_rope_head_dim,
-                     (c.num_index_layers, c.index_head_dim) if c.is_sparse else None)
+        kv_caches = check_caches(kv_caches, self.num_cache_layers, c.kv_lora_rank + c.qk_rope_head_dim,
+                                 (c.num_index_layers, c.index_head_dim) if c.is_sparse else None)
         check_plan_block_table(block_table, plan)
         if plan.index_topk != (c.index_topk or 0):
             raise ValueError(f"plan was made with index_topk={plan.index_topk or None}, but the model selects "
@@ -167,35 +163,36 @@ class MLAModel(nn.Module):
                              f"{c.index_topk}) (config.index_topk)")
         check_step_inputs(input_ids, positions, plan, self.embed_tokens.num_embeddings)
         latent = kv_caches.latent if c.is_sparse else kv_caches
-        alpha = None if self.rotary_emb is None else self.rotary_emb.alpha
-        step = ModelStep.begin(c, positions, plan, latent[0], slot_mapping, k_scale, backend,
-                               self.embed_tokens.weight.dtype, k_scale_index, alpha)  # once, not per layer
-        x = scaled(self.embed_tokens(input_ids), c.embedding_scale)  # [T, H]
-        if c.is_sparse:
-            return self.norm(self._sparse_layers(x, kv_caches, step))
-        first = 0
-        for layer in self.layers:  # a layer of several attentions gets its n caches (a slice of kv_caches)
-            n = layer.num_kv_caches
-            x = layer(x, kv_caches[first] if n == 1 else kv_caches[first : first + n], step)
-            first += n
+        step = ModelStep.begin(positions, plan, latent[0], slot_mapping, k_scale, backend,
+                               self.embed_tokens.weight.dtype, self.rotary_emb, self.position_scale,
+                               k_scale_index, c.learned_query_scale)  # once, not per layer
+        x = scaled(self.embed_tokens(input_ids), self.embedding_scale)  # [T, H]
+        carry, shared = Carry(), {}  # shared: the latest new latent rows of a KV source, per RoPE kind
+        for i, (layer, caches) in enumerate(zip(self.layers, self._layer_caches(kv_caches))):
+            needs = Carry(carry.topk if c.is_sparse and not c.has_indexer(i) else None,  # a shared DSA layer
+                          None if c.kv_source(i) == i else shared[c.uses_rope(i)])  # a KV-sharing layer
+            x, carry = regions.run_layer(layer, x, caches, step, needs)
+            if c.kv_source_layers is not None and i in c.kv_source_layers[i + 1:]:
+                shared[c.uses_rope(i)] = carry.latent
         return self.norm(x)  # [T, H]
 
-    def _sparse_layers(self, x: torch.Tensor, kv_caches: DSACaches, step: ModelStep) -> torch.Tensor:
-        """The layers of a sparse model: the top-k of each full layer goes on to the shared layers after it,
-        and a KV source layer's cache and new latent rows to the layers that share them (kv_source_layers)."""
+    def _layer_caches(self, kv_caches: Caches) -> list[LayerCaches]:
+        """What each layer reads and writes: its own latent caches (a layer of several attentions gets its n),
+        or its KV source's; its index cache if it has an indexer."""
         c = self.config
-        topk, index, latent_of, new_rows = None, 0, {}, {}
+        latent = kv_caches.latent if c.is_sparse else kv_caches
+        index = iter(kv_caches.index if c.is_sparse else ())
+        out, first, own = [], 0, {}
         for i, layer in enumerate(self.layers):
-            index_cache = None
-            if layer.self_attn.indexer is not None:
-                index_cache, index = kv_caches.index[index], index + 1
+            n = layer.num_kv_caches
+            if n:
+                width = c.kv_lora_rank + c.layer_dims(i)[1]  # L for a NoPE layer
+                own[i] = tuple(t[..., :width] if width != t.shape[-1] else t for t in latent[first : first + n])
+                first += n
             source = c.kv_source(i)
-            if source == i:
-                width = c.kv_lora_rank + layer.self_attn.qk_rope_head_dim  # L for a NoPE layer
-                latent_of[i] = kv_caches.latent[len(latent_of)][..., :width]
-            x, topk, new_rows[i] = layer.forward_sparse(x, latent_of[source], index_cache, step, topk,
-                                                        new_rows.get(source))
-        return x
+            out.append(LayerCaches(own.get(i, ()), None if source == i else own[source][0],
+                                   next(index) if c.has_indexer(i) else None))
+        return out
 
 
 def local_config(config: MLAConfig, context_parallel: ContextParallel) -> MLAConfig:
@@ -235,6 +232,9 @@ class MLAForCausalLM(nn.Module):
         self.lm_head = linear(config.hidden_size, config.vocab_size, config.initializer_range)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.logits_scaling = config.logits_scaling  # MiniCPM3's; 1: none
+        self.logit_softcapping = config.final_logit_softcapping  # Mistral Large 4's; None: none
+        regions.static_floats(self)
 
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None, *,
@@ -247,8 +247,8 @@ class MLAForCausalLM(nn.Module):
         return load_pretrained(cls, path, dtype=dtype, device=device, context_parallel=context_parallel)
 
     def allocate_kv_caches(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
-                           device=None, *, per_layer: bool = False) -> Caches:
-        return self.model.allocate_kv_caches(num_blocks, block_size, dtype, device, per_layer=per_layer)
+                           device=None) -> Caches:
+        return self.model.allocate_kv_caches(num_blocks, block_size, dtype, device)
 
     def compile_layers(self, **options) -> MLAForCausalLM:
         """``MLAModel.compile_layers`` of the decoder; returns the model."""
@@ -259,7 +259,7 @@ class MLAForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: Caches,  # [num_cache_layers, num_blocks, block_size, L+R], a list per layer, or DSACaches
+        kv_caches: Caches,  # a list of [num_blocks, block_size, L+R], one per cache layer, or a DSACaches
         slot_mapping: torch.Tensor,  # [T]
         block_table: torch.Tensor,  # [B, max_blocks] int32: the plan's
         plan: PrefillPlan,
@@ -275,6 +275,6 @@ class MLAForCausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``MLAModel``'s hidden states [T, H] -> logits [T, vocab] (MiniCPM3 divides by ``logits_scaling`` first,
         Mistral Large 4 soft-caps them: ``final_logit_softcapping``)."""
-        if self.config.logits_scaling != 1.0:
-            hidden = hidden / self.config.logits_scaling
-        return softcap(self.lm_head(hidden), self.config.final_logit_softcapping)  # Mistral Large 4's; None: none
+        if self.logits_scaling != 1.0:
+            hidden = hidden / self.logits_scaling
+        return softcap(self.lm_head(hidden), self.logit_softcapping)

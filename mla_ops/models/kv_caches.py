@@ -1,14 +1,14 @@
 """The paged caches of a model step: a dense MLA model's latent caches, or a sparse (DSA) model's ``DSACaches``.
 
-dense   kv_caches        [cache_layers, num_blocks, block_size, L+R]     one latent row per token and layer
-sparse  DSACaches.latent [cache_layers, num_blocks, block_size, L+R]     the same
-        DSACaches.index  [index_layers, num_blocks, block_size, D_I]     one index key per token and full layer
+dense   kv_caches        cache_layers x [num_blocks, block_size, L+R]     one latent row per token and layer
+sparse  DSACaches.latent cache_layers x [num_blocks, block_size, L+R]     the same
+        DSACaches.index  index_layers x [num_blocks, block_size, D_I]     one index key per token and full layer
 
-Each of these is one stacked tensor, or a list of one tensor per layer (``[num_blocks, block_size, width]``
-each, ``allocate_kv_caches(per_layer=True)``), as engines that bind a cache to each attention layer keep
-them. A model indexes either alike; under ``torch.compile`` a per-layer list compiles faster, because
-every layer's cache then has the same metadata (a stacked tensor's layers differ in storage offset, which
-keeps the tracer from reusing its work on one layer's region for the next: docs/compile-and-graphs.md).
+Each is a list of one tensor per layer, as engines that bind a cache to each attention layer keep them. Every
+layer's cache then has the same metadata, which lets ``torch.compile`` reuse its work on one layer for the
+next (a stacked tensor's layers differ in storage offset: docs/compile-and-graphs.md). A stacked tensor
+``[layers, num_blocks, block_size, width]`` is taken in eager code (as its layers' views) and refused by name
+under ``torch.compile``, whose writes into views of one buffer need a lowering torch lacks (pytorch#198068).
 
 A sparse model's index cache lives beside its latent cache (DESIGN §12): the same blocks, block size and block
 table, so one block id names a token's rows in both, and the block manager's prefix sharing and eviction
@@ -25,8 +25,9 @@ from typing import NamedTuple, Sequence, Union
 
 import torch
 
+from .. import _checks
 
-LayerCaches = Union[torch.Tensor, Sequence[torch.Tensor]]  # [layers, num_blocks, block_size, W], or per layer
+LayerCaches = Sequence[torch.Tensor]  # one [num_blocks, block_size, W] per layer (eager code: or stacked)
 
 
 class DSACaches(NamedTuple):
@@ -50,8 +51,7 @@ Caches = Union[LayerCaches, DSACaches]
 
 
 def cache_tensors(caches: Caches) -> tuple[torch.Tensor, ...]:
-    """The tensors of a step's caches: stacked ``[layers, num_blocks, block_size, width]``, or one per layer
-    ``[num_blocks, block_size, width]`` (the blocks are dim -3 of both)."""
+    """The tensors of a step's caches (the blocks are dim -3 of each, stacked or not)."""
     parts = caches if isinstance(caches, DSACaches) else (caches,)
     return tuple(t for part in parts for t in ((part,) if isinstance(part, torch.Tensor) else part))
 
@@ -64,21 +64,24 @@ def grown(caches: Caches, bigger: Caches) -> Caches:
     return bigger
 
 
-def allocate(layers: int, num_blocks: int, block_size: int, width: int, dtype, device, per_layer: bool) -> LayerCaches:
-    """Zeroed caches of ``layers`` layers: one stacked tensor, or a list of one tensor per layer."""
-    if per_layer:
-        return [torch.zeros(num_blocks, block_size, width, dtype=dtype, device=device) for _ in range(layers)]
-    return torch.zeros(layers, num_blocks, block_size, width, dtype=dtype, device=device)
+def allocate(layers: int, num_blocks: int, block_size: int, width: int, dtype, device) -> LayerCaches:
+    """Zeroed caches of ``layers`` layers: a list of one tensor per layer."""
+    return [torch.zeros(num_blocks, block_size, width, dtype=dtype, device=device) for _ in range(layers)]
 
 
-def _check_layer_caches(caches, name: str, layers: int, width: int) -> tuple[int, int]:
-    """``caches``: ``[layers, num_blocks, block_size, width]``, or a list (or tuple) of ``layers`` tensors
-    ``[num_blocks, block_size, width]`` of one shape, dtype and device. Returns (num_blocks, block_size)."""
-    form = f"[{layers} layers, num_blocks, block_size, {width}] or a list of {layers} [num_blocks, block_size, {width}]"
+def _check_layer_caches(caches, name: str, layers: int, width: int) -> tuple[torch.Tensor, ...]:
+    """``caches``: a list (or tuple) of ``layers`` tensors ``[num_blocks, block_size, width]`` of one shape, dtype
+    and device (in eager code also one stacked ``[layers, num_blocks, block_size, width]``). Returns the list."""
+    form = f"a list of {layers} [num_blocks, block_size, {width}]"
     if isinstance(caches, torch.Tensor):
         if caches.dim() != 4 or caches.shape[0] != layers or caches.shape[3] != width:
             raise ValueError(f"{name} must be {form}, got shape {tuple(caches.shape)} (see allocate_kv_caches)")
-        return caches.shape[1], caches.shape[2]
+        if torch.compiler.is_compiling():
+            _checks.raise_value_error(
+                f"{name} is one stacked tensor: under torch.compile pass {form} (what "
+                "allocate_kv_caches returns): compiled writes into the views of one buffer land in the wrong layer "
+                "(pytorch#198068)")
+        return tuple(caches.unbind())
     if not isinstance(caches, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in caches):
         raise TypeError(f"{name} must be {form}, got {type(caches).__name__} (see allocate_kv_caches)")
     if len(caches) != layers:
@@ -90,25 +93,26 @@ def _check_layer_caches(caches, name: str, layers: int, width: int) -> tuple[int
             raise ValueError(f"{name}[{i}] must be [num_blocks, block_size, {width}] like {name}[0] "
                              f"({tuple(first.shape)} {first.dtype} on {first.device}), got {tuple(t.shape)} "
                              f"{t.dtype} on {t.device}")
-    return (first.shape[0], first.shape[1]) if first is not None else (0, 0)
+    return tuple(caches)
 
 
-def check_caches(caches, num_cache_layers: int, width: int, index: tuple[int, int] | None = None) -> None:
-    """A model's caches (``allocate_kv_caches``): rows ``width`` (L+R) wide; ``index`` None for a dense model
-    (its latent caches), else (index layers, D_I) of a ``DSACaches`` whose two parts share the block geometry,
-    dtype and device. (Checking the widths here, before any layer, also keeps them static under
-    ``torch.compile(dynamic=True)``, where a layer's region would meet them symbolic.)"""
+def check_caches(caches, num_cache_layers: int, width: int, index: tuple[int, int] | None = None) -> Caches:
+    """A model's caches (``allocate_kv_caches``), returned as tuples of per-layer tensors: rows ``width`` (L+R)
+    wide; ``index`` None for a dense model (its latent caches), else (index layers, D_I) of a ``DSACaches``
+    whose two parts share the block geometry, dtype and device. (Checking the widths here, before any layer,
+    also keeps them static under ``torch.compile(dynamic=True)``, where a layer's region would meet them
+    symbolic.)"""
     if index is None:
         if isinstance(caches, DSACaches):
             raise TypeError("kv_caches is a DSACaches, but this dense model takes its latent caches alone")
-        _check_layer_caches(caches, "kv_caches", num_cache_layers, width)
-        return
+        return _check_layer_caches(caches, "kv_caches", num_cache_layers, width)
     if not isinstance(caches, DSACaches):
         raise TypeError(f"kv_caches must be a DSACaches (latent, index) for a sparse (index_topk) model, got "
                         f"{type(caches).__name__} (see allocate_kv_caches)")
-    blocks = _check_layer_caches(caches.latent, "kv_caches.latent", num_cache_layers, width)
-    index_blocks = _check_layer_caches(caches.index, "kv_caches.index", *index)
-    latent, index_cache = (cache_tensors(part)[0] for part in caches)
-    if tuple(index_blocks) != tuple(blocks) or index_cache.device != latent.device:
-        raise ValueError(f"kv_caches.index must have the latent cache's blocks {tuple(blocks)} on "
-                         f"{latent.device}, got {tuple(index_blocks)} on {index_cache.device}")
+    latent = _check_layer_caches(caches.latent, "kv_caches.latent", num_cache_layers, width)
+    index_caches = _check_layer_caches(caches.index, "kv_caches.index", *index)
+    if latent and index_caches and (index_caches[0].shape[:2] != latent[0].shape[:2]
+                                    or index_caches[0].device != latent[0].device):
+        raise ValueError(f"kv_caches.index must have the latent cache's blocks {tuple(latent[0].shape[:2])} on "
+                         f"{latent[0].device}, got {tuple(index_caches[0].shape[:2])} on {index_caches[0].device}")
+    return DSACaches(latent, index_caches)

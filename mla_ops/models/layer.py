@@ -1,7 +1,5 @@
-"""One decoder layer of the MLA decoder (DeepSeek-V2/V3's): its attention (``MLAAttention``), its norms and
-the step it runs on (``ModelStep``). Its parts are the regions of ``mla_ops.models.regions``: nested regions
-under ``torch.compile(model)`` (the part before the cache write, and the attention with the rest), or the
-dense parts alone for regional compilation.
+"""One decoder layer of the MLA decoder (DeepSeek-V2/V3's), its attention (``MLAAttention``), its norms and the
+step they run on (``ModelStep``).
 
 T new tokens (all requests, concatenated)   H hidden_size        N num_attention_heads
 L kv_lora_rank   P qk_nope_head_dim   R qk_rope_head_dim   V v_head_dim
@@ -9,13 +7,15 @@ kv_cache  [num_blocks, block_size, L+R]   one latent row [kv_c | k_pe] per token
 index_cache  [num_blocks, block_size, D_I]   a sparse (DSA) layer's index keys (same blocks)
 topk      [T, index_topk] int32   the keys each query attends (a sparse step's; -1 padding)
 
-A sparse model's layers (``MLAConfig.index_topk``) add the lightning indexer (``mla_ops.models.indexer``) and
-run through ``DecoderLayer.forward_sparse``: a full layer writes its index keys and selects its top-k
-(``mla_ops.index_topk``); a "shared" layer (GLM-5) has no indexer and attends the top-k it is handed, the
-previous full layer's of the same step, computed once.
+A layer reads as a transformer block: ``h = x + attention(norm(x))``, ``out = h + mlp(norm(h))``. The attention
+projects, attends (the step's new rows as given, the context's from the cache) and writes the new rows into
+its caches. Between the layers of a step flows a small ``Carry``: a sparse (DSA) step's top-k, which a layer
+with an indexer selects (``mla_ops.index_topk``) and a "shared" layer (GLM-5) reuses, and the new latent rows
+of the layer whose cache a KV-sharing layer attends (Mistral Large 4). How the layers run under eager,
+regional and whole-model compilation is ``mla_ops.models.regions``' business alone.
 
-Families with a layer structure of their own (LongCat-Flash: ``mla_ops.models.longcat``) build theirs
-from these parts; ``mla_ops.models.decoder`` picks a model's layer class by ``MLAConfig.decoder_layer``.
+Families with a layer structure of their own (LongCat-Flash: ``mla_ops.models.longcat``) build theirs from
+these parts; ``mla_ops.models.decoder`` picks a model's layer class by ``MLAConfig.decoder_layer``.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from .config import MLAConfig
 from .indexer import Indexer
 from .mistral_large4 import LogPositionScale, log_positions
 from .moe import FeedForward, MoE, linear
-from .regions import CompiledRegion, nested
-from .rope import acc_dtype, apply_rotary_emb, rotary_cos_sin
+from .query_scale import PositionScale
+from .rope import RotaryEmbedding, acc_dtype, apply_rotary_emb
 
 
 class ModelStep(NamedTuple):
@@ -48,17 +48,58 @@ class ModelStep(NamedTuple):
     q_scale: torch.Tensor | None = None  # [T] per-token query factors (config.query_scale), or None
     k_scale_index: torch.Tensor | float | None = None  # a float8 index cache's scale (sparse models)
     log_positions: torch.Tensor | None = None  # [T] log(position + 1) (config.learned_query_scale), or None
+    # None: write the new rows at once; a list: collect them, to be written by whoever made it (regions.py)
+    writes: list | None = None
 
     @classmethod
-    def begin(cls, config: MLAConfig, positions, plan, kv_caches, slot_mapping, k_scale, backend,
-              dtype, k_scale_index=None, rope_alpha=None) -> ModelStep:
-        """``rope_alpha``: the model's learned RoPE log-factors (``config.learned_rope_frequencies``)."""
-        attention = begin_step(plan, kv_caches, slot_mapping, k_scale=k_scale, backend=backend)
-        cos, sin = rotary_cos_sin(positions, config.qk_rope_head_dim, config.rope_theta, dtype, config.rope_scaling,
-                                  rope_alpha)
-        q_scale = None if config.query_scale is None else config.query_scale.scales(positions, dtype)
-        logs = log_positions(positions, dtype) if config.learned_query_scale else None
+    def begin(cls, positions, plan, kv_cache, slot_mapping, k_scale, backend, dtype, rotary: RotaryEmbedding,
+              position_scale: PositionScale | None = None, k_scale_index=None,
+              learned_query_scale: bool = False) -> ModelStep:
+        """``rotary``: the model's frequencies; ``position_scale``: Mistral 4's per-token query factors, or None."""
+        attention = begin_step(plan, kv_cache, slot_mapping, k_scale=k_scale, backend=backend)
+        cos, sin = rotary(positions, dtype)
+        q_scale = None if position_scale is None else position_scale(positions, dtype)
+        logs = log_positions(positions, dtype) if learned_query_scale else None
         return cls(cos, sin, attention, q_scale, k_scale_index, logs)
+
+    def write_latent(self, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor) -> None:
+        """The new tokens' latent rows into ``kv_cache`` at the step's slots (nothing without a slot mapping)."""
+        if self.writes is None:
+            self.attention.write(kv_c, k_pe, kv_cache)
+        else:
+            self.writes.append((kv_cache, (kv_c, k_pe)))
+
+    def write_index(self, k_index: torch.Tensor, index_cache: torch.Tensor) -> None:
+        """The new tokens' index keys into a DSA layer's ``index_cache`` at the step's slots."""
+        if self.writes is None:
+            if self.attention.slot_mapping is not None:
+                write_index_cache(k_index, self.attention.slot_mapping, index_cache, self.k_scale_index)
+        else:
+            self.writes.append((index_cache, (k_index,)))
+
+    def write(self, cache: torch.Tensor, rows: tuple) -> None:
+        """``rows`` collected by ``write_latent`` ((kv_c, k_pe)) or ``write_index`` ((k_index,)), written now."""
+        step = self._replace(writes=None)
+        step.write_latent(*rows, cache) if len(rows) == 2 else step.write_index(*rows, cache)
+
+
+class Carry(NamedTuple):
+    """What one layer of a step hands the next (module doc)."""
+
+    topk: torch.Tensor | None = None  # [T, index_topk] int32: the last full DSA layer's selection
+    latent: tuple[torch.Tensor, torch.Tensor] | None = None  # (kv_c, k_pe): the new rows a KV-sharing layer attends
+
+
+class LayerCaches(NamedTuple):
+    """The caches one layer reads and writes."""
+
+    own: tuple[torch.Tensor, ...]  # its attentions' latent caches, one each (none for a KV-sharing layer)
+    source: torch.Tensor | None = None  # a KV-sharing layer's: its source layer's latent cache, read only
+    index: torch.Tensor | None = None  # a layer with an indexer: its index cache
+
+    def latent(self, i: int = 0) -> torch.Tensor:
+        """The latent cache attention ``i`` attends."""
+        return self.own[i] if self.own else self.source
 
 
 class RMSNorm(nn.Module):
@@ -88,7 +129,6 @@ class MLAAttention(nn.Module):
         self.v_head_dim = c.v_head_dim
         # KV sharing (kv_source_layers): a layer that attends an earlier layer's latent cache makes no latent rows
         self.owns_kv = c.kv_source(layer_idx) == layer_idx
-        self.config = config  # rotary frequencies (YaRN or plain RoPE): ModelStep.begin
         self.softmax_scale = c.softmax_scale  # 1/sqrt(P+R), times YaRN's mscale correction
 
         self.q_lora_rank = c.q_lora_rank
@@ -109,27 +149,49 @@ class MLAAttention(nn.Module):
         # DeepSeek Sparse Attention: a layer's own indexer, or None (dense, or a "shared" layer of a sparse model)
         self.sparse = c.is_sparse
         self.indexer = Indexer(c, layer_idx) if c.has_indexer(layer_idx) else None
+        self.config = config  # a layer alone (begin_step) makes its step's rotary tables from it
 
-    def forward(
-        self,
-        hidden: torch.Tensor,  # [T, H]
-        positions: torch.Tensor,  # [T]
-        kv_cache: torch.Tensor,  # [num_blocks, block_size, L+R]
-        slot_mapping: torch.Tensor,  # [T] int64/int32, negative = padding (not written)
-        block_table: torch.Tensor,  # [B, max_blocks] int32: the plan's
-        plan: PrefillPlan,
-        *,
-        k_scale: float | torch.Tensor | None = None,
-        backend: str = "auto",
-    ) -> torch.Tensor:
-        """The layer alone: a step of its own (``MLAModel`` begins one for all its layers)."""
+    def forward(self, hidden: torch.Tensor, kv_cache: torch.Tensor, step: ModelStep, carry: Carry = Carry(),
+                index_cache: torch.Tensor | None = None) -> tuple[torch.Tensor, Carry]:
+        """``hidden`` [T, H] (normed) -> (this attention's output after ``o_proj`` [T, H], the carry for the next
+        layer). ``kv_cache``: its latent cache (a KV-sharing layer's: its source's, whose new rows are
+        ``carry.latent``); ``index_cache``: its index cache, with an indexer. Everything is checked before the
+        caches are written: a rejected call writes nothing."""
+        q, kv_c, k_pe, *index = self.project(hidden, step.cos, step.sin)
+        if not self.owns_kv:
+            if carry.latent is None:
+                raise ValueError("a KV-sharing layer (kv_source_layers) needs its source layer's new latent rows")
+            kv_c, k_pe = carry.latent
+        topk = carry.topk
+        if self.indexer is not None:
+            q_index, weights, k_index = index
+            q_index = self.indexer.scaled_queries(q_index, step.log_positions)
+            topk = index_topk(q_index, weights, k_index, index_cache, step.attention.plan,
+                              k_scale_index=step.k_scale_index)  # scores the new keys as given
+        elif self.sparse and topk is None:
+            raise ValueError("a shared DSA layer (indexer_types 'shared') needs the top-k of a full layer before it")
+        out = step.attention.attend(self.scaled_queries(q, step), kv_c, k_pe, kv_cache, self.kv_b_proj.weight,
+                                    self.softmax_scale, topk_indices=topk if self.sparse else None)  # [T, N, V]
+        if self.owns_kv:
+            step.write_latent(kv_c, k_pe, kv_cache)
+        if self.indexer is not None:
+            step.write_index(index[2], index_cache)
+        return all_reduce(self.o_proj(out.flatten(1)), self.tp_group), Carry(topk, (kv_c, k_pe))
+
+    def begin_step(self, positions: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   block_table: torch.Tensor, plan: PrefillPlan, *, k_scale: float | torch.Tensor | None = None,
+                   backend: str = "auto", dtype: torch.dtype | None = None) -> ModelStep:
+        """A step of this attention alone (``MLAModel`` begins one for all its layers): positions [T],
+        slot_mapping [T] (negative: padding, not written), block_table [B, max_blocks] int32 (the plan's)."""
         if self.sparse:
             raise ValueError("a sparse (index_topk) attention runs in its model (MLAModel), which keeps its index "
                              "cache and the step's top-k")
         check_plan_block_table(block_table, plan)
-        step = ModelStep.begin(self.config, positions, plan, kv_cache, slot_mapping, k_scale, backend, hidden.dtype)
-        q, kv_c, k_pe = self.project(hidden, step.cos, step.sin)
-        return all_reduce(self.o_proj(self.attend(q, kv_c, k_pe, kv_cache, step).flatten(1)), self.tp_group)
+        c = self.config
+        rotary = RotaryEmbedding(c.qk_rope_head_dim, c.rope_theta, c.rope_scaling).to(positions.device)
+        position_scale = None if c.query_scale is None else PositionScale(c.query_scale)
+        return ModelStep.begin(positions, plan, kv_cache, slot_mapping, k_scale, backend,
+                               dtype or self.o_proj.weight.dtype, rotary, position_scale)
 
     def project(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """The dense part before attention: rotated queries ``q`` [T, N, P+R] and the new tokens'
@@ -155,21 +217,6 @@ class MLAAttention(nn.Module):
             latent = (q, self.kv_a_layernorm(kv_c), apply_rotary_emb(k_pe, cos, sin) if R else k_pe)
         return latent if self.indexer is None else latent + self.indexer(hidden, q_resid, cos, sin)
 
-    def attend(self, q, kv_c, k_pe, kv_cache, step: ModelStep, write: bool = True) -> torch.Tensor:
-        """Write the new rows into the cache and attend (``PrefillStep.run``): ``[T, N, V]``, before
-        ``o_proj``. Everything is checked before the cache is written: a rejected call writes nothing.
-        ``write=False``: the rows are in already (``write``)."""
-        return step.attention.run(self.scaled_queries(q, step), kv_c, k_pe, kv_cache, self.kv_b_proj.weight,
-                                  self.softmax_scale, write=self.owns_kv and write)
-
-    def write(self, kv_c, k_pe, kv_cache, step: ModelStep, k_index=None, index_cache=None) -> None:
-        """The new tokens' latent rows into ``kv_cache`` (none for a KV-sharing layer) and, with an indexer,
-        their index keys ``k_index`` into ``index_cache``, at the step's slots (nothing without a slot mapping)."""
-        if self.indexer is not None and step.attention.slot_mapping is not None:
-            write_index_cache(k_index, step.attention.slot_mapping, index_cache, step.k_scale_index)
-        if self.owns_kv:
-            step.attention.write(kv_c, k_pe, kv_cache)
-
     def scaled_queries(self, q: torch.Tensor, step: ModelStep) -> torch.Tensor:
         """q [T, N, P+R] times the step's per-token factors (Mistral 4) or the learned per-head ones (Mistral
         Large 4): per token, so not in the softmax scale, the same for every attention path."""
@@ -178,25 +225,6 @@ class MLAAttention(nn.Module):
         if self.softmax_scaling is not None:
             q = self.softmax_scaling(q, step.log_positions)
         return q
-
-    def attend_sparse(self, q, kv_c, k_pe, kv_cache, step: ModelStep, index, index_cache, topk,
-                      write: bool = True):
-        """``attend`` over each query's selected keys: with an indexer (``index`` = its q_index, weights,
-        k_index) this layer's top-k, its index keys written into ``index_cache``; without (a shared layer)
-        ``topk``, the step's from its full layer. Returns ([T, N, V], the top-k it attended). ``write=False``:
-        the rows and index keys are in already (``write``)."""
-        if self.indexer is not None:
-            q_index, weights, k_index = index
-            q_index = self.indexer.scaled_queries(q_index, step.log_positions)
-            topk = index_topk(q_index, weights, k_index, index_cache, step.attention.plan,
-                              k_scale_index=step.k_scale_index)  # scores the new keys as given: order is free
-            if write and step.attention.slot_mapping is not None:
-                write_index_cache(k_index, step.attention.slot_mapping, index_cache, step.k_scale_index)
-        elif topk is None:
-            raise ValueError("a shared DSA layer (indexer_types 'shared') needs the top-k of a full layer before it")
-        out = step.attention.run(self.scaled_queries(q, step), kv_c, k_pe, kv_cache, self.kv_b_proj.weight,
-                                 self.softmax_scale, topk_indices=topk, write=self.owns_kv and write)
-        return out, topk
 
 
 def check_plan_block_table(block_table: torch.Tensor, plan: PrefillPlan) -> None:
@@ -217,11 +245,7 @@ _POST_MLP_NORM = re.compile(r"^model\.layers\.(\d+)\.(?:mlp\.)?post_mlp_layernor
 
 
 class DecoderLayer(nn.Module):
-    """Attention and MLP with pre-norm residuals. Its dense parts, ``attention_inputs`` and
-    ``attention_output``, are the regions ``MLAModel.compile_layers`` compiles; the attention
-    between them (cache write, plan, chunk loop) runs the library's ops. Otherwise (eager, and as
-    nested regions under ``torch.compile``) it runs ``attention_inputs``, the cache write, then
-    ``attention_and_output``."""
+    """Attention and MLP (or mixture of experts) with pre-norm residuals (module doc)."""
 
     num_kv_caches = 1  # cache layers per layer: one attention
 
@@ -242,71 +266,16 @@ class DecoderLayer(nn.Module):
         self.post_mlp_layernorm = None
         if config.post_mlp_layernorm and config.is_moe_layer(layer_idx):
             self.post_mlp_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.regions: tuple[CompiledRegion, CompiledRegion] | None = None  # compiled by MLAModel.compile_layers
 
-    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, step: ModelStep) -> torch.Tensor:
-        """``x`` [T, H] -> the residual stream after the layer; ``step``: ``ModelStep.begin``'s, shared
-        by every layer of the step."""
-        if self.regions is not None:
-            inputs, output = self.regions
-            q, kv_c, k_pe = inputs(self, x, step.cos, step.sin)
-            return output(self, x, self.self_attn.attend(q, kv_c, k_pe, kv_cache, step))
-        inputs, rest, _ = layer_parts(self, step)
-        q, kv_c, k_pe = inputs(self, x, step.cos, step.sin)
-        self.self_attn.write(kv_c, k_pe, kv_cache, step)
-        return rest(self, x, q, kv_c, k_pe, kv_cache, step)
-
-    def forward_sparse(self, x: torch.Tensor, kv_cache: torch.Tensor, index_cache: torch.Tensor | None,
-                       step: ModelStep, topk: torch.Tensor | None, shared_latent=None):
-        """A sparse model's layer: ``forward`` with the lightning indexer (module doc). ``kv_cache``: the
-        latent cache it attends (its own, or its KV source layer's); ``index_cache``: this layer's (None for a
-        shared layer); ``topk``: the step's last full layer's (None before the first); ``shared_latent``: a
-        KV-sharing layer's source's (kv_c, k_pe) of the step's new tokens. Returns (the residual stream after
-        the layer, the top-k the next shared layer reuses, the (kv_c, k_pe) it attended)."""
-        parts = layer_parts(self, step)
-        inputs = parts[0] if self.regions is None else self.regions[0]
-        q, kv_c, k_pe, *index = inputs(self, x, step.cos, step.sin)
-        if not self.self_attn.owns_kv:
-            if shared_latent is None:
-                raise ValueError("a KV-sharing layer (kv_source_layers) needs its source layer's new latent rows")
-            kv_c, k_pe = shared_latent
-        if self.regions is not None:  # regional compilation: the attention runs eagerly between its regions
-            attention, topk = self.self_attn.attend_sparse(q, kv_c, k_pe, kv_cache, step, index, index_cache, topk)
-            return self.regions[1](self, x, attention), topk, (kv_c, k_pe)
-        self.self_attn.write(kv_c, k_pe, kv_cache, step, index[2] if index else None, index_cache)
-        out = parts[2](self, x, q, kv_c, k_pe, kv_cache, step, tuple(index), index_cache, topk)
-        x, topk = out if self.self_attn.indexer is not None else (out, topk)
-        return x, topk, (kv_c, k_pe)
-
-    def attention_inputs(self, x, cos, sin):
-        """``x`` [T, H] -> the attention's ``q``, ``kv_c``, ``k_pe`` (``MLAAttention.project``)."""
-        return self.self_attn.project(self.input_layernorm(x), cos, sin)
-
-    def attention_and_output(self, x, q, kv_c, k_pe, kv_cache, step: ModelStep):
-        """The layer after its cache write: the attention (``MLAAttention.attend``, writing nothing) and
-        ``attention_output``."""
-        return self.attention_output(x, self.self_attn.attend(q, kv_c, k_pe, kv_cache, step, write=False))
-
-    def sparse_attention_and_output(self, x, q, kv_c, k_pe, kv_cache, step: ModelStep, index, index_cache, topk):
-        """``attention_and_output`` of a sparse layer (``forward_sparse``): the residual stream, and with an
-        indexer the top-k it selected (a shared layer's is its input: a region returns no input)."""
-        attention, selected = self.self_attn.attend_sparse(q, kv_c, k_pe, kv_cache, step, index, index_cache, topk,
-                                                           write=False)
-        out = self.attention_output(x, attention)
-        return out if self.self_attn.indexer is None else (out, selected)
-
-    def attention_output(self, x, attention):
-        """The residual stream after the layer, from its input ``x`` and the attention's [T, N, V]."""
-        h = x + scaled(all_reduce(self.self_attn.o_proj(attention.flatten(1)), self.tp_group), self.residual_scale)
+    def forward(self, x: torch.Tensor, caches: LayerCaches, step: ModelStep,
+                carry: Carry = Carry()) -> tuple[torch.Tensor, Carry]:
+        """``x`` [T, H] -> (the residual stream after the layer, the carry for the next layer)."""
+        attention, carry = self.self_attn(self.input_layernorm(x), caches.latent(), step, carry, caches.index)
+        h = x + scaled(attention, self.residual_scale)
         mlp = all_reduce(self.mlp(self.post_attention_layernorm(h)), self.tp_group)
         if self.post_mlp_layernorm is not None:
             mlp = self.post_mlp_layernorm(mlp)
-        return h + scaled(mlp, self.residual_scale)
-
-    # MLAModel.compile_layers' regions: (function, compiled per MLP kind)
-    compiled_regions = ((attention_inputs, False), (attention_output, True))
-    # forward's (and forward_sparse's) parts, plain; nested_parts: the same as nested regions (layer_parts)
-    parts = (attention_inputs, attention_and_output, sparse_attention_and_output)
+        return h + scaled(mlp, self.residual_scale), carry
 
     @staticmethod
     def checkpoint_name(config: MLAConfig, name: str) -> str | None:
@@ -319,16 +288,6 @@ class DecoderLayer(nn.Module):
             return name
         layer = int(norm.group(1))
         return f"model.layers.{layer}.post_mlp_layernorm.weight" if config.is_moe_layer(layer) else None
-
-
-DecoderLayer.nested_parts = tuple(nested(part) for part in DecoderLayer.parts)
-
-
-def layer_parts(layer: nn.Module, step: ModelStep) -> tuple:
-    """A layer's parts for this step (its class's ``parts``): as nested regions, but where the step's plan
-    holds what a region cannot be handed (context parallel's process group)."""
-    cls = type(layer)
-    return cls.parts if step.attention.plan.context_parallel is not None else cls.nested_parts
 
 
 def scaled(x: torch.Tensor, scale: float) -> torch.Tensor:

@@ -15,8 +15,8 @@ Both attentions scale (``LongcatAttention``) q by sqrt(H / q_lora_rank) and the 
 sqrt(H / L) before it is cached; k_pe and the softmax scale are DeepSeek's. The reference is
 transformers' ``LongcatFlashDecoderLayer``.
 
-x [T, H]   kv_caches [2, num_blocks, block_size, L+R]: attention i's cache is kv_caches[i]
-(``MLAModel`` hands layer j the cache layers 2j and 2j+1 of its [2 * num_hidden_layers, ...] caches).
+x [T, H]   caches.own: the two attentions' caches [num_blocks, block_size, L+R] (``MLAModel`` hands layer j the
+cache layers 2j and 2j+1 of its 2 * num_hidden_layers).
 
 Checkpoint names are transformers' (``self_attn.{i}``, ``mlps.{i}``, ``input_layernorm.{i}``, ...), which
 are the release's too, but for three things ``checkpoint_name`` handles: the router is
@@ -35,9 +35,8 @@ import torch
 from torch import nn
 
 from .config import MLAConfig
-from .layer import MLAAttention, ModelStep, RMSNorm, layer_parts
+from .layer import Carry, LayerCaches, MLAAttention, ModelStep, RMSNorm
 from .moe import FeedForward, MoE
-from .regions import nested
 
 _ROUTER = re.compile(r"^(model\.layers\.\d+\.mlp)\.router\.(classifier\.weight|e_score_correction_bias)$")
 _EXPERT_GATE_UP = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.(gate_proj|up_proj)\.weight$")
@@ -59,9 +58,8 @@ class LongcatAttention(MLAAttention):
 
 
 class LongcatDecoderLayer(nn.Module):
-    """Two attention sublayers, two dense MLPs and the shortcut MoE (module docstring). Its dense parts,
-    ``attention_inputs``, ``middle`` and ``attention_output``, are the regions ``MLAModel.compile_layers``
-    compiles. ``tp_group`` is always None: ``local_config`` refuses to shard this layer."""
+    """Two attention sublayers, two dense MLPs and the shortcut MoE (module docstring). ``tp_group`` is always
+    None: ``local_config`` refuses to shard this layer."""
 
     num_kv_caches = 2  # cache layers per layer: two attentions
 
@@ -74,55 +72,16 @@ class LongcatDecoderLayer(nn.Module):
         self.mlps = nn.ModuleList(FeedForward(c.hidden_size, c.intermediate_size, c.initializer_range)
                                   for _ in range(2))
         self.mlp = MoE(c)  # the shortcut
-        self.regions = None  # compiled by MLAModel.compile_layers
 
-    def forward(self, x: torch.Tensor, kv_caches: torch.Tensor, step: ModelStep) -> torch.Tensor:
-        """``x`` [T, H] -> the residual stream after the layer; ``kv_caches`` [2, num_blocks, block_size, L+R]
-        (or a list of its two caches)."""
-        if self.regions is not None:
-            inputs, middle, output = self.regions
-            q, kv_c, k_pe = inputs(self, x, step.cos, step.sin)
-            attention = self.self_attn[0].attend(q, kv_c, k_pe, kv_caches[0], step)  # [T, N, V]
-            h, shortcut, q, kv_c, k_pe = middle(self, x, attention, step.cos, step.sin)
-            return output(self, h, shortcut, self.self_attn[1].attend(q, kv_c, k_pe, kv_caches[1], step))
-        inputs, middle, output = layer_parts(self, step)  # each attention in the part after its cache write
-        q, kv_c, k_pe = inputs(self, x, step.cos, step.sin)
-        self.self_attn[0].write(kv_c, k_pe, kv_caches[0], step)
-        h, shortcut, q, kv_c, k_pe = middle(self, x, q, kv_c, k_pe, kv_caches[0], step)
-        self.self_attn[1].write(kv_c, k_pe, kv_caches[1], step)
-        return output(self, h, shortcut, q, kv_c, k_pe, kv_caches[1], step)
-
-    def attended_middle(self, x, q, kv_c, k_pe, kv_cache, step: ModelStep):
-        """The first attention (its rows written) and ``middle``."""
-        return self.middle(x, self.self_attn[0].attend(q, kv_c, k_pe, kv_cache, step, write=False), step.cos, step.sin)
-
-    def attended_output(self, h, shortcut, q, kv_c, k_pe, kv_cache, step: ModelStep):
-        """The second attention (its rows written) and ``attention_output``."""
-        return self.attention_output(h, shortcut, self.self_attn[1].attend(q, kv_c, k_pe, kv_cache, step, write=False))
-
-    def attention_inputs(self, x, cos, sin):
-        """``x`` [T, H] -> the first attention's ``q``, ``kv_c``, ``k_pe``."""
-        return self.self_attn[0].project(self.input_layernorm[0](x), cos, sin)
-
-    def middle(self, x, attention, cos, sin):
-        """From the layer input ``x`` and the first attention's [T, N, V]: the residual stream after the first
-        MLP [T, H], the shortcut MoE's output [T, H], and the second attention's ``q``, ``kv_c``, ``k_pe``."""
-        h = x + self.self_attn[0].o_proj(attention.flatten(1))
+    def forward(self, x: torch.Tensor, caches: LayerCaches, step: ModelStep,
+                carry: Carry = Carry()) -> tuple[torch.Tensor, Carry]:
+        """``x`` [T, H] -> (the residual stream after the layer, ``carry`` unchanged: no DSA, no KV sharing)."""
+        h = x + self.self_attn[0](self.input_layernorm[0](x), caches.latent(0), step)[0]
         normed = self.post_attention_layernorm[0](h)
         shortcut = self.mlp(normed)
         h = h + self.mlps[0](normed)
-        return (h, shortcut, *self.self_attn[1].project(self.input_layernorm[1](h), cos, sin))
-
-    def attention_output(self, h, shortcut, attention):
-        """The residual stream after the layer, from ``middle``'s stream and shortcut and the second
-        attention's [T, N, V]."""
-        h = h + self.self_attn[1].o_proj(attention.flatten(1))
-        return h + self.mlps[1](self.post_attention_layernorm[1](h)) + shortcut
-
-    # MLAModel.compile_layers' regions: (function, compiled per MLP kind); every layer has the same MLPs
-    compiled_regions = ((attention_inputs, False), (middle, False), (attention_output, False))
-    # forward's parts, split at the cache writes (mla_ops.models.layer.layer_parts)
-    parts = (attention_inputs, attended_middle, attended_output)
+        h = h + self.self_attn[1](self.input_layernorm[1](h), caches.latent(1), step)[0]
+        return h + self.mlps[1](self.post_attention_layernorm[1](h)) + shortcut, carry
 
     @staticmethod
     def checkpoint_name(config: MLAConfig, name: str) -> str | None:
@@ -137,5 +96,3 @@ class LongcatDecoderLayer(nn.Module):
             return f"{router.group(1)}.gate.{'weight' if router.group(2) == 'classifier.weight' else router.group(2)}"
         return name
 
-
-LongcatDecoderLayer.nested_parts = tuple(nested(part) for part in LongcatDecoderLayer.parts)

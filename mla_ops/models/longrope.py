@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 
 from .. import _checks
-from .._env import static_float_fields
 
 
 @dataclass(frozen=True)
@@ -25,9 +24,6 @@ class LongRopeScaling:
     short_factor: tuple[float, ...]  # [R/2] divisors of the RoPE frequencies
     original_max_position_embeddings: int
     attention_factor: float = 1.0  # cos/sin multiplier
-
-    def __post_init__(self):
-        static_float_fields(self)  # constants to torch.compile (mla_ops._env.StaticFloat)
 
     @classmethod
     def from_dict(cls, scaling: dict, max_position_embeddings: int, key: str) -> LongRopeScaling:

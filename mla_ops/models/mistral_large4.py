@@ -18,7 +18,7 @@ Each a named part of ``mla_ops.models`` (DESIGN §11), turned on by ``MLAConfig`
   row is L wide (R = 0), and the indexer does not rotate either;
 * KV sharing (``kv_source_layers[i]`` < i): the layer has no ``kv_a_proj_with_mqa`` / ``kv_a_layernorm``, writes
   no latent cache and attends its source layer's (with its own ``kv_b_proj``, queries and indexer);
-* the gate: softmax scores in float32, Mistral 4's group top-2 (``MODEL_TYPES`` of ``hf_config``);
+* the gate: softmax scores in float32, Mistral 4's group top-2 (its record in ``families.FAMILIES``);
 * the logits soft-capped: ``c * tanh(logits / c)``, ``final_logit_softcapping`` (30).
 
 Checkpoint names: transformers' ``save_pretrained`` writes the release's own (Mistral's native names:
@@ -51,15 +51,6 @@ class LogPositionScale(nn.Module):
         return q * factor[:, :, None]
 
 
-class RotaryFrequencies(nn.Module):
-    """``alpha`` [R/2]: the learned log-factors of the RoPE inverse frequencies (kept float32, as transformers
-    keeps its rotary embedding)."""
-
-    def __init__(self, rope_dim: int):
-        super().__init__()
-        self.alpha = nn.Parameter(torch.zeros(rope_dim // 2, dtype=torch.float32))  # exp(0) = 1 until loaded
-
-
 def log_positions(positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[T] ``log(position + 1)`` for integer positions [T] (float32 as transformers', float64 for float64)."""
     return (positions.to(torch.promote_types(dtype, torch.float32)) + 1).log()
@@ -82,7 +73,7 @@ def config_kwargs(c: dict) -> dict:
 
 def defaults(c: dict) -> dict:
     """What MistralLarge4TextConfig fills in where config.json is silent (one gate group, eps 1e-5, GLM-5's
-    indexer defaults; its ``indexer_types`` schedule: ``hf_families``)."""
+    indexer defaults; its ``indexer_types`` schedule: its record in ``families.FAMILIES``)."""
     c = {"n_group": 1, "topk_group": 1, "rms_norm_eps": 1e-5, "index_topk": 2048, "index_n_heads": 32,
          "index_head_dim": 128, "first_k_dense_replace": 1, "max_position_embeddings": 1048576, "n_shared_experts": 1,
          "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2048.0,

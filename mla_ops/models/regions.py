@@ -1,20 +1,20 @@
-"""How the decoder layers compile: nested compile regions for ``torch.compile(model)``, and the compiled
-regions of regional compilation (``MLAModel.compile_layers``).
+"""How the decoder layers run: eagerly, under regional compilation (``MLAModel.compile_layers``) and under a
+whole-model ``torch.compile``. The layers are written once, blind to all three; this module alone decides.
 
-Whole-model compile (``torch.compile`` of a model or of a step that calls one): every layer runs its
-parts through ``nested``-marked functions, so Dynamo traces each part once per layer kind and stamps it
-out for every other layer of that kind (``torch.compiler.nested_compile_region``; outside a compile they
-are plain calls). A part ends where the layer writes its cache: a region may not mutate its inputs, so
-the writes sit between the regions, in the step's graph, and each attention runs in the region after
-its write, with the plan and the merges, which Inductor fuses there. What a region is handed must be
-what Dynamo can compare from one layer to the next: tensors, ints, constants and modules, flattened as
-pytrees (``PrefillStep`` and the plan are). Float attributes are ``StaticFloat`` (``mla_ops._env``), and
-the caches' widths are checked before the first region: a region must meet no symbolic size that a guard
-inside it would fix (Dynamo cannot stamp it out then), which is also why a plan's sizes must be
-constants (docs/compile-and-graphs.md).
+Whole-model compile: every layer runs as one nested compile region (``torch.compiler.nested_compile_region``),
+which Dynamo traces once per layer kind and stamps out for every other layer of that kind (outside a compile
+it is a plain call). A region may not write to its inputs while it holds the attention's out= ops (torch
+2.13), so inside a region the step collects the layer's new rows (``ModelStep.writes``) and the region returns
+them, to be written into the caches between the regions, in the step's graph. (The attention never reads its
+own new rows from a cache, so a write after the layer is a write in time.) A region returns none of its
+inputs: the carry it hands on holds only what the layer made. What a region is handed must compare from one
+layer to the next: tensors, ints, constants and modules, as pytrees (the step and its plan are); float
+attributes are ``StaticFloat`` (``static_floats``), and the caches' widths are checked before the first region
+(a region must meet no symbolic size that a guard inside it would fix). A context-parallel step, whose plan
+holds a process group, and torch before 2.13 run the layers inline.
 
-Regional compilation: ``CompiledRegion`` compiles a layer's dense parts on their own and runs the
-attention between them eagerly (module doc of ``mla_ops.models.decoder``).
+Regional compilation: ``CompiledRegion`` compiles the attentions' projections and the MLPs (the dense
+parts), each once for all the layers that share its structure; the attention ops between them run eagerly.
 """
 
 from __future__ import annotations
@@ -24,8 +24,11 @@ import warnings
 from typing import Callable
 
 import torch
+from torch import nn
 
 from .._env import own_code
+from .layer import Carry, LayerCaches, MLAAttention, ModelStep
+from .moe import FeedForward, MoE
 
 # The first torch this library's regions are verified with (2.13 stamps a traced region out by its inputs'
 # fingerprint); earlier ones trace every layer inline.
@@ -41,26 +44,72 @@ def _torch_version() -> tuple[int, int]:
 NESTED_REGIONS = hasattr(torch.compiler, "nested_compile_region") and _torch_version() >= NESTED_REGIONS_SINCE
 
 
-def nested(fn: Callable) -> Callable:
-    """``fn`` as a nested compile region where this torch reuses them, else ``fn`` itself (then a compile
-    traces every layer, and ``warn_inlined`` says so once)."""
-    return torch.compiler.nested_compile_region(fn) if NESTED_REGIONS else fn
+class StaticFloat(float):
+    """A float that ``torch.compile(dynamic=True)`` reads as a constant guarded by value (Dynamo tests
+    ``type(v) is float`` before it makes one a symbolic input)."""
+
+    __slots__ = ()
+
+
+def static_floats(module: nn.Module) -> None:
+    """Every float attribute of ``module`` and its submodules (eps, scales, torch's own ``norm_type``) made
+    ``StaticFloat``, a constant to ``torch.compile(dynamic=True)`` guarded by value: a nested region would
+    otherwise lift each into a symbolic input, and an op's float argument would restart Dynamo's analysis."""
+    for m in module.modules():
+        for name, value in vars(m).items():
+            if type(value) is float:
+                setattr(m, name, StaticFloat(value))
+
+
+def run_layer(layer: nn.Module, x: torch.Tensor, caches: LayerCaches, step: ModelStep,
+              carry: Carry) -> tuple[torch.Tensor, Carry]:
+    """``layer(x, caches, step, carry)``, as a nested region under a whole-model compile (module doc)."""
+    if not torch.compiler.is_compiling():
+        return layer(x, caches, step, carry)
+    if not NESTED_REGIONS or step.attention.plan.context_parallel is not None:
+        _warn_inlined()
+        return layer(x, caches, step, carry)
+    with torch.no_grad():  # the attention ops have no backward; the writes after a region change what it read
+        x, *made = _layer_region(layer, x, caches, step, carry)
+    rows = [tuple(made[2 * i : 2 * i + 2]) for i in range(len(caches.own))]  # (kv_c, k_pe) per own cache
+    for cache, written in zip(caches.own, rows):
+        step.write(cache, written)
+    topk = carry.topk
+    if caches.index is not None:  # a layer with an indexer: its index keys, then its top-k
+        step.write(caches.index, (made[-2],))
+        topk = made[-1]
+    return x, Carry(topk, rows[0] if rows else carry.latent)
+
+
+def _layer_body(layer, x, caches, step, carry):
+    """The layer, its writes collected and returned as tensors (a region returns tensors only): each own latent
+    cache's kv_c and k_pe, in order, then with an indexer its index keys and its top-k."""
+    writes = []
+    x, out = layer(x, caches, step._replace(writes=writes), carry)
+    made = []
+    for cache in (*caches.own, *(() if caches.index is None else (caches.index,))):
+        made += next(rows for written, rows in writes if written is cache)
+    if caches.index is not None:
+        made.append(out.topk)
+    return (x, *made)
+
+
+_layer_region = torch.compiler.nested_compile_region(_layer_body) if NESTED_REGIONS else _layer_body
+
+
+def _warn_inlined() -> None:
+    """Once per process, while a whole model is traced layer by layer (``comptime``: at trace time, no break)."""
+    if not NESTED_REGIONS:
+        from torch._dynamo.comptime import comptime
+
+        comptime(lambda ctx: _warn_once())
 
 
 @functools.cache
-def _warn_inlined() -> None:
+def _warn_once() -> None:
     warnings.warn(f"mla_ops: torch {torch.__version__} has no reusable nested compile regions (needs "
                   f"{'.'.join(map(str, NESTED_REGIONS_SINCE))}): torch.compile(model) traces every layer; "
                   "model.compile_layers() compiles in a time independent of depth", stacklevel=2)
-
-
-def warn_inlined() -> None:
-    """Once per process, while a whole model is traced without reusable regions (``comptime``: at trace time,
-    with no graph break)."""
-    if torch.compiler.is_compiling() and not NESTED_REGIONS:
-        from torch._dynamo.comptime import comptime
-
-        comptime(lambda ctx: _warn_inlined())
 
 
 def _nothing() -> None:
@@ -81,38 +130,63 @@ def compile_options(options: dict) -> dict:
     return options
 
 
-class CompiledRegion:
-    """One dense region of the decoder layers (``DecoderLayer.attention_inputs`` or ``attention_output``,
-    called ``region(layer, *tensors)``) compiled for ``MLAModel.compile_layers``.
+# Regional compilation's regions: (the classes whose method is compiled, the method's name)
+DENSE_PARTS = (((MLAAttention,), "project"), ((FeedForward, MoE), "forward"))
 
-    One ``torch.compile`` per (device, dtype, grad mode, inference mode and, for ``by_mlp``, the layer's
-    MLP kind), each with a code object of its own: no combination spends another's recompile budget,
-    so casting the model or switching modes compiles once more, never into the recompile limit. The
-    tensors' first dim (the tokens) is dynamic, and nothing else: ``dynamic=True`` would make every dim
-    symbolic, and duck sizing would tie a token count to an equal head count. Steps of 0 or 1 tokens
-    run padded to 2 (zero rows, sliced off after), since sizes 0 and 1 would specialise and compile anew.
+
+def compile_layers(layers: nn.Module, options: dict) -> tuple[CompiledRegion, ...]:
+    """Regional compilation of ``layers``: each outermost module of ``DENSE_PARTS`` gets its method compiled (an
+    instance attribute over its class's), one ``CompiledRegion`` per part shared by every module. (A MoE's shared
+    experts, an MLP, run inside the MoE's region.) Returns the regions."""
+    regions = tuple(CompiledRegion(name, options, f"{id(layers):x}") for _, name in DENSE_PARTS)
+
+    def install(module: nn.Module) -> None:
+        for (classes, name), region in zip(DENSE_PARTS, regions):
+            if isinstance(module, classes):
+                setattr(module, name, functools.partial(region, module))
+                return
+        for child in module.children():
+            install(child)
+
+    install(layers)
+    return regions
+
+
+class CompiledRegion:
+    """One dense part of the decoder layers (``DENSE_PARTS``: a method ``name``, called ``region(module,
+    *tensors)``) compiled for ``MLAModel.compile_layers``.
+
+    One ``torch.compile`` per module structure (its class and parameter shapes: a dense MLP, a MoE, a NoPE
+    attention each have theirs) and per device, dtype, grad mode and inference mode, each with a code object
+    of its own: no combination spends another's recompile budget, so casting the model or switching modes
+    compiles once more, never into the recompile limit. The tensors' first dim (the tokens) is dynamic, and
+    nothing else: ``dynamic=True`` would make every dim symbolic, and duck sizing would tie a token count to
+    an equal head count. Steps of 0 or 1 tokens run padded to 2 (zero rows, sliced off after), since sizes 0
+    and 1 would specialise and compile anew.
     """
 
-    def __init__(self, region: Callable, options: dict, owner: str, by_mlp: bool):
-        self.region, self.options, self.owner, self.by_mlp = region, options, owner, by_mlp
+    def __init__(self, name: str, options: dict, owner: str):
+        self.name, self.options, self.owner = name, options, owner
         self.compiled: dict[tuple, Callable] = {}
 
-    def __call__(self, layer, *tensors: torch.Tensor):
+    def __call__(self, module: nn.Module, *tensors: torch.Tensor):
+        fn = getattr(type(module), self.name)
         if torch.compiler.is_compiling():  # inside a compiled step: traced inline
-            return self.region(layer, *tensors)
+            return fn(module, *tensors)
         num_tokens = tensors[0].shape[0]
         if num_tokens < 2:
             tensors = tuple(torch.cat([t, t.new_zeros(2 - num_tokens, *t.shape[1:])]) for t in tensors)
         first = tensors[0]
-        key = (first.device, first.dtype, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-               type(layer.mlp) if self.by_mlp else None)
+        structure = (type(module), tuple((n, p.shape) for n, p in module.named_parameters()))
+        key = (structure, first.device, first.dtype, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         compiled = self.compiled.get(key)
         if compiled is None:
-            name = f"{self.region.__name__}_{len(self.compiled)}_{self.owner}"
-            compiled = self.compiled[key] = torch.compile(own_code(self.region, name), **self.options)
+            name = f"{type(module).__name__}_{self.name}_{len(self.compiled)}_{self.owner}"
+            compiled = self.compiled[key] = torch.compile(own_code(fn, name), **self.options)
         for t in tensors:
             torch._dynamo.maybe_mark_dynamic(t, 0)
-        out = compiled(layer, *tensors)
+        out = compiled(module, *tensors)
         if num_tokens < 2:
-            out = torch.utils._pytree.tree_map(lambda t: t.narrow(0, 0, num_tokens), out)
+            out = torch.utils._pytree.tree_map(
+                lambda t: t.narrow(0, 0, num_tokens) if isinstance(t, torch.Tensor) else t, out)
         return out

@@ -3,6 +3,9 @@ MiniCPM3's: ``mla_ops.models.longrope``).
 
 positions [T]  ->  cos, sin [T, R]   each of the R/2 frequencies twice: [f_0 .. f_{R/2-1} | f_0 .. f_{R/2-1}]
 
+The frequencies are built once, from the config, as the model's ``rotary_emb`` (``RotaryEmbedding``, as
+gpt-fast's ``freqs_cis``); a step turns its positions into cos and sin with tensor code alone.
+
 YaRN (``rope_scaling`` of every released DeepSeek-V2/V3 config) changes the frequencies at every
 position, not only far out: frequencies that turn fewer than ``beta_slow`` times over the original
 context are divided by ``factor``, those that turn more than ``beta_fast`` times are kept, and a
@@ -24,10 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .._env import StaticFloat, static_float_fields
-from .longrope import LongRopeScaling
+from torch import nn
 
-_PI = StaticFloat(math.pi)  # math.pi would be a symbolic float under torch.compile(dynamic=True)
+from .longrope import LongRopeScaling
 
 
 @dataclass(frozen=True)
@@ -42,9 +44,6 @@ class YarnScaling:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None  # cos/sin multiplier; None: derived from factor and the mscales
     truncate: bool = True  # round the correction range outwards to whole dimensions
-
-    def __post_init__(self):
-        static_float_fields(self)  # constants to torch.compile (mla_ops._env.StaticFloat)
 
     @classmethod
     def from_dict(cls, scaling: dict, max_position_embeddings: int) -> YarnScaling | None:
@@ -80,7 +79,7 @@ class YarnScaling:
     def correction_range(self, rope_dim: int, theta: float) -> tuple[float, float]:
         """Dimension pairs [low, high] over which the ramp blends kept and interpolated frequencies."""
         def dim_of(rotations: float) -> float:  # the pair index that turns `rotations` times
-            return rope_dim * math.log(self.original_max_position_embeddings / (rotations * 2 * _PI)) / (
+            return rope_dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
                 2 * math.log(theta))
 
         low, high = dim_of(self.beta_fast), dim_of(self.beta_slow)
@@ -116,22 +115,39 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def rotary_cos_sin(
-    positions: torch.Tensor, rope_dim: int, theta: float, dtype: torch.dtype,
-    scaling: YarnScaling | LongRopeScaling | None = None, alpha: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, R] in ``acc_dtype(dtype)`` for token positions [T] (halves layout). ``alpha`` [R/2]:
-    learned log-factors of the inverse frequencies (Mistral Large 4's), None: none."""
-    acc = acc_dtype(dtype)
-    inv_freq = inverse_frequencies(rope_dim, theta, scaling, positions.device, acc)  # [R/2]
-    if alpha is not None:
-        inv_freq = inv_freq * alpha.to(acc).exp()
-    freqs = positions.to(acc)[:, None] * inv_freq[None, :]  # [T, R/2]
-    emb = torch.cat([freqs, freqs], dim=-1)  # [T, R]
-    if scaling is None:
-        return emb.cos(), emb.sin()
-    factor = scaling.cos_sin_factor()
-    return emb.cos() * factor, emb.sin() * factor
+class RotaryEmbedding(nn.Module):
+    """The model's rotary frequencies, built once: ``inv_freq`` [R/2], float64, rebuilt from the config whenever
+    the model moves or is cast (a cast to a half type must not round them). ``learned``: Mistral Large 4's
+    learned log-factors ``alpha`` [R/2] (``inv_freq * exp(alpha)``; float32 as transformers keeps them), a
+    parameter its checkpoint fills (``model.rotary_emb.alpha``)."""
+
+    def __init__(self, rope_dim: int, theta: float, scaling: YarnScaling | LongRopeScaling | None = None,
+                 learned: bool = False):
+        super().__init__()
+        self.rope_dim, self.theta, self.scaling = rope_dim, theta, scaling
+        self.factor = 1.0 if scaling is None else scaling.cos_sin_factor()  # cos/sin multiplier
+        self.register_buffer("inv_freq", self._frequencies(None), persistent=False)
+        self.alpha = nn.Parameter(torch.zeros(rope_dim // 2, dtype=torch.float32)) if learned else None
+
+    def _frequencies(self, device) -> torch.Tensor:
+        return inverse_frequencies(self.rope_dim, self.theta, self.scaling, device, torch.float64)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.inv_freq = self._frequencies(self.inv_freq.device)
+        return self
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, R] in ``acc_dtype(dtype)`` for token positions [T]."""
+        acc = acc_dtype(dtype)
+        inv_freq = self.inv_freq.to(acc)
+        if self.alpha is not None:
+            inv_freq = inv_freq * self.alpha.to(acc).exp()
+        freqs = positions.to(acc)[:, None] * inv_freq[None, :]  # [T, R/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [T, R]
+        if self.scaling is None:
+            return emb.cos(), emb.sin()
+        return emb.cos() * self.factor, emb.sin() * self.factor
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

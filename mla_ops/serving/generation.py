@@ -44,7 +44,7 @@ from typing import Callable, Sequence
 import torch
 
 from .. import _checks as checks
-from ..models.kv_caches import grown
+from ..models.kv_caches import cache_tensors, grown
 from ..parallel import collectives
 from ..planning.options import PlanOptions, options_from
 from ..prefill import plan_with_options
@@ -138,7 +138,7 @@ class Generator:
         self.manager = BlockManager(num_blocks or 1, self.block_size, prefix_caching)
         self.scheduler = Scheduler(self.manager, self._layout, self.settings.num_blocks)
         self.tokens_per_block = self.scheduler.tokens_per_block  # global tokens per block id
-        self.kv_caches = None  # the model's allocate_kv_caches: a tensor, or a sparse model's DSACaches
+        self.kv_caches = None  # the model's allocate_kv_caches: a list per layer, or a sparse model's DSACaches
         self.stats = GenerationStats()
         self._fingerprint = None
         self._runner: PrefillGraphs | None = None  # compile=True: the step runner and the cache it was built for
@@ -160,8 +160,8 @@ class Generator:
     def _cache_is_stale(self, fingerprint) -> tuple[bool, bool]:
         """(the prefix index is stale, the cache tensor must be reallocated): read only."""
         weight = self.model.lm_head.weight
-        realloc = self.kv_caches is None or self.kv_caches.dtype != weight.dtype or \
-            self.kv_caches.device != weight.device
+        first = None if self.kv_caches is None else cache_tensors(self.kv_caches)[0]
+        realloc = first is None or first.dtype != weight.dtype or first.device != weight.device
         return realloc or fingerprint != self._fingerprint, realloc
 
     def _refresh_cache(self, fingerprint) -> None:
@@ -182,7 +182,7 @@ class Generator:
     def _step_tensors(self, batch: list[Request], table_width: int):
         """A step's model inputs (the scheduler allocates the blocks its new tokens need)."""
         ids, positions, slots, table, qsl, ctx = self.scheduler.step_inputs(batch, table_width)
-        device = self.kv_caches.device
+        device = cache_tensors(self.kv_caches)[0].device
         table = torch.from_numpy(table).to(device)
         input_ids, positions, slots = (torch.as_tensor(x, device=device) for x in (ids, positions, slots))
         qsl_t, ctx_t = torch.tensor(qsl, dtype=torch.int32), torch.tensor(ctx, dtype=torch.int32)
@@ -209,7 +209,7 @@ class Generator:
             from ..lowering import enable
 
             enable()
-            mode = "cuda_graph" if self.kv_caches.device.type == "cuda" else "compile"
+            mode = "cuda_graph" if cache_tensors(self.kv_caches)[0].device.type == "cuda" else "compile"
             self._runner = PrefillGraphs(  # the device plan's K comes from the buckets
                 self.model.model, max_tokens=sizes[0], max_requests=sizes[1],
                 max_blocks_per_request=max_blocks_per_request, mode=mode, options=self.options)
@@ -236,7 +236,8 @@ class Generator:
         if self.context_parallel is None:
             return
         weight = self.model.lm_head.weight
-        caches = None if self.kv_caches is None else (tuple(self.kv_caches.shape), str(self.kv_caches.dtype))
+        caches = None if self.kv_caches is None else \
+            tuple((tuple(t.shape), str(t.dtype)) for t in cache_tensors(self.kv_caches))
         state = (call, self.settings, str(weight.dtype), weight.device.type, caches, self.manager.fingerprint())
         digest = hashlib.sha256(repr(state).encode()).digest()
         fingerprint = 0 if call is None else int.from_bytes(digest[:8], "little", signed=True) | 1

@@ -18,7 +18,7 @@ import torch
 import mla_ops
 from mla_ops import MLAAttention, MLAConfig, MLAModel
 from mla_ops.models.kv_caches import grown
-from tests.support.batches import paged_block_table, spread_weights
+from tests.support.batches import caches_equal, clone_caches, normal_caches, paged_block_table, spread_weights
 
 
 # ---- paged batches ------------------------------------------------------------------------
@@ -118,7 +118,7 @@ def test_attention_matches_dense_layer(q_lora, planning):
     }[planning]
     plan = mla_ops.plan_prefill(qsl, ctx_t, table, block_size, workspace, absorb_max_query_len=0, **options)
     with torch.no_grad():
-        out = attn(hidden, positions, kv_cache, slots, table, plan, backend="torch")
+        out, _ = attn(hidden, kv_cache, attn.begin_step(positions, kv_cache, slots, table, plan, backend="torch"))
 
     assert out.shape == hidden.shape and out.dtype == torch.float64
     err = (out - expect).abs().max().item() / max(1.0, expect.abs().max().item())
@@ -184,8 +184,8 @@ def test_tiny_model_runs_and_is_deterministic():
     assert outs[0].shape == (sum(qlens), config.hidden_size) and outs[0].dtype == torch.float32
     assert torch.isfinite(outs[0]).all()
     assert torch.equal(outs[0], outs[1])
-    assert caches.shape == (config.num_hidden_layers, num_blocks, block_size,
-                            config.kv_lora_rank + config.qk_rope_head_dim)
+    assert isinstance(caches, list) and len(caches) == config.num_hidden_layers
+    assert all(c.shape == (num_blocks, block_size, config.kv_lora_rank + config.qk_rope_head_dim) for c in caches)
 
 
 def test_model_rejects_caches_for_the_wrong_layer_count():
@@ -198,9 +198,9 @@ def test_model_rejects_caches_for_the_wrong_layer_count():
               torch.zeros(1, dtype=torch.long), table, plan)
 
 
-def test_per_layer_caches_equal_the_stacked_tensor():
-    """``allocate_kv_caches(per_layer=True)``: a list of one cache per layer, run and written as the stacked
-    tensor is, and grown the same way (``grown``: the old rows in the first blocks)."""
+def test_a_stacked_tensor_runs_as_its_layers_in_eager_code():
+    """``allocate_kv_caches`` gives one cache per layer; eager code also takes them stacked (as the stack's views,
+    which it writes in place), and ``grown`` keeps the old rows in the first blocks."""
     torch.manual_seed(0)
     config = MLAConfig.from_name("tiny")
     model = MLAModel(config).eval()
@@ -208,29 +208,28 @@ def test_per_layer_caches_equal_the_stacked_tensor():
     num_blocks, table = block_table_for([c + q for c, q in zip(ctx, qlens)], block_size, seed=7)
     positions, slots, qsl, ctx_t = step_inputs(table, ctx, qlens, block_size)
     ids = torch.arange(len(positions)) * 7 % config.vocab_size
-    stacked = torch.nn.init.normal_(model.allocate_kv_caches(num_blocks, block_size))
-    per_layer = model.allocate_kv_caches(num_blocks, block_size, per_layer=True)
+    per_layer = normal_caches(model.allocate_kv_caches(num_blocks, block_size))
     assert isinstance(per_layer, list) and len(per_layer) == config.num_hidden_layers
-    for layer, cache in zip(stacked, per_layer):
-        assert cache.shape == layer.shape and cache.is_contiguous()
-        cache.copy_(layer)
+    assert all(cache.is_contiguous() for cache in per_layer)
+    stacked = torch.stack(per_layer)
     plan = mla_ops.plan_prefill(qsl, ctx_t, table, block_size, workspace_size=4)
     with torch.no_grad():
-        expect = model(ids, positions, stacked, slots, table, plan)
-        got = model(ids, positions, tuple(per_layer), slots, table, plan)
+        expect = model(ids, positions, tuple(per_layer), slots, table, plan)
+        got = model(ids, positions, stacked, slots, table, plan)
     assert torch.equal(got, expect)
     assert torch.equal(torch.stack(per_layer), stacked)
-    bigger = grown(per_layer, model.allocate_kv_caches(num_blocks + 3, block_size, per_layer=True))
+    bigger = grown(per_layer, model.allocate_kv_caches(num_blocks + 3, block_size))
     assert torch.equal(torch.stack(bigger)[:, :num_blocks], stacked) and not torch.stack(bigger)[:, num_blocks:].any()
 
 
 @pytest.mark.parametrize("caches,match", [
-    (lambda m: m.allocate_kv_caches(4, 4, per_layer=True)[:1], "a list of 2 .* got a list of 1"),
+    (lambda m: m.allocate_kv_caches(4, 4)[:1], "a list of 2 .* got a list of 1"),
     (lambda m: [m.allocate_kv_caches(4, 4)[0], m.allocate_kv_caches(5, 4)[0]], r"kv_caches\[1\] must be .* like"),
-    (lambda m: [c.double() if i else c for i, c in enumerate(m.allocate_kv_caches(4, 4, per_layer=True))],
+    (lambda m: [c.double() if i else c for i, c in enumerate(m.allocate_kv_caches(4, 4))],
      r"kv_caches\[1\] must be .*float64"),
-    (lambda m: [c[..., :-1] for c in m.allocate_kv_caches(4, 4, per_layer=True)], r"kv_caches\[0\] must be .*, 40\]"),
-    (lambda m: mla_ops.DSACaches(*m.allocate_kv_caches(4, 4, per_layer=True)), "DSACaches"),
+    (lambda m: [c[..., :-1] for c in m.allocate_kv_caches(4, 4)], r"kv_caches\[0\] must be .*, 40\]"),
+    (lambda m: torch.zeros(3, 4, 4, 40), r"kv_caches must be a list of 2 .*got shape \(3, 4, 4, 40\)"),
+    (lambda m: mla_ops.DSACaches(*m.allocate_kv_caches(4, 4)), "DSACaches"),
 ])
 def test_model_rejects_per_layer_caches_that_do_not_fit(caches, match):
     model = MLAModel(MLAConfig.from_name("tiny"))
@@ -302,14 +301,16 @@ def test_rejected_layer_call_leaves_the_cache_unchanged(case):
     change(call, planned)
     before = _bits(call["kv_cache"]).clone()
     with torch.no_grad(), pytest.raises(error, match=match):
-        attn(call["hidden"], call["positions"], call["kv_cache"], call["slot_mapping"], call["block_table"],
-             call["plan"], k_scale=call["k_scale"], backend=call["backend"])
+        attn(call["hidden"], call["kv_cache"], attn.begin_step(
+            call["positions"], call["kv_cache"], call["slot_mapping"], call["block_table"], call["plan"],
+            k_scale=call["k_scale"], backend=call["backend"]))
     assert torch.equal(_bits(call["kv_cache"]), before), f"{case}: the rejected call wrote the cache"
     attn_ok, valid, _ = layer_call()  # the control: the same call unchanged does write the cache
     untouched = valid["kv_cache"].clone()
     with torch.no_grad():
-        attn_ok(valid["hidden"], valid["positions"], valid["kv_cache"], valid["slot_mapping"], valid["block_table"],
-                valid["plan"], backend="torch")
+        attn_ok(valid["hidden"], valid["kv_cache"], attn_ok.begin_step(
+            valid["positions"], valid["kv_cache"], valid["slot_mapping"], valid["block_table"], valid["plan"],
+            backend="torch"))
     assert not torch.equal(valid["kv_cache"], untouched)
 
 
@@ -320,8 +321,8 @@ def test_rejected_model_call_leaves_the_caches_unchanged():
     ctx, qlens, block_size = [0, 5], [4, 3], 4
     num_blocks, table = block_table_for([c + q for c, q in zip(ctx, qlens)], block_size, seed=3)
     positions, slots, qsl, ctx_t = step_inputs(table, ctx, qlens, block_size)
-    caches = torch.nn.init.normal_(model.allocate_kv_caches(num_blocks, block_size))
-    before = caches.clone()
+    caches = normal_caches(model.allocate_kv_caches(num_blocks, block_size))
+    before = clone_caches(caches)
     ids = torch.arange(len(positions)) % config.vocab_size
     other_block_size = mla_ops.plan_prefill(qsl, ctx_t, table, 8, workspace_size=4)
     plan = mla_ops.plan_prefill(qsl, ctx_t, table, block_size, workspace_size=4)
@@ -332,7 +333,7 @@ def test_rejected_model_call_leaves_the_caches_unchanged():
             model(ids, positions, caches, slots, table[:, :-1], plan)
         with pytest.raises(ValueError, match="slot_mapping"):
             model(ids, positions, caches, slots[:-1], table, plan)
-    assert torch.equal(caches, before)
+    assert caches_equal(caches, before)
 
 
 def test_deepseek_v2_lite_attention_shapes():

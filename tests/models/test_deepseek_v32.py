@@ -63,7 +63,7 @@ def test_config_reads_the_indexer(checkpoint):
     model = mla_ops.MLAForCausalLM(config)
     caches = model.allocate_kv_caches(5, 4)
     assert isinstance(caches, mla_ops.DSACaches)
-    assert caches.latent.shape == (2, 5, 4, 40) and caches.index.shape == (2, 5, 4, 16)
+    assert torch.stack(caches.latent).shape == (2, 5, 4, 40) and torch.stack(caches.index).shape == (2, 5, 4, 16)
 
 
 def test_the_test_data_has_no_near_ties(model64):

@@ -127,7 +127,7 @@ def test_config_forms_released_and_transformers_agree(checkpoint):
                     zero_expert_type="identity", router_bias=False, attention_method="MLA")
     assert MLAConfig.from_hf(released) == config
     model = mla_ops.MLAForCausalLM(config)
-    assert model.allocate_kv_caches(5, 4).shape == (4, 5, 4, 16 + 8)  # two attentions per layer
+    assert torch.stack(model.allocate_kv_caches(5, 4)).shape == (4, 5, 4, 16 + 8)  # two attentions per layer
 
 
 @pytest.mark.parametrize("change, error, message", [
@@ -199,9 +199,9 @@ def test_regionally_compiled_layers_equal_eager(checkpoint):
     prompts = prompts_of([9, 1, 5], model.config.vocab_size, seed=3)
     eager = step(model, model.allocate_kv_caches(3 * 8, 4), prompts, [0, 0, 0])
     model.compile_layers(backend="eager")
-    regions = model.model.layers[0].regions
-    assert len(regions) == 3 and all(layer.regions is regions for layer in model.model.layers)
+    projections, mlps = model.model.compiled_regions
     compiled = step(model, model.allocate_kv_caches(3 * 8, 4), prompts, [0, 0, 0])
+    assert len(projections.compiled) == 1 and len(mlps.compiled) == 2  # the attentions; the MLPs and the MoE
     for got, ref in zip(compiled, eager):
         torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
 
@@ -263,4 +263,4 @@ def test_the_whole_model_compiles_with_a_region_per_part(checkpoint):
     region, whatever the layer; the caches per layer (each layer is handed its two)."""
     model = mla_ops.MLAForCausalLM.from_pretrained(checkpoint[0], dtype=torch.float64)
     check_whole_model_compile(model, prompts_of([9, 14, 3], model.config.vocab_size, seed=5), [4, 10, 0],
-                              max_regions=3, per_layer=True)
+                              max_regions=3)

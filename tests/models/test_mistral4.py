@@ -23,7 +23,7 @@ import torch
 import mla_ops
 from mla_ops.models.config import MLAConfig
 from mla_ops.models.moe import MoEGate
-from mla_ops.models.query_scale import QueryScale
+from mla_ops.models.query_scale import PositionScale, QueryScale
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.mistral4 import modeling_mistral4  # noqa: E402
@@ -119,7 +119,7 @@ def test_config_errors_name_the_key(checkpoint, change, message):
 
 def test_query_scale_matches_transformers():
     positions = torch.arange(0, 200)
-    ours = QueryScale(0.1, 16).scales(positions, torch.float64)
+    ours = PositionScale(QueryScale(0.1, 16))(positions, torch.float64)
     theirs = modeling_mistral4.get_llama_4_attn_scale(positions[None], 0.1, 16)[0, 0, :, 0]
     torch.testing.assert_close(ours, theirs.double(), rtol=1e-7, atol=0)
     assert ours[15] == 1 and ours[16] > 1 and ours.dtype == torch.float64
@@ -161,7 +161,7 @@ def test_float64_logits_match_transformers_with_and_without_a_cached_context(che
     assert max(errors) < TOLERANCE, errors
 
     # The query scale matters here: without it the logits past position 16 are far off.
-    model.config.query_scale = None
+    model.model.position_scale = None
     unscaled = step(model, model.allocate_kv_caches(3 * 16, 4), prompts, [0, 0, 0], max_blocks=16)[0]
     assert relative_error(unscaled[:ORIGINAL], expect[0][:ORIGINAL]) < TOLERANCE
     assert relative_error(unscaled[ORIGINAL:], expect[0][ORIGINAL:]) > 1e-3

@@ -82,9 +82,9 @@ def test_config_and_layers(checkpoint):
     caches = model.allocate_kv_caches(5, 4)
     if kind == "shared":  # layer 2 reads layer 0's latent cache: two latent layers, and two indexers
         assert not hasattr(attn[2], "kv_a_proj_with_mqa") and attn[2].indexer is not None
-        assert caches.latent.shape == (2, 5, 4, 40) and caches.index.shape == (2, 5, 4, 16)
+        assert torch.stack(caches.latent).shape == (2, 5, 4, 40) and torch.stack(caches.index).shape == (2, 5, 4, 16)
     else:
-        assert caches.latent.shape == (3, 5, 4, 40) and caches.index.shape == (2, 5, 4, 16)
+        assert torch.stack(caches.latent).shape == (3, 5, 4, 40) and torch.stack(caches.index).shape == (2, 5, 4, 16)
 
 
 def test_the_router_normalizes_whatever_the_config_says(checkpoint):
@@ -131,7 +131,7 @@ def test_a_shared_layer_writes_no_latent_rows(checkpoint, model64):
     with torch.no_grad(), OpCounts() as ops:
         step(model64, model64.allocate_kv_caches(4, 4), [prompts_of([13], 96, seed=1)[0]], [0], index_topk=8)
     # latent rows: 40 (L + R), 32 (the NoPE layer: L, R = 0); index keys: 16 (+ 0) per full layer
-    expect = [16, 40, 16, 32, 40] if kind == "plain" else [16, 40, 32, 16]  # each layer: index key, then latent
+    expect = [40, 16, 32, 16, 40] if kind == "plain" else [40, 16, 32, 16]  # each layer: latent, then index key
     assert ops.widths == expect
 
 
@@ -191,4 +191,4 @@ def test_the_whole_model_compiles_with_a_region_per_layer_kind(model64):
     """torch.compile of the whole step: RoPE and NoPE layers, full and shared indexers, KV-sharing layers;
     the latent and index caches per layer."""
     check_whole_model_compile(model64, prompts_of([9, 14, 3], model64.config.vocab_size, seed=5), [4, 10, 0],
-                              max_regions=8, per_layer=True)
+                              max_regions=8)

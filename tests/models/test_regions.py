@@ -9,7 +9,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 
 import mla_ops
-from tests.support.batches import model_step
+from tests.support.batches import clone_caches, model_step
 
 # Tiny with a mixture of experts after the first layer: dense and MoE layers share one model.
 MOE = dataclasses.replace(mla_ops.MLAConfig.from_name("tiny"), num_hidden_layers=3, first_k_dense_replace=1,
@@ -20,8 +20,9 @@ STEPS = [([5, 0], [3, 4]), ([0], [0]), ([7], [1]), ([2, 9, 0], [2, 5, 6])]  # 7,
 
 def run_step(model, caches, lens, seed):
     context_lens, query_lens = lens
-    ids, positions, slots, table, qsl, ctx = model_step(MOE, context_lens, query_lens, seed, num_blocks=caches.shape[1])
-    plan = mla_ops.plan_prefill(qsl, ctx, table, caches.shape[2], 8, absorb_max_query_len=0)
+    num_blocks, block_size = caches[0].shape[:2]
+    ids, positions, slots, table, qsl, ctx = model_step(MOE, context_lens, query_lens, seed, num_blocks=num_blocks)
+    plan = mla_ops.plan_prefill(qsl, ctx, table, block_size, 8, absorb_max_query_len=0)
     return model(ids, positions, caches, slots, table, plan)
 
 
@@ -32,7 +33,7 @@ def test_casts_modes_and_step_sizes_never_meet_the_recompile_limit():
     model.load_state_dict(eager.state_dict())
     counter = CompileCounter()
     model.compile_layers(backend=counter)
-    regions = model.layers[0].regions
+    regions = model.compiled_regions
     combinations = 0
     with torch._dynamo.config.patch(recompile_limit=2):  # one graph per region and combination fits in 2
         for dtype in (torch.float32, torch.bfloat16, torch.float64):
@@ -40,7 +41,7 @@ def test_casts_modes_and_step_sizes_never_meet_the_recompile_limit():
             for mode, context in MODES.items():
                 combinations += 1
                 caches = model.allocate_kv_caches(64, 4)
-                eager_caches = caches.clone()
+                eager_caches = clone_caches(caches)
                 for i, lens in enumerate(STEPS):
                     with context():
                         out = run_step(model, caches, lens, seed=i)
@@ -49,7 +50,7 @@ def test_casts_modes_and_step_sizes_never_meet_the_recompile_limit():
                     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
                     torch.testing.assert_close(out, expect, rtol=tol, atol=tol, msg=f"{dtype} {mode} {lens}")
                     torch.testing.assert_close(caches, eager_caches, rtol=tol, atol=tol)
-    # Per combination: the inputs region once, the output region once per MLP kind (dense, MoE).
+    # Per combination: the projections once, the MLPs once per kind (dense, MoE; its shared experts inline).
     assert counter.frame_count == 3 * combinations
     assert len(regions[0].compiled) == combinations and len(regions[1].compiled) == 2 * combinations
     frames = counter.frame_count
@@ -62,9 +63,9 @@ def test_casts_modes_and_step_sizes_never_meet_the_recompile_limit():
 def test_compile_layers_again_with_the_same_options_keeps_the_regions():
     model = mla_ops.MLAModel(MOE).eval()
     counter = CompileCounter()
-    regions = model.compile_layers(backend=counter).layers[0].regions
-    assert model.compile_layers(backend=counter).layers[0].regions is regions
-    assert model.compile_layers(backend="eager").layers[0].regions is not regions
+    regions = model.compile_layers(backend=counter).compiled_regions
+    assert model.compile_layers(backend=counter).compiled_regions is regions
+    assert model.compile_layers(backend="eager").compiled_regions is not regions
 
 
 @pytest.mark.parametrize("options, error, message", [
@@ -75,14 +76,14 @@ def test_compile_layers_again_with_the_same_options_keeps_the_regions():
 ])
 def test_compile_layers_refuses_what_torch_compile_refuses_and_changes_nothing(options, error, message):
     model = mla_ops.MLAModel(MOE).eval().compile_layers(backend="eager")
-    regions = model.layers[0].regions
+    regions, projections = model.compiled_regions, [layer.self_attn.project for layer in model.layers]
     with pytest.raises(error, match=message):
         model.compile_layers(**options)
-    assert all(layer.regions is regions for layer in model.layers)
+    assert model.compiled_regions is regions and [layer.self_attn.project for layer in model.layers] == projections
     fresh = mla_ops.MLAModel(MOE).eval()
     with pytest.raises(error, match=message):
         fresh.compile_layers(**options)
-    assert all(layer.regions is None for layer in fresh.layers)
+    assert fresh.compiled_regions is None and all("project" not in vars(layer.self_attn) for layer in fresh.layers)
 
 
 @pytest.mark.parametrize("num_tokens", [0, 1])

@@ -12,7 +12,7 @@ from torch._dynamo.testing import AotEagerAndRecordGraphs
 
 import mla_ops
 from mla_ops.models import regions
-from tests.support.batches import model_step
+from tests.support.batches import clone_caches, model_step, normal_caches
 from tests.support.gpu import DEVICE, TOL, needs_cuda
 
 # Two dense layers then two mixture-of-experts ones: two kinds of the part after the cache write, one before it
@@ -32,34 +32,44 @@ def run(model, ids, positions, caches, slots, table, qsl, ctx):
 
 @torch.no_grad()
 @pytest.mark.skipif(not regions.NESTED_REGIONS, reason="this torch has no reusable nested regions")
-@pytest.mark.parametrize("per_layer", [False, True], ids=["stacked_caches", "per_layer_caches"])
-def test_dense_and_moe_layers_compile_once_for_every_batch_mix(per_layer):
-    """Per-layer caches (``allocate_kv_caches(per_layer=True)``) are a list of graph inputs, the same regions."""
+def test_dense_and_moe_layers_compile_once_for_every_batch_mix():
+    """Each layer is one region (its cache writes between the regions), one per layer kind."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = mla_ops.MLAForCausalLM(MOE).eval()
-    base = torch.nn.init.normal_(model.allocate_kv_caches(64, 4))
+    base = normal_caches(model.allocate_kv_caches(64, 4))
     backend = AotEagerAndRecordGraphs()
     compiled = torch.compile(lambda *args: run(model, *args), backend=backend, fullgraph=True, dynamic=True)
     for i, (context_lens, query_lens) in enumerate(MIXES):
         ids, positions, slots, table, qsl, ctx = model_step(MOE, context_lens, query_lens, seed=i)
-        caches, expect_caches = base.clone(), base.clone()
+        caches, expect_caches = clone_caches(base), clone_caches(base)
         with torch.compiler.set_stance("fail_on_recompile" if i else "default"):
-            out = compiled(ids, positions, list(caches.unbind()) if per_layer else caches, slots, table, qsl, ctx)
+            out = compiled(ids, positions, caches, slots, table, qsl, ctx)
         expect = run(model, ids, positions, expect_caches, slots, table, qsl, ctx)
         torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(caches, expect_caches, rtol=1e-5, atol=1e-5)
     (graph,) = backend.graphs
     calls = [n.args[1] for n in graph.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
-    assert len(calls) == 2 * MOE.num_hidden_layers  # each layer: the part before its cache write, and the rest
-    assert len(set(calls)) == 3, calls  # the first part is one region, the rest one per MLP kind
+    assert len(calls) == MOE.num_hidden_layers  # a layer is one region
+    assert len(set(calls)) == 2, calls  # one per MLP kind
+
+
+def test_a_stacked_cache_tensor_is_refused_by_name_under_compile():
+    """Compiled writes into the views of one stacked buffer would land in the wrong layer (pytorch#198068)."""
+    torch._dynamo.reset()
+    model = mla_ops.MLAForCausalLM(MOE).eval()
+    ids, positions, slots, table, qsl, ctx = model_step(MOE, [5, 0, 13], [3, 2, 4], seed=0)
+    compiled = torch.compile(lambda *args: run(model, *args), backend="eager", fullgraph=True, dynamic=True)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"^kv_caches is one stacked tensor: under torch.compile "
+                                                          r"pass a list of 4 \[num_blocks, block_size, 40\]"):
+        compiled(ids, positions, torch.stack(model.allocate_kv_caches(64, 4)), slots, table, qsl, ctx)
 
 
 def test_without_reusable_regions_a_compiled_model_warns_once(monkeypatch):
     """Where torch cannot reuse nested regions (before 2.13) a compiled model traces every layer, and says so
     once, at trace time (the flag is what the layers read; the graph still equals eager)."""
     monkeypatch.setattr(regions, "NESTED_REGIONS", False)
-    regions._warn_inlined.cache_clear()
+    regions._warn_once.cache_clear()
     torch._dynamo.reset()
     torch.manual_seed(0)
     config = mla_ops.MLAConfig.from_name("tiny")
@@ -82,15 +92,14 @@ def test_without_reusable_regions_a_compiled_model_warns_once(monkeypatch):
 @torch.no_grad()
 def test_the_whole_model_compiles_on_cuda_and_equals_eager():
     """Inductor with the CUDA kernels (Triton ops inside the regions), unmarked caches, two batch mixes."""
-    mla_ops.enable()  # the caches are not marked static: their writes need the sym_storage_offset lowering
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = mla_ops.MLAForCausalLM(MOE).eval().to(DEVICE)
-    base = torch.nn.init.normal_(model.allocate_kv_caches(64, 4))
+    base = normal_caches(model.allocate_kv_caches(64, 4))
     compiled = torch.compile(lambda *args: run(model, *args), fullgraph=True, dynamic=True)
     for i, (context_lens, query_lens) in enumerate(MIXES[:2]):
         inputs = [t.to(DEVICE) for t in model_step(MOE, context_lens, query_lens, seed=i)]
-        caches, expect_caches = base.clone(), base.clone()
+        caches, expect_caches = clone_caches(base), clone_caches(base)
         with torch.compiler.set_stance("fail_on_recompile" if i else "default"):
             out = compiled(*inputs[:2], caches, *inputs[2:])
         expect = run(model, *inputs[:2], expect_caches, *inputs[2:])
@@ -118,7 +127,7 @@ def test_plan_sizes_held_in_closures_or_on_self_compile_under_dynamic_shapes(hol
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = mla_ops.MLAForCausalLM(MOE).eval()
-    base = torch.nn.init.normal_(model.allocate_kv_caches(64, 4))
+    base = normal_caches(model.allocate_kv_caches(64, 4))
     block_size, workspace_size, max_chunks = 4, 16, 4
 
     def closure_step(ids, positions, caches, slots, table, qsl, ctx):
@@ -129,9 +138,9 @@ def test_plan_sizes_held_in_closures_or_on_self_compile_under_dynamic_shapes(hol
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True, dynamic=True)
     for i, (context_lens, query_lens) in enumerate(MIXES):
         ids, positions, slots, table, qsl, ctx = model_step(MOE, context_lens, query_lens, seed=i)
-        caches, expect_caches = base.clone(), base.clone()
+        caches, expect_caches = clone_caches(base), clone_caches(base)
         with torch.compiler.set_stance("fail_on_recompile" if i else "default"):
-            out = compiled(ids, positions, list(caches.unbind()), slots, table, qsl, ctx)
+            out = compiled(ids, positions, caches, slots, table, qsl, ctx)
         torch.testing.assert_close(out, step(ids, positions, expect_caches, slots, table, qsl, ctx),
                                    rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(caches, expect_caches, rtol=1e-5, atol=1e-5)

@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import mla_ops
 from mla_ops.models.regions import NESTED_REGIONS
 from tests.support import REPO_ROOT
-from tests.support.batches import BUCKET_4, make_batch, model_step
+from tests.support.batches import BUCKET_4, clone_caches, make_batch, model_step, normal_caches
 
 try:
     import expecttest
@@ -342,12 +342,12 @@ def test_mla_model_compiles_whole_and_matches_eager():
     config = mla_ops.MLAConfig.from_name("tiny")
     model = mla_ops.MLAModel(config).eval()
     compiled = torch.compile(model_step_fn(model, 4, 3), fullgraph=True, dynamic=True)  # both paths in one graph
-    base = model.allocate_kv_caches(64, 4)
-    torch.nn.init.normal_(base)
+    base = normal_caches(model.allocate_kv_caches(64, 4))
     for i, (context_lens, query_lens) in enumerate(BUCKET_4[:6]):
         ids, positions, slots, table, qsl, lens = model_step(config, context_lens, query_lens, seed=i)
-        caches, expect_caches = base.clone(), base.clone()
-        torch._dynamo.mark_static(caches)  # a runner's cache buffer is fixed
+        caches, expect_caches = clone_caches(base), clone_caches(base)
+        for cache in caches:
+            torch._dynamo.mark_static(cache)  # a runner's cache buffers are fixed
         with torch.compiler.set_stance("fail_on_recompile" if i else "default"):
             out = compiled(ids, positions, caches, slots, table, qsl, lens)
         plan = mla_ops.plan_prefill(qsl, lens, table, 4, 32, absorb_max_query_len=0)  # eager, host, all chunked
@@ -414,8 +414,9 @@ def test_a_device_plan_passed_into_the_compiled_model():
         plan = mla_ops.plan_prefill(qsl, lens, table, 4, 32, max_chunks=4, absorb_max_query_len=3)
         leaves, spec = torch.utils._pytree.tree_flatten(plan)
         assert torch.utils._pytree.tree_unflatten(leaves, spec) == plan
-        caches, expect_caches = base.clone(), base.clone()
-        torch._dynamo.mark_static(caches)
+        caches, expect_caches = clone_caches(base), clone_caches(base)
+        for cache in caches:
+            torch._dynamo.mark_static(cache)  # a runner's cache buffers are fixed
         with torch.compiler.set_stance("fail_on_recompile" if i else "default"):
             out = compiled(ids, positions, caches, slots, table, plan)
         torch.testing.assert_close(out, model(ids, positions, expect_caches, slots, table, plan),
@@ -427,8 +428,7 @@ def test_a_device_plan_passed_into_the_compiled_model():
 def test_the_whole_model_compiles_its_layer_once_plans_once_and_fuses_the_merge():
     """Inductor's code of a whole step, at 2 and 3 layers: the same kernels (the layer is a nested region, its
     code generated once and called per layer; at 1 layer a region called once is inlined), the device planner
-    once, the merge fused. The caches are not
-    marked static: their writes land in each layer's own cache (mla_ops.enable's sym_storage_offset lowering)."""
+    once, the merge fused. The caches (one tensor per layer) are not marked static."""
     def generated(layers):
         torch._dynamo.reset()
         torch.manual_seed(0)
@@ -448,8 +448,8 @@ def test_the_whole_model_compiles_its_layer_once_plans_once_and_fuses_the_merge(
 
     (one_code, one_kernels, one_calls), (code, kernels, calls) = generated(2), generated(3)
     assert kernels == one_kernels  # nothing generated per layer
-    # the two parts of a layer (before and after its cache write), each called once per layer
-    assert Counter(one_calls) == {name: 2 for name in set(one_calls)} and len(set(one_calls)) == 2
+    # the layer is one region, called once per layer
+    assert Counter(one_calls) == {name: 2 for name in set(one_calls)} and len(set(one_calls)) == 1
     assert Counter(calls) == {name: 3 for name in set(one_calls)}
     # The layer's attention (K=4 chunk slots) is in its region's code once; the planner runs once per step.
     assert code.count("mla_ops.context_attention.default(") == one_code.count("mla_ops.context_attention.default(") == 4

@@ -16,7 +16,7 @@ from torch._dynamo.utils import counters
 
 import mla_ops
 from mla_ops.models.config import mla_configs
-from tests.support.batches import model_step, spread_weights
+from tests.support.batches import clone_caches, map_caches, model_step, normal_caches, spread_weights
 from tests.support.gpu import needs_cuda
 
 BLOCK_SIZE, WORKSPACE, NUM_BLOCKS = 4, 16, 64
@@ -29,14 +29,7 @@ def make_model(dtype=torch.float64):
 
 
 def random_caches(model, num_blocks=NUM_BLOCKS):
-    caches = model.allocate_kv_caches(num_blocks, BLOCK_SIZE)
-    for t in caches:
-        torch.nn.init.normal_(t)
-    return caches
-
-
-def clone(caches):
-    return mla_ops.DSACaches(*(t.clone() for t in caches))
+    return normal_caches(model.allocate_kv_caches(num_blocks, BLOCK_SIZE))
 
 
 # (context_lens, query_lens): sparse (c + q > 8), dense (<= 8, absorbed or chunked) and mixed steps
@@ -48,7 +41,7 @@ def check_steps(runner, reference, caches, steps, stance="default"):
         ids, positions, slots, table, qsl, ctx = model_step(reference.config, context_lens, query_lens, seed=i,
                                                             num_blocks=caches.num_blocks, block_size=BLOCK_SIZE,
                                                             max_blocks=12)
-        expect_caches = clone(caches)
+        expect_caches = clone_caches(caches)
         with torch.no_grad():
             plan = mla_ops.plan_prefill(qsl, ctx, table, BLOCK_SIZE, WORKSPACE, index_topk=8)
             expect = reference.model(ids, positions, expect_caches, slots, table, plan)
@@ -71,7 +64,7 @@ def test_compile_mode_serves_a_sparse_model_equal_to_eager():
     check_steps(runner, reference, caches, STEPS[:1])
     graphs = counters["stats"]["unique_graphs"] - graphs_before
     check_steps(runner, reference, caches, STEPS[1:], stance="fail_on_recompile")
-    grown = mla_ops.DSACaches(*(torch.cat([t, torch.randn_like(t[:, :16])], dim=1) for t in caches))
+    grown = map_caches(lambda t: torch.cat([t, torch.randn_like(t[:16])]), caches)
     check_steps(runner, reference, grown, [([40, 2], [3, 9])], stance="fail_on_recompile")
     assert counters["stats"]["unique_graphs"] - graphs_before == graphs
     assert runner.stats["replays"] == len(STEPS) + 1
@@ -144,6 +137,6 @@ def test_compile_mode_serves_mistral_large4_layers_equal_to_eager():
                                    block_size=BLOCK_SIZE, workspace_size=WORKSPACE, mode="compile",
                                    compile_backend="aot_eager", chunk_buckets=(1, 2, 4, 8))
     caches = random_caches(model)
-    assert caches.latent.shape[0] == 2  # layer 2 shares layer 0's
+    assert len(caches.latent) == 2  # layer 2 shares layer 0's
     check_steps(runner, reference, caches, STEPS[:1])
     check_steps(runner, reference, caches, STEPS[1:], stance="fail_on_recompile")

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import mla_ops
+from mla_ops.models.kv_caches import cache_tensors
 from mla_ops.serving import generation
 from tests.support.batches import tiny_model
 
@@ -74,7 +75,7 @@ def state_of(generator: mla_ops.Generator):
     m = generator.manager
     caches = generator.kv_caches
     return dict(
-        caches=None if caches is None else (caches.data_ptr(), caches._version, caches.clone()),
+        caches=None if caches is None else [(t.data_ptr(), t._version, t.clone()) for t in cache_tensors(caches)],
         blocks=(m.num_blocks, list(m._free), list(m._refs), dict(m._hash_of), dict(m._block_of), list(m._evictable)),
         stats=copy.copy(generator.stats), runner=generator._runner, fingerprint=generator._fingerprint,
     )

@@ -83,11 +83,12 @@ def random_steps(count, seed):
     return steps
 
 
-def check_steps(runner, model, steps, caches, *, built=(), per_layer=False):
+def check_steps(runner, model, steps, caches, *, built=()):
     """Each step through the runner equals the eager model (output and cache writes); returns the
-    buckets the steps touched. A step in a bucket built before runs under fail_on_recompile.
-    ``per_layer``: the runner is handed the caches as a list of its layers (views: the writes land in ``caches``)."""
-    runner_caches = list(caches.unbind()) if per_layer else caches
+    buckets the steps touched. A step in a bucket built before runs under fail_on_recompile. ``caches``: the
+    layers' caches stacked, for comparing; the runner is handed them as a list of its layers (views: the writes
+    land in ``caches``)."""
+    runner_caches = list(caches.unbind())
     touched = set()
     for i, (context_lens, query_lens) in enumerate(steps):
         ids, positions, slots, table, qsl, ctx = model_step(model.config, context_lens, query_lens, seed=i,
@@ -125,7 +126,7 @@ def test_options_object_equals_its_keywords():
     by_object = mla_ops.PrefillGraphs(model, max_tokens=32, max_requests=6, max_blocks_per_request=MAX_BLOCKS,
                                       mode="eager", options=options, **BUCKETS)
     assert by_object.options == make_runner(model, "eager").options
-    caches = model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
+    caches = torch.stack(model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE))
     torch.nn.init.normal_(caches)
     check_steps(by_object, model, EDGE_STEPS[:4], caches)
 
@@ -133,7 +134,7 @@ def test_options_object_equals_its_keywords():
 def test_eager_mode_random_steps_equal_the_eager_model():
     model = make_model()
     runner = make_runner(model, "eager")
-    caches = model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
+    caches = torch.stack(model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE))
     torch.nn.init.normal_(caches)
     steps = EDGE_STEPS + random_steps(40, seed=1)
     touched = check_steps(runner, model, steps, caches)
@@ -145,18 +146,17 @@ def test_eager_mode_random_steps_equal_the_eager_model():
     assert any(v.chunks > 1 for v in touched) and any(v.requests == 1 for v in touched)
 
 
-@pytest.mark.parametrize("per_layer", [False, True], ids=["stacked_caches", "per_layer_caches"])
-def test_compile_mode_whole_step_one_graph_per_bucket_and_none_for_a_repeat(per_layer):
+def test_compile_mode_whole_step_one_graph_per_bucket_and_none_for_a_repeat():
     """A model without ``compile_layers``: each bucket's whole step compiles, static shapes. T = 1 /
     B = 1 reuse the graph of their bucket (under dynamic=True they would specialise); a repeated
-    bucket runs under fail_on_recompile. The caches stacked or per layer."""
+    bucket runs under fail_on_recompile."""
     model = WithHead(make_model(layers=1)).eval()
     runner = make_runner(model, "compile", compile_backend="aot_eager")  # Dynamo's graphs, no C++ build
     assert not runner.regional
-    caches = model.model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
+    caches = torch.stack(model.model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE))
     torch.nn.init.normal_(caches)
     graphs_before = counters["stats"]["unique_graphs"]
-    touched = check_steps(runner, model, COMPILE_STEPS, caches, per_layer=per_layer)
+    touched = check_steps(runner, model, COMPILE_STEPS, caches)
     assert len(touched) == 4 and runner.stats["graphs"] == 4
     assert counters["stats"]["unique_graphs"] - graphs_before == 4
     assert runner.stats["replays"] == 7 and runner.stats["eager"] == 1
@@ -173,7 +173,7 @@ def test_compile_mode_compiles_the_layers_once_for_every_bucket_and_cache():
     reference = copy.deepcopy(model)  # compile_layers compiles the runner's model in place
     runner = make_runner(model, "compile", compile_backend="aot_eager")
     assert runner.regional
-    caches = model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
+    caches = torch.stack(model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE))
     torch.nn.init.normal_(caches)
     graphs_before = counters["stats"]["unique_graphs"]
     check_steps(runner, reference, COMPILE_STEPS[:1], caches)
@@ -191,7 +191,7 @@ def test_warmup_builds_every_bucket_once_and_writes_nothing():
                          chunk_buckets=(1, 2))
     with pytest.raises(ValueError, match="kv_caches"):
         runner.warmup()
-    caches = model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
+    caches = torch.stack(model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE))
     torch.nn.init.normal_(caches)
     before = caches.clone()
     graphs_before = counters["stats"]["unique_graphs"]
@@ -222,7 +222,7 @@ class WithHead(torch.nn.Module):
 def test_any_model_output_whose_first_dim_is_the_tokens():
     model = WithHead(make_model(layers=1)).eval()
     runner = make_runner(model, "eager")
-    caches = model.model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
+    caches = torch.stack(model.model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE))
     torch.nn.init.normal_(caches)
     check_steps(runner, model, [([5, 0, 13], [3, 2, 4]), ([30, 10], [3, 4])], caches)
     assert runner.stats["replays"] == 1 and runner.stats["eager"] == 1
@@ -235,7 +235,7 @@ def test_the_bucketed_step_reads_no_device_value_on_the_host():
     with torch.device("meta"):
         model = mla_ops.MLAModel(config).eval()
     runner = make_runner(model, "eager")
-    caches = model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
+    caches = torch.stack(model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE))
     ids, positions, slots, table, qsl, ctx = model_step(config, [0, 9, 17], [4, 1, 6], seed=0,
                                                         num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
     out = runner(ids, positions, caches, slots, table, qsl, ctx)
@@ -284,7 +284,7 @@ def test_bad_construction_names_the_argument(kwargs, error, name):
 def test_bad_step_names_the_argument_and_writes_nothing(change, error, name):
     model = make_model(layers=1)
     runner = make_runner(model, "eager")
-    caches = model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
+    caches = torch.stack(model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE))
     call = {**valid_call(model), **change}
     with pytest.raises(error, match=name):
         runner(kv_caches=caches, **call)
@@ -297,12 +297,12 @@ def test_compiled_buckets_keep_their_cache_geometry():
     runner = make_runner(model, "compile", compile_backend="eager")
     caches = model.model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
     runner(kv_caches=caches, **valid_call(model))
-    runner(kv_caches=caches.clone(), **valid_call(model))  # another tensor of the same geometry is fine
+    runner(kv_caches=[c.clone() for c in caches], **valid_call(model))  # other tensors of the same geometry: fine
     grown = model.model.allocate_kv_caches(NUM_BLOCKS + 4, BLOCK_SIZE)
     with pytest.raises(ValueError, match="kv_caches"):
         runner(kv_caches=grown, **valid_call(model))
     with pytest.raises(ValueError, match="kv_caches must be on cpu"):
-        runner(kv_caches=caches.to("meta"), **valid_call(model))
+        runner(kv_caches=[c.to("meta") for c in caches], **valid_call(model))
     regional = make_runner(model.model, "compile", compile_backend="eager")
     regional(kv_caches=caches, **valid_call(model))
     regional(kv_caches=grown, **valid_call(model))
@@ -348,7 +348,7 @@ def _negative_token(call, vocab):
 def test_ids_past_the_cache_or_vocabulary_are_refused_in_every_mode(mode, change):
     model = make_model(layers=1)
     runner = make_runner(model, mode, compile_backend="eager")
-    caches = model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
+    caches = torch.stack(model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE))
     call = valid_call(model)
     vocab = model.embed_tokens.num_embeddings
     match = {"block past the cache": lambda: _past_the_cache(call),
@@ -404,7 +404,7 @@ def test_cuda_graph_capture_replays_changing_batches():
     torch.manual_seed(0)
     config = mla_ops.MLAConfig.from_name("tiny")
     model = mla_ops.MLAModel(config).to(DEVICE).eval()
-    caches = model.allocate_kv_caches(64, 4)
+    caches = torch.stack(model.allocate_kv_caches(64, 4))
     torch.nn.init.normal_(caches)
     base = caches.clone()
     static = StaticStep(config, max_tokens=40, max_requests=8, max_blocks=20)
@@ -452,7 +452,7 @@ def test_reduce_overhead_runs_without_cudagraph_skips():
     torch.manual_seed(0)
     config = mla_ops.MLAConfig.from_name("tiny")
     model = mla_ops.MLAModel(config).to(DEVICE).eval()
-    caches = model.allocate_kv_caches(64, 4)
+    caches = torch.stack(model.allocate_kv_caches(64, 4))
     torch._dynamo.mark_static_address(caches)  # a fixed buffer: cudagraphs may mutate it in place
     with torch._inductor.config.patch({"triton.cudagraph_or_error": True}):
         def planned_step(ids, pos, caches, slots, table, qsl, lens):
@@ -479,7 +479,7 @@ def graphs_setup(spread=False, **kwargs):
     if spread:  # attention far from uniform: outputs follow the context rows closely
         spread_weights(model, seed=0)
     model = model.to(DEVICE)
-    caches = model.allocate_kv_caches(64, 4)
+    caches = torch.stack(model.allocate_kv_caches(64, 4))
     torch.nn.init.normal_(caches)
     options = dict(max_tokens=40, max_requests=8, max_blocks_per_request=20, block_size=4, workspace_size=32,
                    chunk_buckets=(1, 2, 4), token_buckets=(8, 16, 40), absorb_max_query_len=3, mode="cuda_graph")

@@ -454,3 +454,26 @@ def tiny_model(seed: int = 0) -> mla_ops.MLAForCausalLM:
     for p in model.parameters():
         p.copy_(torch.randn(p.shape) * p.shape[-1] ** -0.5 * 1.5 if p.dim() >= 2 else 1 + 0.3 * torch.randn(p.shape))
     return model
+
+
+def map_caches(fn, caches):
+    """``fn`` applied to each tensor of a model's caches (a list per layer, or a ``DSACaches`` of two lists), in
+    the same form."""
+    if isinstance(caches, mla_ops.DSACaches):
+        return mla_ops.DSACaches(*(map_caches(fn, part) for part in caches))
+    return [fn(t) for t in caches]
+
+
+def clone_caches(caches):
+    return map_caches(torch.clone, caches)
+
+
+def normal_caches(caches):
+    """``caches`` filled with standard normal values in place (the global generator), returned."""
+    map_caches(torch.nn.init.normal_, caches)
+    return caches
+
+
+def caches_equal(a, b) -> bool:
+    flat = lambda c: [t for part in (c if isinstance(c, mla_ops.DSACaches) else (c,)) for t in part]  # noqa: E731
+    return len(flat(a)) == len(flat(b)) and all(torch.equal(x, y) for x, y in zip(flat(a), flat(b)))

@@ -95,5 +95,5 @@ def check_cache_bookkeeping(path, hf, num_blocks=15) -> list[int]:
         hits.append(generator.stats.cached_tokens)
     caches = generator.kv_caches
     assert isinstance(caches, mla_ops.DSACaches)
-    assert caches.latent.shape[1:3] == caches.index.shape[1:3] == (num_blocks, 4)
+    assert caches.latent[0].shape[:2] == caches.index[0].shape[:2] == (num_blocks, 4)
     return hits

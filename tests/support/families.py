@@ -141,7 +141,6 @@ def check_cli(path, capsys):
     assert "4/4 tokens" in out.err
 
 
-_OPTIONS = {}  # check_whole_model_compile's plan options, by model
 
 
 @torch.no_grad()
@@ -151,28 +150,24 @@ def stacked(caches):
     return mla_ops.DSACaches(*map(stack, caches)) if isinstance(caches, mla_ops.DSACaches) else stack(caches)
 
 
-def check_whole_model_compile(model, prompts, starts, max_regions: int, block_size=4, max_blocks=8,
-                              per_layer=False):
+def check_whole_model_compile(model, prompts, starts, max_regions: int, block_size=4, max_blocks=8):
     """``torch.compile`` of a whole step (its device plan made inside) equals eager, logits and caches, after
     each request's first ``starts[r]`` tokens were prefilled eagerly; its layers are nested regions, at most
-    ``max_regions`` distinct ones (one per part and layer kind, each called by two layers or more: one called
-    once is inlined) however many layers call them. ``per_layer``: the compiled and the first eager steps
-    take per-layer caches (``allocate_kv_caches(per_layer=True)``), the eager reference stacked ones. Traced
-    with aot_eager: what is checked is the graph, not Inductor's code. Returns the graph."""
+    ``max_regions`` distinct ones (one per layer kind, each called by two layers or more: one called once is
+    inlined) however many layers call them. The eager reference takes the caches stacked. Traced with
+    aot_eager: what is checked is the graph, not Inductor's code. Returns the graph."""
     from torch._dynamo.testing import AotEagerAndRecordGraphs
 
     torch._dynamo.reset()
-    caches = model.allocate_kv_caches(len(prompts) * max_blocks, block_size, per_layer=per_layer)
+    caches = model.allocate_kv_caches(len(prompts) * max_blocks, block_size)
     step(model, caches, [p[:s] for p, s in zip(prompts, starts)], [0] * len(prompts), block_size, max_blocks,
          index_topk=model.config.index_topk)
     expect_caches = stacked(caches)
-    # A global: under dynamic=True the ints of an object the step closed over would be symbolic, and a plan's
-    # sizes must be constants (docs/compile-and-graphs.md).
-    _OPTIONS[model] = mla_ops.PlanOptions(block_size=block_size, workspace_size=8, max_chunks=4,
-                                          index_topk=model.config.index_topk)
+    options = mla_ops.PlanOptions(block_size=block_size, workspace_size=8, max_chunks=4,
+                                  index_topk=model.config.index_topk)
 
     def run(ids, positions, caches, slots, table, qsl, ctx):
-        plan = mla_ops.plan_prefill(qsl, ctx, table, options=_OPTIONS[model])
+        plan = mla_ops.plan_prefill(qsl, ctx, table, options=options)
         return model(ids, positions, caches, slots, table, plan)
 
     ids, positions, slots, table, qsl, ctx = step_inputs(prompts, starts, block_size, max_blocks)

@@ -35,6 +35,7 @@ from .chunk_loop import Step, device_context, host_context, truncated_tokens
 from .ops import backends
 from .ops.backends import BACKENDS
 from .ops.cache import CACHE_DTYPES, check_slot_mapping, write_checked
+from .ops.indexer import check_index_layer, check_index_step, index_topk_checked
 from .ops.sparse import check_topk_indices, check_topk_values
 from .parallel.plan import plan_context_parallel
 from .parallel.run import run_context_parallel
@@ -125,8 +126,9 @@ class PrefillStep:
 
     def __init__(self, plan: PrefillPlan, slot_mapping: torch.Tensor | None, k_scale: torch.Tensor | None,
                  truncated: torch.Tensor | None, kernels: backends.Kernels, cache_blocks: tuple[int, int],
-                 cache_dtype: torch.dtype, truncated_made: bool):
+                 cache_dtype: torch.dtype, truncated_made: bool, k_scale_index: torch.Tensor | None = None):
         self.plan, self.slot_mapping, self.k_scale, self.kernels = plan, slot_mapping, k_scale, kernels
+        self.k_scale_index = k_scale_index  # a float8 index cache's, as the kernels take it (begin_step)
         self.truncated = truncated  # [T] bool, chunk_loop.truncated_tokens (where truncated_made)
         self.truncated_made = truncated_made  # T was known at begin_step: else each layer makes it
         self.cache_blocks = cache_blocks  # (num_blocks, block_size) every layer's cache has
@@ -187,6 +189,19 @@ class PrefillStep:
         """A layer's new rows into ``kv_cache`` at the step's slots (nothing without a slot mapping)."""
         if self.slot_mapping is not None:
             write_checked(kv_c, k_pe, self.slot_mapping, kv_cache, self.k_scale)
+
+    def select(self, q_index: torch.Tensor, index_weights: torch.Tensor, k_index: torch.Tensor,
+               index_cache: torch.Tensor) -> torch.Tensor:
+        """One DSA layer's top-k (``mla_ops.index_topk``) on the step its index cache was checked for once
+        (``begin_step(..., index_cache=)``): only this layer's tensors are checked here."""
+        check_index_layer(q_index, index_weights, k_index, index_cache, self.plan)
+        return index_topk_checked(q_index, index_weights, k_index, index_cache, self.plan, self.k_scale_index)
+
+    def write_index(self, k_index: torch.Tensor, index_cache: torch.Tensor) -> None:
+        """A DSA layer's new index keys into ``index_cache`` at the step's slots (nothing without a slot
+        mapping)."""
+        if self.slot_mapping is not None:
+            write_checked(k_index, k_index[:, :0], self.slot_mapping, index_cache, self.k_scale_index)
 
     def _check_topk(self, topk_indices, num_tokens: int) -> None:
         """``topk_indices``: with a DSA plan and only there, ``[T, index_topk]`` int32 on the plan's device,
@@ -260,9 +275,10 @@ class PrefillStep:
 
 
 def _unflatten_step(leaves, context) -> PrefillStep:
-    plan, slot_mapping, k_scale, truncated, cache_blocks, sparse_rows = leaves
+    plan, slot_mapping, k_scale, truncated, cache_blocks, sparse_rows, k_scale_index = leaves
     kernels, cache_dtype, truncated_made = context
-    step = PrefillStep(plan, slot_mapping, k_scale, truncated, kernels, cache_blocks, cache_dtype, truncated_made)
+    step = PrefillStep(plan, slot_mapping, k_scale, truncated, kernels, cache_blocks, cache_dtype, truncated_made,
+                       k_scale_index)
     step.sparse_rows = sparse_rows
     return step
 
@@ -271,13 +287,15 @@ def _unflatten_step(leaves, context) -> PrefillStep:
 # and the cache's sizes are leaves, the kernels and flags static context.
 torch.utils._pytree.register_pytree_node(
     PrefillStep,
-    lambda s: ((s.plan, s.slot_mapping, s.k_scale, s.truncated, s.cache_blocks, s.sparse_rows),
+    lambda s: ((s.plan, s.slot_mapping, s.k_scale, s.truncated, s.cache_blocks, s.sparse_rows, s.k_scale_index),
                (s.kernels, s.cache_dtype, s.truncated_made)),
     _unflatten_step, serialized_type_name="mla_ops.PrefillStep")
 
 
 def begin_step(plan: PrefillPlan, kv_cache: torch.Tensor, slot_mapping: torch.Tensor | None = None, *,
-               k_scale: float | torch.Tensor | None = None, backend: str = "auto") -> PrefillStep:
+               k_scale: float | torch.Tensor | None = None, backend: str = "auto",
+               index_cache: torch.Tensor | None = None,
+               k_scale_index: float | torch.Tensor | None = None) -> PrefillStep:
     """Set up a step's attention once for every layer: a ``PrefillStep`` whose ``run`` each layer calls.
 
     ``kv_cache``: one layer's cache ``[num_blocks, block_size, L+R]`` or every layer's stacked
@@ -286,8 +304,10 @@ def begin_step(plan: PrefillPlan, kv_cache: torch.Tensor, slot_mapping: torch.Te
     offset; negative: padding, not written); None: the layers write nothing (the caller wrote the
     rows, or the new tokens are not to be cached). ``k_scale``: a float8_e4m3fn cache's scale
     (dequantized = stored * k_scale), ignored for other cache dtypes. ``backend``: see
-    ``run_prefill``. Checks, once: the plan's fit with the cache (block size, the block ids the
-    contexts use, where readable), the slots (by value where readable), the scale and the backend.
+    ``run_prefill``. ``index_cache``: a DSA step's index cache ``[num_blocks, block_size, D_I]`` (one
+    layer's: every layer's shares its geometry), with ``k_scale_index`` for float8, for the step's
+    ``select`` and ``write_index``. Checks, once: the plan's fit with the caches (block size, the block
+    ids the contexts use, where readable), the slots (by value where readable), the scales and the backend.
     """
     if not isinstance(plan, PrefillPlan):
         raise TypeError(f"plan must be a PrefillPlan (mla_ops.plan_prefill), got {type(plan).__name__}")
@@ -319,13 +339,20 @@ def begin_step(plan: PrefillPlan, kv_cache: torch.Tensor, slot_mapping: torch.Te
         if plan.num_tokens is not None and slot_mapping.shape[0] != plan.num_tokens:
             raise ValueError(f"plan was made for T={plan.num_tokens} tokens (its query_start_loc[-1]), but "
                              f"slot_mapping has {slot_mapping.shape[0]}")
+    if index_cache is not None:
+        check_index_step(plan, index_cache, k_scale_index)
+        if slot_mapping is not None:
+            check_slot_mapping(slot_mapping, index_cache, "index_cache")
+    elif k_scale_index is not None:
+        raise ValueError("k_scale_index is the scale of a float8 index_cache: pass index_cache too")
     kernels = backends.select(backend, device, plan.absorbed_query_bound)
     num_tokens = plan.num_tokens if slot_mapping is None else slot_mapping.shape[0]
     truncated = None if num_tokens is None else truncated_tokens(plan, num_tokens)
     # The plan's block size (an int), not the cache's size it equals: under torch.compile that one is a symbol
     # the check above fixed, which a nested region cannot be handed.
+    index_scale = None if index_cache is None else checks.k_scale_tensor(k_scale_index, index_cache)
     return PrefillStep(plan, slot_mapping, checks.k_scale_tensor(k_scale, kv_cache), truncated, kernels,
-                       (num_blocks, plan.block_size), kv_cache.dtype, num_tokens is not None)
+                       (num_blocks, plan.block_size), kv_cache.dtype, num_tokens is not None, index_scale)
 
 
 def run_prefill(

@@ -162,10 +162,10 @@ class MLAModel(nn.Module):
                              f"index_topk={c.index_topk}: plan the step with plan_prefill(..., index_topk="
                              f"{c.index_topk}) (config.index_topk)")
         check_step_inputs(input_ids, positions, plan, self.embed_tokens.num_embeddings)
-        latent = kv_caches.latent if c.is_sparse else kv_caches
+        latent, index = (kv_caches.latent, kv_caches.index[0]) if c.is_sparse else (kv_caches, None)
         step = ModelStep.begin(positions, plan, latent[0], slot_mapping, k_scale, backend,
                                self.embed_tokens.weight.dtype, self.rotary_emb, self.position_scale,
-                               k_scale_index, c.learned_query_scale)  # once, not per layer
+                               index, k_scale_index, c.learned_query_scale)  # once, not per layer
         x = scaled(self.embed_tokens(input_ids), self.embedding_scale)  # [T, H]
         carry, shared = Carry(), {}  # shared: the latest new latent rows of a KV source, per RoPE kind
         for i, (layer, caches) in enumerate(zip(self.layers, self._layer_caches(kv_caches))):

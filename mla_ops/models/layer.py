@@ -26,8 +26,6 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ..ops.cache import write_index_cache
-from ..ops.indexer import index_topk
 from ..parallel.tensor_parallel import all_reduce
 from ..planning.plan import PrefillPlan, check_step_tensors
 from ..prefill import PrefillStep, begin_step
@@ -44,23 +42,24 @@ class ModelStep(NamedTuple):
 
     cos: torch.Tensor  # [T, R] rotary cos / sin of the step's positions
     sin: torch.Tensor
-    attention: PrefillStep  # the plan checked against the caches and slots, the kernels chosen
+    attention: PrefillStep  # the plan checked against the caches and slots (a DSA step's index caches too)
     q_scale: torch.Tensor | None = None  # [T] per-token query factors (config.query_scale), or None
-    k_scale_index: torch.Tensor | float | None = None  # a float8 index cache's scale (sparse models)
     log_positions: torch.Tensor | None = None  # [T] log(position + 1) (config.learned_query_scale), or None
     # None: write the new rows at once; a list: collect them, to be written by whoever made it (regions.py)
     writes: list | None = None
 
     @classmethod
     def begin(cls, positions, plan, kv_cache, slot_mapping, k_scale, backend, dtype, rotary: RotaryEmbedding,
-              position_scale: PositionScale | None = None, k_scale_index=None,
+              position_scale: PositionScale | None = None, index_cache=None, k_scale_index=None,
               learned_query_scale: bool = False) -> ModelStep:
-        """``rotary``: the model's frequencies; ``position_scale``: Mistral 4's per-token query factors, or None."""
-        attention = begin_step(plan, kv_cache, slot_mapping, k_scale=k_scale, backend=backend)
+        """``rotary``: the model's frequencies; ``position_scale``: Mistral 4's per-token query factors, or None;
+        ``index_cache``: one of a sparse model's index caches (all share its geometry), checked once here."""
+        attention = begin_step(plan, kv_cache, slot_mapping, k_scale=k_scale, backend=backend,
+                               index_cache=index_cache, k_scale_index=k_scale_index)
         cos, sin = rotary(positions, dtype)
         q_scale = None if position_scale is None else position_scale(positions, dtype)
         logs = log_positions(positions, dtype) if learned_query_scale else None
-        return cls(cos, sin, attention, q_scale, k_scale_index, logs)
+        return cls(cos, sin, attention, q_scale, logs)
 
     def write_latent(self, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor) -> None:
         """The new tokens' latent rows into ``kv_cache`` at the step's slots (nothing without a slot mapping)."""
@@ -72,8 +71,7 @@ class ModelStep(NamedTuple):
     def write_index(self, k_index: torch.Tensor, index_cache: torch.Tensor) -> None:
         """The new tokens' index keys into a DSA layer's ``index_cache`` at the step's slots."""
         if self.writes is None:
-            if self.attention.slot_mapping is not None:
-                write_index_cache(k_index, self.attention.slot_mapping, index_cache, self.k_scale_index)
+            self.attention.write_index(k_index, index_cache)
         else:
             self.writes.append((index_cache, (k_index,)))
 
@@ -166,8 +164,7 @@ class MLAAttention(nn.Module):
         if self.indexer is not None:
             q_index, weights, k_index = index
             q_index = self.indexer.scaled_queries(q_index, step.log_positions)
-            topk = index_topk(q_index, weights, k_index, index_cache, step.attention.plan,
-                              k_scale_index=step.k_scale_index)  # scores the new keys as given
+            topk = step.attention.select(q_index, weights, k_index, index_cache)  # scores the new keys as given
         elif self.sparse and topk is None:
             raise ValueError("a shared DSA layer (indexer_types 'shared') needs the top-k of a full layer before it")
         out = step.attention.attend(self.scaled_queries(q, step), kv_c, k_pe, kv_cache, self.kv_b_proj.weight,

@@ -225,12 +225,39 @@ _index_topk_op = torch.ops.mla_ops.index_topk.default
 
 def check_index_topk(q_index, index_weights, k_index, index_cache, plan, k_scale_index) -> None:
     """Every check of an ``index_topk`` call, on shapes and host values only (before anything runs)."""
+    check_index_step(plan, index_cache, k_scale_index)
+    check_index_layer(q_index, index_weights, k_index, index_cache, plan)
+
+
+def check_index_step(plan, index_cache, k_scale_index) -> None:
+    """What an index cache must be for a step's plan, the same for every layer: checked once a step
+    (``begin_step``, or each ``index_topk`` call). Reads the block table's largest id where readable."""
     if not isinstance(plan, PrefillPlan):
         raise TypeError(f"plan must be a PrefillPlan (mla_ops.plan_prefill), got {type(plan).__name__}")
     if not plan.index_topk or plan.index_schedule is None or plan.sparse is None:
         raise ValueError("plan was made without index_topk: plan the step with plan_prefill(..., index_topk=K)")
     if plan.context_parallel is not None:
         raise ValueError("plan is a context-parallel plan: the indexer takes a single-device plan")
+    device = plan.device
+    check_tensor(index_cache, "index_cache", 3, "[num_blocks, block_size, D_I]", device, "plan (its block table)")
+    if index_cache.shape[1] != plan.block_size:
+        raise ValueError(f"index_cache has block_size {index_cache.shape[1]}, but plan was made for block_size "
+                         f"{plan.block_size} (the index cache shares the latent cache's block table)")
+    max_block_id = current_max_block_id(plan)
+    if max_block_id >= index_cache.shape[0]:
+        raise ValueError(f"plan's block table uses block {max_block_id}, past the {index_cache.shape[0]} blocks "
+                         "of index_cache")
+    if index_cache.dtype == torch.float8_e4m3fn:
+        if k_scale_index is None:
+            raise ValueError("k_scale_index is required for a float8_e4m3fn index_cache "
+                             "(dequantized = stored * k_scale_index)")
+        check_scale(k_scale_index, "k_scale_index", device)
+    elif k_scale_index is not None:
+        check_scale(k_scale_index, "k_scale_index", device)
+
+
+def check_index_layer(q_index, index_weights, k_index, index_cache, plan) -> None:
+    """One layer's indexer tensors against each other, its index cache and the plan: shapes and dtypes."""
     device = plan.device
     check_tensor(q_index, "q_index", 3, "[T, H_I, D_I]", device, "plan (its block table)")
     check_tensor(index_weights, "index_weights", 2, "[T, H_I]", device, "plan (its block table)")
@@ -255,23 +282,9 @@ def check_index_topk(q_index, index_weights, k_index, index_cache, plan, k_scale
                          f"got {list(k_index.shape)}")
     if index_cache.shape[2] != width:
         raise ValueError(f"index_cache rows must be D_I = {width} wide (q_index's D_I), got {index_cache.shape[2]}")
-    if index_cache.shape[1] != plan.block_size:
-        raise ValueError(f"index_cache has block_size {index_cache.shape[1]}, but plan was made for block_size "
-                         f"{plan.block_size} (the index cache shares the latent cache's block table)")
     if plan.num_tokens is not None and plan.num_tokens != num_tokens:
         raise ValueError(f"plan was made for T={plan.num_tokens} tokens (its query_start_loc[-1]), but q_index "
                          f"has {num_tokens}")
-    max_block_id = current_max_block_id(plan)
-    if max_block_id >= index_cache.shape[0]:
-        raise ValueError(f"plan's block table uses block {max_block_id}, past the {index_cache.shape[0]} blocks "
-                         "of index_cache")
-    if index_cache.dtype == torch.float8_e4m3fn:
-        if k_scale_index is None:
-            raise ValueError("k_scale_index is required for a float8_e4m3fn index_cache "
-                             "(dequantized = stored * k_scale_index)")
-        check_scale(k_scale_index, "k_scale_index", device)
-    elif k_scale_index is not None:
-        check_scale(k_scale_index, "k_scale_index", device)
 
 
 def index_topk(
@@ -291,9 +304,15 @@ def index_topk(
     value on the host; runs under torch.compile with a device-form plan made inside the graph.
     """
     check_index_topk(q_index, index_weights, k_index, index_cache, plan, k_scale_index)
+    return index_topk_checked(q_index, index_weights, k_index, index_cache, plan,
+                              k_scale_tensor(k_scale_index, index_cache))
+
+
+def index_topk_checked(q_index, index_weights, k_index, index_cache, plan, k_scale_index) -> torch.Tensor:
+    """``index_topk`` after its checks, ``k_scale_index`` a one-element tensor or None (``PrefillStep.select``)."""
     schedule = plan.index_schedule
     return _index_topk_op(
         q_index, index_weights, k_index, index_cache, plan.block_table, plan.query_start_loc, plan.context_lens,
         plan.sparse, schedule.starts, schedule.cu_seq_lens, schedule.token_start, schedule.token_end,
-        k_scale_tensor(k_scale_index, index_cache), plan.index_topk, schedule.rows, schedule.tokens,
+        k_scale_index, plan.index_topk, schedule.rows, schedule.tokens,
     )

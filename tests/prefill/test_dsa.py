@@ -128,3 +128,32 @@ def test_a_written_index_cache_serves_the_next_step():
     topk = mla_ops.index_topk(q_index, weights, k_index, written, plan)
     assert set(topk[0].tolist()) == set(keys[0][:, 0].topk(8).indices.tolist())
     assert sorted(topk[1, :7].tolist()) == list(range(7)) and topk[1, 7] == -1  # 7 keys <= 8: dense, all of them
+
+
+def test_a_step_checks_its_index_cache_once_and_each_layer_selects_on_it():
+    """``begin_step(..., index_cache=, k_scale_index=)``: the index cache and its scale checked (and the scale made
+    a tensor) once a step; ``PrefillStep.select`` is ``index_topk`` on it, ``write_index`` its write."""
+    batch = make_batch(CONTEXTS, QUERIES, seed=3, block_size=4, dtype=torch.float32, fp8_scale=0.5,
+                       N=2, L=16, P=8, R=4, V=8)
+    q_index, weights, k_index, index_cache, k_scale_index, _ = index_side(batch, seed=4, fp8=True)
+    plan = mla_ops.plan_prefill(batch.query_start_loc, batch.context_lens, batch.block_table, block_size=4,
+                                workspace_size=16, index_topk=TOPK, index_scores_budget=16 * 5)
+    slots = torch.full((sum(QUERIES),), -1, dtype=torch.long)
+    slots[:3] = torch.arange(3) + 4 * int(batch.block_table.max() + 1)  # free slots past the contexts
+    index = torch.cat([index_cache, torch.zeros_like(index_cache[:4])])  # one free block each
+    latent = torch.cat([batch.kv_cache, torch.zeros_like(batch.kv_cache[:4])])
+    step = mla_ops.begin_step(plan, latent, slots, k_scale=batch.k_scale, index_cache=index,
+                              k_scale_index=k_scale_index)
+    assert isinstance(step.k_scale_index, torch.Tensor) and step.k_scale_index.shape == (1,)
+    expect = mla_ops.index_topk(q_index, weights, k_index, index_cache, plan, k_scale_index=k_scale_index)
+    assert torch.equal(step.select(q_index, weights, k_index, index), expect)
+    step.write_index(k_index, index)
+    written = index.view(-1, D_I)[slots[:3]].float() * k_scale_index
+    torch.testing.assert_close(written, k_index[:3].float(), rtol=0.07, atol=0)  # float8's rounding
+    with pytest.raises(ValueError, match="k_scale_index is required for a float8_e4m3fn index_cache"):
+        mla_ops.begin_step(plan, latent, slots, k_scale=batch.k_scale, index_cache=index)
+    with pytest.raises(ValueError, match="index_cache has block_size 2"):
+        mla_ops.begin_step(plan, latent, slots, k_scale=batch.k_scale, index_cache=index.view(-1, 2, D_I),
+                           k_scale_index=k_scale_index)
+    with pytest.raises(ValueError, match="k_scale_index is the scale of a float8 index_cache: pass index_cache"):
+        mla_ops.begin_step(plan, latent, slots, k_scale=batch.k_scale, k_scale_index=k_scale_index)

@@ -54,7 +54,10 @@ class StaticFloat(float):
 def static_floats(module: nn.Module) -> None:
     """Every float attribute of ``module`` and its submodules (eps, scales, torch's own ``norm_type``) made
     ``StaticFloat``, a constant to ``torch.compile(dynamic=True)`` guarded by value: a nested region would
-    otherwise lift each into a symbolic input, and an op's float argument would restart Dynamo's analysis."""
+    otherwise lift each into a symbolic input, and an op's float argument would restart Dynamo's analysis.
+    Nothing before torch 2.13, whose Dynamo cannot hand a float subclass to an op (and has no regions)."""
+    if not NESTED_REGIONS:
+        return
     for m in module.modules():
         for name, value in vars(m).items():
             if type(value) is float:

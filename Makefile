@@ -37,8 +37,8 @@ test-bench: $(STAMP)
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) tests/benchmarks
 
 # The GPU machine's software stack (Python 3.12, torch 2.11.0 with CUDA 13, triton 3.6.0, the newest
-# numpy) and the test and bench extras except expecttest, which it lacks, in its own venv: both
-# suites must pass there too. Not in CI: the first run downloads a multi-GB CUDA build of torch.
+# numpy), mla-ops' dependencies and the test and bench extras except expecttest, which it lacks, in its
+# own venv: both suites must pass there too. Not in CI: the first run downloads a multi-GB CUDA build of torch.
 # Python 3.12 where it runs (a pyenv 3.12 counts), else 3.11.
 COMPAT_VENV   := .venv-compat
 COMPAT_PY     := $(COMPAT_VENV)/bin/python
@@ -50,7 +50,8 @@ COMPAT_PYTHON ?= $(shell for p in python3.12 $$(pyenv root 2>/dev/null)/versions
 $(COMPAT_STAMP): Makefile
 	test -x $(COMPAT_PY) || $(COMPAT_PYTHON) -m venv $(COMPAT_VENV)
 	$(COMPAT_PY) -m pip install --quiet --upgrade pip
-	$(COMPAT_PY) -m pip install --quiet --upgrade $(COMPAT_PINS) numpy pytest hypothesis matplotlib tqdm
+	$(COMPAT_PY) -m pip install --quiet --upgrade $(COMPAT_PINS) numpy safetensors pytest hypothesis matplotlib tqdm \
+	    "transformers==5.25.0" tokenizers
 	touch $(COMPAT_STAMP)
 
 # mla-ops runs from the source tree there (PYTHONPATH), as benchmarks/gpu_check.sh runs it. One

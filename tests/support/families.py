@@ -15,6 +15,7 @@ import shutil
 import torch
 
 import mla_ops
+from mla_ops.models import regions
 from mla_ops.models.kv_caches import cache_tensors
 
 
@@ -178,6 +179,8 @@ def check_whole_model_compile(model, prompts, starts, max_regions: int, block_si
     torch.testing.assert_close(out, expect, rtol=1e-10, atol=1e-10)
     for got, ref in zip(cache_tensors(stacked(caches)), cache_tensors(expect_caches)):
         torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    if not regions.NESTED_REGIONS:  # torch before 2.13: the layers inline (and its Dynamo may recompile once)
+        return None
     (graph,) = backend.graphs
     calls = collections.Counter(n.args[1] for n in graph.graph.nodes
                                 if n.target is torch.ops.higher_order.invoke_subgraph)

@@ -341,8 +341,8 @@ def begin_step(plan: PrefillPlan, kv_cache: torch.Tensor, slot_mapping: torch.Te
                              f"slot_mapping has {slot_mapping.shape[0]}")
     if index_cache is not None:
         check_index_step(plan, index_cache, k_scale_index)
-        if slot_mapping is not None:
-            check_slot_mapping(slot_mapping, index_cache, "index_cache")
+        if index_cache.shape[-3] != num_blocks:  # then the slots checked against kv_cache fit it too
+            raise ValueError(f"index_cache must have the {num_blocks} blocks of kv_cache, got {index_cache.shape[-3]}")
     elif k_scale_index is not None:
         raise ValueError("k_scale_index is the scale of a float8 index_cache: pass index_cache too")
     kernels = backends.select(backend, device, plan.absorbed_query_bound)

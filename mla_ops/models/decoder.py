@@ -103,23 +103,15 @@ class MLAModel(nn.Module):
                                           learned=config.learned_rope_frequencies)
         self.position_scale = None if config.query_scale is None else PositionScale(config.query_scale)
         self.embedding_scale = config.embedding_scale  # MiniCPM3's; 1: none
-        self.compiled_regions: tuple[regions.CompiledRegion, ...] | None = None  # compile_layers'
-        self._compile_options: dict | None = None
         regions.static_floats(self)
 
     def compile_layers(self, **options) -> MLAModel:
-        """Regional compilation: the decoder layers' dense parts (the attentions' projections, the MLPs and
-        mixtures of experts: ``regions.DENSE_PARTS``) compiled once and shared by every layer of this model,
-        whatever its depth: one graph per part and structure (a dense MLP and a MoE each have theirs) and per
-        dtype, device, grad and inference mode (``regions.CompiledRegion``), the token count dynamic, so every
-        step size (zero and one token included), cache size and plan reuses them. The attention ops between
-        them run eagerly. ``options`` go to ``torch.compile`` (defaults ``fullgraph=True``,
-        ``backend="inductor"``), which refuses bad ones here, the model left as it was; calling it again with
-        the same options keeps the compiled regions. Returns the model."""
-        options = regions.compile_options(options)
-        if self._compile_options != options:
-            self.compiled_regions = regions.compile_layers(self.layers, options)
-            self._compile_options = options
+        """Regional compilation: the layers' dense parts (the attentions' projections, the MLPs) compiled once and
+        shared by every layer, whatever the depth, step size, cache size or plan; the attention ops between them
+        run eagerly (``mla_ops.models.regions.compile_layers``). ``options`` go to ``torch.compile`` (defaults
+        ``fullgraph=True``, ``backend="inductor"``), which refuses bad ones here, the model left as it was;
+        calling it again with the same options keeps the compiled parts. Returns the model."""
+        regions.compile_layers(self, options)
         return self
 
     def allocate_kv_caches(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,

@@ -25,7 +25,7 @@ from typing import NamedTuple, Sequence, Union
 
 import torch
 
-from .. import _checks
+from . import regions
 
 LayerCaches = Sequence[torch.Tensor]  # one [num_blocks, block_size, W] per layer (eager code: or stacked)
 
@@ -76,12 +76,7 @@ def _check_layer_caches(caches, name: str, layers: int, width: int) -> tuple[tor
     if isinstance(caches, torch.Tensor):
         if caches.dim() != 4 or caches.shape[0] != layers or caches.shape[3] != width:
             raise ValueError(f"{name} must be {form}, got shape {tuple(caches.shape)} (see allocate_kv_caches)")
-        if torch.compiler.is_compiling():
-            _checks.raise_value_error(
-                f"{name} is one stacked tensor: under torch.compile pass {form} (what "
-                "allocate_kv_caches returns): compiled writes into the views of one buffer land in the wrong layer "
-                "(pytorch#198068)")
-        return tuple(caches.unbind())
+        return regions.unstacked(caches, name, form)
     if not isinstance(caches, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in caches):
         raise TypeError(f"{name} must be {form}, got {type(caches).__name__} (see allocate_kv_caches)")
     if len(caches) != layers:

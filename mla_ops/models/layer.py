@@ -63,22 +63,24 @@ class ModelStep(NamedTuple):
 
     def write_latent(self, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor) -> None:
         """The new tokens' latent rows into ``kv_cache`` at the step's slots (nothing without a slot mapping)."""
-        if self.writes is None:
-            self.attention.write(kv_c, k_pe, kv_cache)
-        else:
-            self.writes.append((kv_cache, (kv_c, k_pe)))
+        self._write(kv_cache, (kv_c, k_pe))
 
     def write_index(self, k_index: torch.Tensor, index_cache: torch.Tensor) -> None:
         """The new tokens' index keys into a DSA layer's ``index_cache`` at the step's slots."""
-        if self.writes is None:
-            self.attention.write_index(k_index, index_cache)
+        self._write(index_cache, (k_index,))
+
+    def _write(self, cache: torch.Tensor, rows: tuple) -> None:
+        if self.writes is not None:
+            self.writes.append((cache, rows))
         else:
-            self.writes.append((index_cache, (k_index,)))
+            self.write(cache, rows)
 
     def write(self, cache: torch.Tensor, rows: tuple) -> None:
-        """``rows`` collected by ``write_latent`` ((kv_c, k_pe)) or ``write_index`` ((k_index,)), written now."""
-        step = self._replace(writes=None)
-        step.write_latent(*rows, cache) if len(rows) == 2 else step.write_index(*rows, cache)
+        """``rows`` ((kv_c, k_pe) latent rows, or (k_index,) index keys) into ``cache``, now."""
+        if len(rows) == 2:
+            self.attention.write(*rows, cache)
+        else:
+            self.attention.write_index(*rows, cache)
 
 
 class Carry(NamedTuple):

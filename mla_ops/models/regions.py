@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .. import _checks
 from .._env import own_code
 from .layer import Carry, LayerCaches, MLAAttention, ModelStep
 from .moe import FeedForward, MoE
@@ -62,6 +63,17 @@ def static_floats(module: nn.Module) -> None:
         for name, value in vars(m).items():
             if type(value) is float:
                 setattr(m, name, StaticFloat(value))
+
+
+def unstacked(caches: torch.Tensor, name: str, form: str) -> tuple[torch.Tensor, ...]:
+    """A stacked cache tensor's layers (views), in eager code; refused by name under ``torch.compile``, whose writes
+    into the views of one buffer land in the wrong layer (pytorch#198068; ``mla_ops.enable()`` lowers the missing
+    op, but a model never depends on it)."""
+    if torch.compiler.is_compiling():
+        _checks.raise_value_error(f"{name} is one stacked tensor: under torch.compile pass {form} (what "
+                                  "allocate_kv_caches returns): compiled writes into the views of one buffer land in "
+                                  "the wrong layer (pytorch#198068)")
+    return tuple(caches.unbind())
 
 
 def run_layer(layer: nn.Module, x: torch.Tensor, caches: LayerCaches, step: ModelStep,
@@ -137,11 +149,15 @@ def compile_options(options: dict) -> dict:
 DENSE_PARTS = (((MLAAttention,), "project"), ((FeedForward, MoE), "forward"))
 
 
-def compile_layers(layers: nn.Module, options: dict) -> tuple[CompiledRegion, ...]:
-    """Regional compilation of ``layers``: each outermost module of ``DENSE_PARTS`` gets its method compiled (an
-    instance attribute over its class's), one ``CompiledRegion`` per part shared by every module. (A MoE's shared
-    experts, an MLP, run inside the MoE's region.) Returns the regions."""
-    regions = tuple(CompiledRegion(name, options, f"{id(layers):x}") for _, name in DENSE_PARTS)
+def compile_layers(model: nn.Module, options: dict) -> None:
+    """``MLAModel.compile_layers``: each outermost module of ``DENSE_PARTS`` in ``model.layers`` gets its method
+    compiled (an instance attribute over its class's), one ``CompiledRegion`` per part shared by every module
+    (a MoE's shared experts, an MLP, run inside the MoE's region); they are ``model.compiled_regions``. The same
+    options again keep them; a bad option is refused before anything changes."""
+    options = compile_options(options)
+    if getattr(model, "compiled_regions", None) is not None and model.compiled_regions[0].options == options:
+        return
+    regions = tuple(CompiledRegion(name, options, f"{id(model):x}") for _, name in DENSE_PARTS)
 
     def install(module: nn.Module) -> None:
         for (classes, name), region in zip(DENSE_PARTS, regions):
@@ -151,8 +167,8 @@ def compile_layers(layers: nn.Module, options: dict) -> tuple[CompiledRegion, ..
         for child in module.children():
             install(child)
 
-    install(layers)
-    return regions
+    install(model.layers)
+    model.compiled_regions = regions
 
 
 class CompiledRegion:

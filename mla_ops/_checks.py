@@ -336,9 +336,9 @@ def check_k_scale(k_scale, kv_cache: torch.Tensor, device: torch.device) -> None
 
 
 def check_scale(scale, name: str, device: torch.device) -> None:
-    """A dequantization scale: a finite positive float or a one-element float32 tensor on ``device``,
-    checked by value where that is free (a float, a CPU tensor; a GPU tensor under the debug switch,
-    as a device-side assert)."""
+    """A dequantization scale: a float or a one-element float32 tensor on ``device`` whose float32 value
+    (the dtype the kernels use) is positive, finite and normal, checked by value where that is free (a
+    float, a CPU tensor; a GPU tensor under the debug switch, as a device-side assert)."""
     if isinstance(scale, torch.Tensor):
         if scale.numel() != 1 or scale.dtype != torch.float32:
             raise ValueError(
@@ -350,15 +350,24 @@ def check_scale(scale, name: str, device: torch.device) -> None:
         if values_readable(scale):
             _check_scale_value(float(scale.reshape(())), name)
         elif debug_enabled():
-            torch._assert_async(torch.isfinite(scale).all() & (scale > 0).all(),
-                                f"mla_ops debug: {name} must be finite and positive")
+            torch._assert_async(torch.isfinite(scale).all() & (scale >= FLOAT32_TINY).all(),
+                                f"mla_ops debug: {name} must be finite and positive, a normal float32")
     else:
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
             raise TypeError(f"{name} must be a float or a one-element float32 tensor, got {type(scale).__name__}")
         _check_scale_value(float(scale), name)
 
 
+FLOAT32_TINY = torch.finfo(torch.float32).tiny  # the smallest normal float32
+
+
 def _check_scale_value(value: float, name: str) -> None:
-    # 0 or inf would store every row as +-448 or 0 (row / scale, saturated) and read it back as 0 or NaN.
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be finite and positive, got {value}")
+    # Checked as float32, the kernels' dtype: 1e-46 is finite and positive as a Python float but 0 in
+    # float32, 1e39 is inf. 0 or inf would store every row as +-448 or 0 (row / scale, saturated) and read
+    # it back as 0 or NaN; a subnormal loses its precision (and flushes to 0 on some kernels).
+    with np.errstate(over="ignore"):
+        as_float32 = float(np.float32(value))
+    if not (math.isfinite(as_float32) and as_float32 >= FLOAT32_TINY):
+        raise ValueError(f"{name} must be finite and positive, a normal float32 (in [{FLOAT32_TINY:.6g}, "
+                         f"{torch.finfo(torch.float32).max:.6g}]), got {value!r}"
+                         + (f", {as_float32!r} as float32" if as_float32 != value and math.isfinite(value) else ""))

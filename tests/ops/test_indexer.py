@@ -165,7 +165,8 @@ def test_bad_input_is_refused_naming_the_argument(name, corrupt, error, match):
         mla_ops.index_topk(*args, plan)
 
 
-@pytest.mark.parametrize("scale", [-1.0, float("nan"), torch.tensor([0.5], dtype=torch.float64)])
+@pytest.mark.parametrize("scale", [-1.0, float("nan"), torch.tensor([0.5], dtype=torch.float64),
+                                   1e-46, 1e39, 1e-40, torch.tensor([1e-40])])  # 0, inf, subnormal in float32
 def test_a_bad_k_scale_index_is_refused(scale):
     batch = indexer_batch([12, 0, 2], [3, 10, 2], TOPK, block_size=4, fp8_scale=0.5, seed=8)
     with pytest.raises(ValueError, match="k_scale_index"):

@@ -11,7 +11,8 @@ k_scale          [1] float32 or None   dequantized = stored * k_scale (float8_e4
 
 For token t of a request r with ``sparse[r]``, at position ``c_r + j`` of its sequence: its keys are
 the entries s of ``topk_indices[t]`` with ``0 <= s <= c_r + j`` (a position past the query's own is
-never attended; -1 pads). Position s is the row ``[kv_c | k_pe]``
+never attended; -1 pads; a position appears at most once in a row: refused on the CPU, a device assert
+under ``mla_ops.set_debug(True)``, else counted as often as it appears). Position s is the row ``[kv_c | k_pe]``
 
     kv_cache[block_table[r, s // block_size], s % block_size]   (* k_scale for fp8)   if s < c_r
     [kv_c | k_pe][query_start_loc[r] + s - c_r]                                         otherwise
@@ -126,8 +127,9 @@ def check_topk_indices(topk_indices, num_tokens: int, index_topk: int | None, de
 
 def check_topk_values(topk_indices, query_start_loc, context_lens, sparse) -> None:
     """Where readable (CPU): every entry of a sparse request's token lies in ``-1 .. c_r + q_r - 1``
-    (positions in its request's sequence); other tokens' rows are ignored, so not checked. Elsewhere,
-    under the debug switch (``mla_ops.set_debug``), the same check as a device-side assert."""
+    (positions in its request's sequence) and no position repeats in a row (the softmax would count
+    that key twice); other tokens' rows are ignored, so not checked. Elsewhere, under the debug switch
+    (``mla_ops.set_debug``), the same checks as device-side asserts."""
     if topk_indices.numel() == 0 or context_lens.shape[0] == 0:
         return
     readable = checks.values_readable(topk_indices, query_start_loc, context_lens, sparse)
@@ -135,15 +137,26 @@ def check_topk_values(topk_indices, query_start_loc, context_lens, sparse) -> No
         return
     request, _, valid = token_requests(query_start_loc, topk_indices.shape[0])
     seq = (context_lens + (query_start_loc[1:] - query_start_loc[:-1])).index_select(0, request)  # [T]: c_r + q_r
-    bad = ((topk_indices < -1) | (topk_indices >= seq[:, None])) & (valid & sparse.index_select(0, request))[:, None]
-    if not readable:  # the debug switch: a device-side assert, no host sync
+    checked = (valid & sparse.index_select(0, request))[:, None]
+    bad = ((topk_indices < -1) | (topk_indices >= seq[:, None])) & checked
+    ordered = topk_indices.sort(dim=1).values  # a repeat is two equal neighbours
+    repeated = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)) & checked
+    if not readable:  # the debug switch: device-side asserts, no host sync
         torch._assert_async(~bad.any(), "mla_ops debug: topk_indices must lie in -1 .. c_r + q_r - 1")
+        torch._assert_async(~repeated.any(), "mla_ops debug: topk_indices must not repeat a position in a row")
         return
     if bad.any():
         t, k = (int(i) for i in torch.nonzero(bad)[0])
         r = int(request[t])
         raise ValueError(f"topk_indices[{t}, {k}] is {int(topk_indices[t, k])}: token {t} of request {r} selects "
                          f"positions in -1 .. {int(seq[t]) - 1} (c_r + q_r - 1; -1 pads)")
+    if repeated.any():
+        t, k = (int(i) for i in torch.nonzero(repeated)[0])
+        position = int(ordered[t, k])
+        columns = torch.nonzero(topk_indices[t] == position).squeeze(1).tolist()
+        raise ValueError(f"topk_indices row {t} (request {int(request[t])}) holds position {position} "
+                         f"{len(columns)} times (columns {columns}): each selected key must appear once "
+                         "(the softmax would count it twice)")
 
 
 def sparse_attention(q, kv_c, k_pe, kv_cache, block_table, query_start_loc, context_lens, sparse, topk_indices,

@@ -158,6 +158,54 @@ def test_bad_input_is_refused_before_anything_is_written(name, edit, error, matc
     assert torch.isnan(out).all() and torch.isnan(lse).all()
 
 
+def _repeat_a_position(topk, token):
+    """``topk`` with token ``token``'s first valid entry copied over its second (-1 pads stay)."""
+    row = topk[token]
+    first, second = torch.nonzero(row >= 0).squeeze(1)[:2].tolist()
+    topk = topk.clone()
+    topk[token, second] = row[first]
+    return topk, int(row[first])
+
+
+def test_a_repeated_position_in_a_row_is_refused_by_name_before_anything_is_written():
+    """The softmax would count that key twice: a finite wrong number. Repeated -1 padding is fine."""
+    batch = context_batch(CONTEXTS, QUERIES, block_size=4, dtype=torch.float32, **SMALL)
+    topk = random_topk(CONTEXTS, QUERIES, K, seed=0, sparse=SPARSE)
+    token = 7  # request 2 (40 context keys): K valid entries
+    repeated, position = _repeat_a_position(topk, token)
+    out, lse = batch.sentinels(SMALL["V"])
+    with pytest.raises(ValueError, match=rf"topk_indices row {token} \(request 2\) holds position {position} 2 times"):
+        sparse_attention(*batch_args(batch, SPARSE, repeated), out=out, lse=lse)
+    assert torch.isnan(out).all() and torch.isnan(lse).all()
+    dense_token = sum(QUERIES[:4])  # request 4 is dense-routed: its row is ignored, so not checked
+    ignored = topk.clone()
+    ignored[dense_token] = 0
+    sparse_attention(*batch_args(batch, SPARSE, ignored))
+
+
+def test_the_debug_switch_asserts_a_repeated_position_where_values_are_not_read():
+    """Traced (as on a GPU), nothing is read on the host; ``set_debug(True)`` adds a device assert."""
+    import mla_ops
+    from mla_ops.ops.sparse import check_topk_values
+
+    batch = context_batch(CONTEXTS, QUERIES, block_size=4, dtype=torch.float32, **SMALL)
+    repeated, _ = _repeat_a_position(random_topk(CONTEXTS, QUERIES, K, seed=0, sparse=SPARSE), 7)
+    lengths = (batch.query_start_loc, batch.context_lens, torch.tensor(SPARSE))
+
+    def check(topk):
+        check_topk_values(topk, *lengths)
+        return topk + 1
+
+    torch._dynamo.reset()
+    try:
+        mla_ops.set_debug(True)
+        with pytest.raises(RuntimeError, match="must not repeat a position"):
+            torch.compile(check, fullgraph=True, backend="eager")(repeated)
+    finally:
+        mla_ops.set_debug(False)
+        torch._dynamo.reset()
+
+
 def test_dense_rows_are_not_range_checked_and_fp8_needs_k_scale():
     batch = context_batch(CONTEXTS, QUERIES, block_size=4, dtype=torch.float32, fp8_scale=0.5, **SMALL)
     topk = random_topk(CONTEXTS, QUERIES, K, seed=0, sparse=SPARSE)

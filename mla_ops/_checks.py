@@ -83,9 +83,14 @@ def _got(value) -> str:
     return name
 
 
-def check_int(value, name: str, least: int | None = None, *, optional: bool = False, meaning: str = "") -> int | None:
+INT32_MAX = 2**31 - 1
+
+
+def check_int(value, name: str, least: int | None = None, *, optional: bool = False, meaning: str = "",
+              most: int | None = None) -> int | None:
     """``value`` as an int (numpy ints too; a bool, float or str is a TypeError naming ``name``),
-    at least ``least``; None passes where ``optional``. ``meaning`` follows the type in messages.
+    at least ``least`` and at most ``most``; None passes where ``optional``. ``meaning`` follows the type
+    in messages.
 
     Traced, an int the compiled function closes over (or reads from ``self``) arrives symbolic under
     ``dynamic=True``: ``operator.index`` makes Dynamo specialise it (a guard on its value), so every size
@@ -100,7 +105,16 @@ def check_int(value, name: str, least: int | None = None, *, optional: bool = Fa
     if least is not None and value < least:
         bound = "a positive int" if least == 1 else f"an int >= {least}"
         raise ValueError(f"{name} must be {bound}{meaning}{either}, got {value}")
+    if most is not None and value > most:
+        limit = "2**31 - 1 (it reaches int32 tensors)" if most == INT32_MAX else str(most)
+        raise ValueError(f"{name} must be at most {limit}, got {value}")
     return value
+
+
+def check_int32_size(value, name: str, least: int = 1, meaning: str = "") -> int:
+    """A size that reaches an int32 tensor (a compare with int32 lengths, an int32 offset): an int in
+    ``least .. 2**31 - 1`` (a larger one would wrap around in the comparison)."""
+    return check_int(value, name, least, meaning=meaning, most=INT32_MAX)
 
 
 def check_positive_int(value, name: str) -> int:

@@ -255,7 +255,7 @@ def test_planning_errors_name_the_argument(world_of_one):
         plan(workspace_size=16, split_alignment=6, context_parallel=mla_ops.ContextParallel(interleave=4))
     with pytest.raises(TypeError, match="context_parallel must be a mla_ops.ContextParallel"):
         plan(context_parallel="world")
-    with pytest.raises(ValueError, match="cannot be combined with policy='whole_requests'"):
+    with pytest.raises(ValueError, match="max_chunks \\(the device form\\) plans only policy='packed', got policy='whole_requests'"):
         plan(max_chunks=2, policy="whole_requests", context_parallel=mla_ops.ContextParallel())
     with pytest.raises(ValueError, match="absorb_max_query_len must be an int >= 0"):
         plan(absorb_max_query_len=-1, context_parallel=mla_ops.ContextParallel())

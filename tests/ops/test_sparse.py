@@ -118,6 +118,24 @@ def test_opcheck():
                           test_utils=OPCHECK_UTILS[1:])
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_row_marked_without_a_finite_selection_comes_out_nan(dtype):
+    """-2 (index_topk's mark of a token whose scores were not finite), anywhere in a row: NaN out and lse for
+    that token, every other token as before (the torch op; the Triton kernel: tests/interpreter)."""
+    batch = context_batch(CONTEXTS, QUERIES, block_size=4, dtype=dtype, **SMALL)
+    topk = random_topk(CONTEXTS, QUERIES, K, seed=5, sparse=SPARSE)
+    clean_out, clean_lse = sparse_attention(*batch_args(batch, SPARSE, topk))
+    marked = topk.clone()
+    marked[7] = -2  # request 2, a whole row as index_topk writes it
+    marked[1, 3] = -2  # request 1, one entry
+    out, lse = sparse_attention(*batch_args(batch, SPARSE, marked))
+    nan = torch.zeros(out.shape[0], dtype=torch.bool)
+    nan[[1, 7]] = True
+    assert torch.isnan(out[nan]).all() and torch.isnan(lse[:, nan]).all()
+    torch.testing.assert_close(out[~nan], clean_out[~nan], rtol=0, atol=0)
+    torch.testing.assert_close(lse[:, ~nan], clean_lse[:, ~nan], rtol=0, atol=0)
+
+
 def test_public_function_makes_the_empty_partial_for_other_rows():
     batch = context_batch(CONTEXTS, QUERIES, block_size=4, dtype=torch.float64, **SMALL)
     topk = random_topk(CONTEXTS, QUERIES, K, seed=2, sparse=SPARSE)
@@ -140,7 +158,7 @@ BAD = [
     ("topk_indices", lambda a: a[:-1], ValueError, r"topk_indices must be \[T, index_topk\]"),
     ("topk_indices", lambda a: a[0], ValueError, "topk_indices must be 2-D"),
     ("topk_indices", lambda a: torch.where(a == a.max(), 99, a), ValueError, r"topk_indices\[\d+, \d+\] is 99"),
-    ("topk_indices", lambda a: torch.full_like(a, -2), ValueError, r"topk_indices\[0, 0\] is -2"),
+    ("topk_indices", lambda a: torch.full_like(a, -3), ValueError, r"topk_indices\[0, 0\] is -3"),
     ("sparse", lambda s: s.int(), TypeError, "sparse must be bool"),
     ("sparse", lambda s: s[:-1], ValueError, r"sparse \[B\]"),
     ("query_start_loc", lambda q: q.flip(0), ValueError, "query_start_loc must start at 0"),

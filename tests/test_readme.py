@@ -1,6 +1,6 @@
 """The documentation's examples run as written: every ```python block of README.md, in order, in
 one shared namespace (a block may use what an earlier one defined), and likewise for
-docs/integration.md. A block that raises, or whose assertion fails, fails the test with the
+docs/integration.md, docs/api.md and docs/dsa.md. A block that raises, or whose assertion fails, fails the test with the
 page's own line in the traceback, so an example cannot drift from the code.
 
 The README's compiled example compiles a two-layer model with Inductor: the slow part, up to a
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAGES = ["README.md", "docs/integration.md"]
+PAGES = ["README.md", "docs/integration.md", "docs/api.md", "docs/dsa.md"]
 BLOCK = re.compile(r"^```python\n(.*?)^```\s*$", re.DOTALL | re.MULTILINE)
 
 
@@ -62,3 +62,15 @@ def test_every_block_is_found():
         with open(os.path.join(ROOT, page), encoding="utf-8") as f:
             fences = len(re.findall(r"^```python\s*$", f.read(), re.MULTILINE))
         assert len(python_blocks(page)) == fences, page
+
+
+def test_api_page_lists_every_public_name():
+    """docs/api.md's "Public names" is ``mla_ops.__all__``, no more and no less."""
+    import mla_ops
+
+    with open(os.path.join(ROOT, "docs/api.md"), encoding="utf-8") as f:
+        text = f.read()
+    section = text[text.index("## Public names"):]
+    section = section[: section.find("\n## ", 1)] if "\n## " in section[1:] else section
+    listed = set(re.findall(r"`(\w+)`", section.split(":", 1)[1])) - {"__all__"}
+    assert listed == set(mla_ops.__all__), (sorted(listed - set(mla_ops.__all__)), sorted(set(mla_ops.__all__) - listed))

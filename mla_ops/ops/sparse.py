@@ -40,7 +40,8 @@ from __future__ import annotations
 import torch
 
 from .. import _checks as checks
-from .._mla import NO_FINITE_SELECTION, MLADims, fold_queries, lse_dtype, split_kv_b_proj, token_requests, unfold_outputs
+from .._mla import (NO_FINITE_SELECTION, MLADims, fold_queries, lse_dtype, split_kv_b_proj, token_requests,
+                   unfold_outputs)
 
 # Gathered rows (tokens x K) per block of the reference: at L+R = 576 fp32, 72 MiB.
 REFERENCE_ROWS = 1 << 15

@@ -11,6 +11,11 @@ from typing import NamedTuple
 import torch
 
 
+# A ``topk_indices`` entry (DSA): the indexer's scores of this token were not finite (a NaN or inf in its
+# index query, weights or a candidate's key), so no selection exists; the token's attention output is NaN.
+NO_FINITE_SELECTION = -2
+
+
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     """LSEs are float32, or float64 when the attention itself runs in float64 (exact oracle)."""
     return torch.float64 if dtype == torch.float64 else torch.float32

@@ -27,9 +27,11 @@ Every call all-gathers a fingerprint of its arguments first: ranks that disagree
 refuses the call) raise a ValueError naming ``context_parallel`` on every rank, instead of hanging.
 
 Arguments are checked before anything is written: a refused call (a bad prompt, token id,
-``max_new_tokens`` or ``eos_token_id``, or a fixed ``num_blocks`` too small for the call) raises
-a TypeError or ValueError that names the argument, allocates no cache, takes no block and leaves
-the prefix index as it was, so the ``Generator`` stays usable.
+``max_new_tokens`` or ``eos_token_id``, a fixed ``num_blocks`` too small for the call, or a cache
+past the device's memory or int32 block ids) raises a TypeError or ValueError that names the
+argument, allocates no cache, takes no block and leaves the prefix index as it was, so the
+``Generator`` stays usable. The cache is allocated before the bookkeeping changes, so an allocation
+that fails anyway leaves it usable too. A call that may pass ``max_position_embeddings`` warns.
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import sys
 import time
 import warnings
 import weakref
@@ -318,7 +319,7 @@ class Generator:
             warnings.warn(f"generate: max_new_tokens={max_new_tokens} takes the longest prompt ({max(map(len, prompts))} "
                           f"tokens) to position {last}, past the model's max_position_embeddings={limit} (positions "
                           f"0..{limit - 1}): the tokens there are extrapolated, not what the model was trained for",
-                          stacklevel=3)
+                          stacklevel=_caller_stacklevel())
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, eos_token_id=None,
@@ -385,6 +386,15 @@ class Generator:
             for request in requests:
                 scheduler.release(request)
         return outputs
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` of a warning raised here that points at the first frame outside mla_ops and torch
+    (``torch.no_grad`` wraps ``generate``; ``mla_ops.generate`` calls it)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in ("mla_ops", "torch"):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _check_model(model) -> None:

@@ -131,10 +131,10 @@ def _check_model_dtype(caches: tuple[torch.Tensor, ...], name: str, dtype: torch
         return
     first = caches[0]
     if first.dtype not in (dtype, torch.float8_e4m3fn):
-        raise TypeError(f"{name} must have the model's dtype ({dtype}) or float8_e4m3fn, got {first.dtype} "
-                        "(allocate_kv_caches allocates the model's)")
+        _checks.raise_type_error(f"{name} must have the model's dtype ({dtype}) or float8_e4m3fn, got "
+                                 f"{first.dtype} (allocate_kv_caches allocates the model's)")
     if first.device != device:
-        raise ValueError(f"{name} must be on the model's device ({device}), got {first.device}")
+        _checks.raise_value_error(f"{name} must be on the model's device ({device}), got {first.device}")
 
 
 def _check_no_shared_memory(parts) -> None:

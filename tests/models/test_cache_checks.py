@@ -151,3 +151,27 @@ def test_disjoint_views_of_one_buffer_stay_accepted():
     buffer = torch.stack(caches).flatten()
     views = [layer.view(caches[0].shape) for layer in buffer.chunk(len(caches))]
     assert torch.equal(run_step(model, views), expect)
+
+
+def test_under_torch_compile_the_same_checks_name_the_caches():
+    """A whole-model ``torch.compile(fullgraph=True)``: fake tensors have no address, so two cache layers are the
+    same tensor or not; both refusals reach the user in our words, at trace time (nothing runs)."""
+    torch._dynamo.reset()
+    model = dense_model()
+    c = model.config
+    ids, positions, slots, table, qsl, ctx = model_step(c, [0, 6], [7, 3], seed=1)
+    options = mla_ops.PlanOptions(block_size=4, workspace_size=16, max_chunks=4)
+
+    def step(caches):
+        return model(ids, positions, caches, slots, table, mla_ops.plan_prefill(qsl, ctx, table, options=options))
+
+    compiled = torch.compile(step, backend="eager", fullgraph=True, dynamic=True)
+    caches = fresh(model)
+    with torch.no_grad():
+        for bad, error, match in (([caches[0], caches[0]], ValueError, r"^kv_caches\[1\] is kv_caches\[0\]"),
+                                  (as_dtype(caches, torch.float16), TypeError,
+                                   r"^kv_caches must have the model's dtype \(torch.float32\)")):
+            before = clone_caches(bad)
+            with pytest.raises(error, match=match):
+                compiled(bad)
+            assert caches_equal(bad, before)

@@ -306,17 +306,18 @@ class Generator:
         matches, need, available = scheduler.blocks_needed(requests, max_new_tokens, stale)
         extra = scheduler.growth(need, available)
         if realloc or extra:
-            self._check_cache_fits(self.manager.num_blocks + extra, f"max_new_tokens={max_new_tokens} with these "
-                                   "prompts" if self.settings.num_blocks is None else f"num_blocks={self.manager.num_blocks}")
+            fixed = self.settings.num_blocks
+            asked = f"max_new_tokens={max_new_tokens} with these prompts" if fixed is None else f"num_blocks={fixed}"
+            self._check_cache_fits(self.manager.num_blocks + extra, asked)
         return requests, fingerprint, matches, need, extra
 
     def _warn_past_max_positions(self, prompts: list[list[int]], max_new_tokens: int) -> None:
         """A call that may feed the model positions past ``max_position_embeddings`` (the rotary tables and
         YaRN were made for those) runs, with one warning saying so."""
-        limit = self.model.config.max_position_embeddings
-        last = max(map(len, prompts)) + max_new_tokens - 2  # the last token fed back: the final one never is
+        limit, longest = self.model.config.max_position_embeddings, max(map(len, prompts))
+        last = longest + max_new_tokens - 2  # the last token fed back: the final one never is
         if last >= limit:
-            warnings.warn(f"generate: max_new_tokens={max_new_tokens} takes the longest prompt ({max(map(len, prompts))} "
+            warnings.warn(f"generate: max_new_tokens={max_new_tokens} takes the longest prompt ({longest} "
                           f"tokens) to position {last}, past the model's max_position_embeddings={limit} (positions "
                           f"0..{limit - 1}): the tokens there are extrapolated, not what the model was trained for",
                           stacklevel=_caller_stacklevel())

@@ -148,14 +148,17 @@ def _check_no_shared_memory(parts) -> None:
                 if t is u:
                     _checks.raise_value_error(f"{name} is {other}: every cache layer needs a tensor of its own")
         return
-    spans = []
+    spans = []  # (where, first byte, end byte, name): addresses on a device, or offsets in a storage without any
     for name, t in named:
         if t.numel():
-            start = t.storage_offset() * t.element_size()
-            extent = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride())) + 1
-            spans.append((t.untyped_storage().data_ptr(), start, start + extent * t.element_size(), name))
+            extent = (sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1) * t.element_size()
+            if type(t) is torch.Tensor and t.device.type != "meta":  # memory with addresses (two storages may alias)
+                where, start = str(t.device), t.data_ptr()
+            else:  # meta or fake: the storage object, the offset in it
+                where, start = f"storage {t.untyped_storage()._cdata}", t.storage_offset() * t.element_size()
+            spans.append((where, start, start + extent, name))
     spans.sort()
-    for (storage, _, end, other), (next_storage, next_start, _, name) in zip(spans, spans[1:]):
-        if storage == next_storage and next_start < end:
+    for (where, _, end, other), (next_where, next_start, _, name) in zip(spans, spans[1:]):
+        if where == next_where and next_start < end:
             raise ValueError(f"{name} shares memory with {other}: every cache layer needs memory of its own "
                              "(allocate_kv_caches allocates one tensor per layer)")

@@ -175,3 +175,16 @@ def test_under_torch_compile_the_same_checks_name_the_caches():
             with pytest.raises(error, match=match):
                 compiled(bad)
             assert caches_equal(bad, before)
+
+
+def test_meta_caches_are_told_apart_by_storage():
+    """Meta tensors have no addresses (every data_ptr is 0): separate meta caches are separate, views of one
+    meta buffer that overlap are not."""
+    from mla_ops.models.kv_caches import check_caches
+
+    separate = [torch.empty(4, 4, 40, device="meta") for _ in range(2)]
+    check_caches(separate, 2, 40)
+    buffer = torch.empty(5 * 4 * 40, device="meta")
+    overlapping = [buffer.narrow(0, start, 4 * 4 * 40).view(4, 4, 40) for start in (0, 4 * 40)]
+    with pytest.raises(ValueError, match=r"kv_caches\[1\] shares memory with kv_caches\[0\]"):
+        check_caches(overlapping, 2, 40)

@@ -49,13 +49,24 @@ class TracedValueError(torch._dynamo.exc.UserError, ValueError):
         super().__init__(torch._dynamo.exc.UserErrorType.INVALID_INPUT, message)
 
 
-def _raise_at_trace_time(ctx) -> None:
+class TracedTypeError(torch._dynamo.exc.UserError, TypeError):
+    """``TracedValueError``'s twin for a ``TypeError``."""
+
+    def __init__(self, message: str):
+        super().__init__(torch._dynamo.exc.UserErrorType.INVALID_INPUT, message)
+
+
+def _raise_at_trace_time(ctx, error: type = TracedValueError) -> None:
     """A ``comptime`` callback: under ``fullgraph=True`` raise the caller's ``message`` now; otherwise do nothing,
     so the caller's plain raise falls back to eager and reaches the user as a ``ValueError`` (a trace-time
     error there would make Dynamo skip the frame silently)."""
     tx = torch._dynamo.symbolic_convert.InstructionTranslator.current_tx()
     if getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False):
-        raise TracedValueError(ctx.get_local("message").as_python_constant())
+        raise error(ctx.get_local("message").as_python_constant())
+
+
+def _raise_type_at_trace_time(ctx) -> None:
+    _raise_at_trace_time(ctx, TracedTypeError)
 
 
 def raise_value_error(message: str):
@@ -66,6 +77,15 @@ def raise_value_error(message: str):
 
         comptime(_raise_at_trace_time)
     raise ValueError(message)
+
+
+def raise_type_error(message: str):
+    """``raise TypeError(message)``, as ``raise_value_error`` raises its ``ValueError``."""
+    if torch.compiler.is_compiling():
+        from torch._dynamo.comptime import comptime
+
+        comptime(_raise_type_at_trace_time)
+    raise TypeError(message)
 
 
 def values_readable(*tensors: torch.Tensor) -> bool:

@@ -147,8 +147,10 @@ class MLAModel(nn.Module):
         k_scale_index: float | torch.Tensor | None = None,  # a float8 index cache's scale (sparse models)
     ) -> torch.Tensor:
         c = self.config
+        weight = self.embed_tokens.weight
         kv_caches = check_caches(kv_caches, self.num_cache_layers, c.kv_lora_rank + c.qk_rope_head_dim,
-                                 (c.num_index_layers, c.indexer.index_head_dim) if c.is_sparse else None)
+                                 (c.num_index_layers, c.indexer.index_head_dim) if c.is_sparse else None,
+                                 (weight.dtype, weight.device))
         check_plan_block_table(block_table, plan)
         if plan.index_topk != (c.index_topk or 0):
             raise ValueError(f"plan was made with index_topk={plan.index_topk or None}, but the model selects "

@@ -27,7 +27,8 @@ def dense_model():
 
 def sparse_model():
     torch.manual_seed(0)
-    config = dataclasses.replace(MLAConfig.from_name("tiny"), index_topk=4, index_n_heads=2, index_head_dim=8)
+    indexer = dict(index_topk=4, index_n_heads=2, index_head_dim=8)
+    config = dataclasses.replace(MLAConfig.from_name("tiny"), indexer=indexer)
     return mla_ops.MLAForCausalLM(config).eval()
 
 

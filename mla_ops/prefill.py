@@ -62,6 +62,7 @@ def plan_prefill(
     context_parallel: ContextParallel | None = None,
     index_topk: int | None = None,
     index_scores_budget: int = PlanOptions.index_scores_budget,
+    max_index_chunks: int | None = None,
     options: PlanOptions | None = None,
 ) -> PrefillPlan:
     """Plan a prefill step once for all layers: the chunk schedule, the routing, the checked lengths.
@@ -85,7 +86,8 @@ def plan_prefill(
     (DESIGN §12): requests with more than K_I keys (context + new tokens) take the sparse path
     (``index_topk`` selects their keys, ``run_prefill(topk_indices=)`` attends them), the others the
     dense paths; the plan holds the indexer's chunks, each scoring at most ``index_scores_budget``
-    (query tokens x key rows).
+    (query tokens x key rows); ``max_index_chunks``: the device form's indexer chunk slots (default
+    ``max_chunks``).
 
     Checks shapes and arguments always, and the lengths' values and the block ids the contexts use
     wherever they are readable for free (CPU tensors, not traced). Raises before anything runs.
@@ -94,7 +96,8 @@ def plan_prefill(
     options = options_from(options, block_size=block_size, workspace_size=workspace_size, policy=policy,
                            split_alignment=split_alignment, max_chunks=max_chunks,
                            absorb_max_query_len=absorb_max_query_len, max_absorbed_tokens=max_absorbed_tokens,
-                           index_topk=index_topk, index_scores_budget=index_scores_budget)
+                           index_topk=index_topk, index_scores_budget=index_scores_budget,
+                           max_index_chunks=max_index_chunks)
     return plan_with_options(query_start_loc, context_lens, block_table, options, context_parallel)
 
 

@@ -276,7 +276,7 @@ def plan_device(query_start_loc, context_lens, block_table, options: PlanOptions
     if options.index_topk:
         sparse = sparse_requests(query_start_loc, context_lens, options.index_topk)
         index_schedule = device_index_schedule(query_start_loc, context_lens, sparse, options.workspace_size,
-                                               options.index_tokens, options.max_chunks)
+                                               options.index_tokens, options.index_capacity)
         mha_lens = torch.where(sparse, 0, context_lens)
     if threshold and capacity:
         mha_lens, absorbed = route_context(mha_lens, query_start_loc[1:] - query_start_loc[:-1], threshold,
@@ -295,6 +295,9 @@ def plan_device(query_start_loc, context_lens, block_table, options: PlanOptions
                 torch._dynamo.mark_static(t, 0)
     if _checks.debug_enabled():
         torch._assert_async(~schedule.overflow, "mla_ops debug: the batch needs more chunks than max_chunks")
+        if index_schedule is not None:
+            torch._assert_async(~index_schedule.truncated.any(),
+                                "mla_ops debug: the batch needs more indexer chunks than max_index_chunks")
     truncated = (torch.cumsum(mha_lens, 0) > max_chunks * workspace_size) & (mha_lens > 0)
     if index_schedule is not None:
         truncated = truncated | index_schedule.truncated

@@ -28,7 +28,8 @@ def set_debug(enabled: bool) -> None:
 
     They catch: ``query_start_loc`` not starting at 0 or decreasing, negative ``context_lens``, a
     block table too short for a context, a block id outside the cache, and a device plan whose
-    batch needs more chunks than ``max_chunks`` (tokens that would otherwise come out as NaN).
+    batch needs more chunks than ``max_chunks`` or more indexer chunks than ``max_index_chunks``
+    (tokens that would otherwise come out as NaN).
     Under torch.compile the switch is read when a function is traced: set it before compiling.
     """
     global _debug

@@ -6,9 +6,11 @@ k_index        [T, D_I]       the step's new index keys, dtype of q_index
 index_cache    [num_blocks, block_size, D_I]  paged index keys of the context (the latent cache's
                               block table and block size), dtype of q_index or float8_e4m3fn
 k_scale        [1] float32 or None   fp8 caches: dequantized = stored * k_scale
-the plan's IndexSchedule: starts [C, B], cu_seq_lens [C, B+1], token_start / token_end [C] int32;
-                              rows W and tokens M (static ints)
-scores         [M, W]         one chunk's scores (float32; float64 for float64 queries)
+the plan's IndexSchedule: starts [C, B], cu_seq_lens [C, B+1], token_start / token_end [C] int32
+                              (sparse tokens); rows W and tokens M (static ints); piece_shapes
+                              (host form: each piece's (tokens, rows), passed as two int lists)
+scores         [M, W]         one chunk's scores (float32; float64 for float64 queries); the host
+                              form's piece i: [piece_tokens[i], piece_rows[i]]
 -> topk        [T, K] int32   positions in the request's sequence, valid ones first, then -1
 
 Query token t of request r at position ``c_r + j`` scores the candidates ``s = 0 .. c_r + j``:
@@ -20,8 +22,9 @@ tokens past ``query_start_loc[-1]`` (padding) get -1 only.
 
 Scores are never held whole: the plan's index chunks (``mla_ops/planning/index_schedule.py``) each
 gather at most W keys (from the cache for context positions, from ``k_index`` for new ones, fp8
-dequantized) and score at most M query tokens against them into one [M, W] buffer (heads one at a
-time: a per-head product is [M, W] too); each token keeps the top ``min(K, W)`` of its row and folds
+dequantized) and score their query tokens (the sparse requests' only: ``slot_tokens`` maps a piece's
+sparse tokens to the step's) against them into one [M, W] buffer (heads one at a time: a per-head product
+is [M, W] too); each token keeps the top ``min(K, W)`` of its row and folds
 them into the running top-k ``(score, position)`` [T, K]. The fold is associative, ``(-inf, -1)``
 its identity (as the LSE merge's ``0 / -inf``), so the chunk order is free. Every chunk is read by
 tensor index (no host read of a device value), so the device form's C static chunks run without a

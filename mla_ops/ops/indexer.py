@@ -145,7 +145,8 @@ ChunkScorer = Callable[..., None]  # chunk_scores_reference's signature
 
 def index_topk_chunked(score_chunk: ChunkScorer, q_index, index_weights, k_index, index_cache, block_table,
                        query_start_loc, context_lens, sparse, starts, cu_seq_lens, token_start, token_end, k_scale,
-                       topk: int, rows: int, tokens: int, piece_tokens: list[int], piece_rows: list[int]) -> torch.Tensor:
+                       topk: int, rows: int, tokens: int, piece_tokens: list[int],
+                       piece_rows: list[int]) -> torch.Tensor:
     """The op (module doc) with ``score_chunk`` scoring each chunk (the torch or the Triton scorer). Piece i's
     scores tile is ``[piece_tokens[i], piece_rows[i]]`` (the host form's), or ``[tokens, rows]`` where the
     lists are empty (the device form's)."""

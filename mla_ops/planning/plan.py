@@ -112,8 +112,8 @@ class PrefillPlan:
             planned += [f"absorbed_query_bound={self.absorbed_query_bound}", f"absorbed_rows={rows}"]
         if self.index_topk:
             planned.append(f"index_topk={self.index_topk}")
-            if self.form == "host":
-                planned.append(f"index_chunks={self.index_schedule.max_chunks}")
+            planned.append(f"{'index_chunks' if self.form == 'host' else 'max_index_chunks'}="
+                           f"{self.index_schedule.max_chunks}")
         if self.context_parallel is not None:
             planned.append(f"context_parallel=rank {self.context_parallel.rank} of {self.context_parallel.world_size}")
         planned += [f"workspace_size={self.workspace_size}", f"block_size={self.block_size}", f"device={self.device}",

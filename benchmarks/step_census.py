@@ -12,6 +12,11 @@ op and the torch glue around it as what it is (on a GPU, every op is a launch). 
 (the plan's fit, the slots' range) and its tensors run in ``mla_ops.begin_step``, before the first
 layer: a layer counts only its own work.
 
+A sparse model (``--dsa``: the tiny preset with DeepSeek Sparse Attention, ``index_topk`` 16) adds the
+suffix attention's query tokens per layer against the step's and its dense-routed ones: the sparse
+attention attends a sparse request's own new keys itself, so the suffix runs over the dense-routed
+tokens only (issue 39).
+
     python -m benchmarks.step_census --json benchmarks/results/step_census.json
     TRITON_INTERPRET=1 python -m benchmarks.step_census --backend triton \
         --json benchmarks/results/step_census_triton.json
@@ -49,6 +54,7 @@ class LayerCensus(TorchDispatchMode):
         self.ops: list[Counter] = [Counter() for _ in model.layers]
         self.step_only: list[Counter] = [Counter() for _ in model.layers]
         self.layer_data: dict[int, weakref.ref] = {}  # by identity (a tensor's == is elementwise)
+        self.suffix_tokens: list[int] = [0 for _ in model.layers]  # live query tokens of the suffix attention
         for p in model.parameters():
             self._mark(p)
         self.hooks = []
@@ -83,6 +89,9 @@ class LayerCensus(TorchDispatchMode):
         out = func(*args, **kwargs)
         if self.layer is None or func is torch.ops.aten.promote_types.default:  # a dtype, computed on the host
             return out
+        if func is torch.ops.mla_ops.suffix_attention.default:  # its query_start_loc (CPU): tokens it attends
+            with torch.utils._python_dispatch._disable_current_modes():
+                self.suffix_tokens[self.layer] += int(args[4][-1])
         inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         depends_on_layer = any(self._is_layer_data(t) for t in inputs)
         if depends_on_layer:
@@ -130,8 +139,14 @@ class LayerCensus(TorchDispatchMode):
             InterpretedFunction.run = run
 
 
-def census(batch: int, device_plan: bool, fp8: bool, layers: int = 3, seed: int = 0, backend: str = "torch") -> dict:
-    config = mla_ops.MLAConfig(**{**mla_ops.models.config.mla_configs[PRESET], "num_hidden_layers": layers})
+# DeepSeek Sparse Attention on the tiny preset: requests with more than 16 keys take the sparse path.
+DSA = dict(index_topk=16, index_n_heads=4, index_head_dim=16)
+
+
+def census(batch: int, device_plan: bool, fp8: bool, layers: int = 3, seed: int = 0, backend: str = "torch",
+           dsa: bool = False) -> dict:
+    config = mla_ops.MLAConfig(**{**mla_ops.models.config.mla_configs[PRESET], "num_hidden_layers": layers,
+                                  **(DSA if dsa else {})})
     torch.manual_seed(seed)
     model = mla_ops.MLAModel(config).eval()
     g = torch.Generator().manual_seed(seed)
@@ -142,18 +157,23 @@ def census(batch: int, device_plan: bool, fp8: bool, layers: int = 3, seed: int 
     k_scale = 0.05 if fp8 else None
     table = step["block_table"]
     plan = mla_ops.plan_prefill(step["query_start_loc"], step["context_lens"], table, 4, workspace_size=64,
-                                max_chunks=4 if device_plan else None)
+                                max_chunks=4 if device_plan else None, index_topk=config.index_topk,
+                                max_index_chunks=64 if device_plan and dsa else None)
+    index_scale = 0.05 if fp8 and dsa else None
     recorder = LayerCensus(model)
     launches = recorder.triton_launches() if backend == "triton" else contextlib.nullcontext()
     try:
         with torch.no_grad(), launches, recorder:
             model(step["input_ids"], step["positions"], caches, step["slot_mapping"], table, plan, k_scale=k_scale,
-                  backend=backend)
+                  backend=backend, **({"k_scale_index": index_scale} if index_scale else {}))
     finally:
         recorder.remove()
     per_layer = [sum(c.values()) for c in recorder.ops]
     step_only = [sum(c.values()) for c in recorder.step_only]
+    dense = [q for q, c in zip(query_lens, context_lens) if not dsa or c + q <= config.index_topk]
     return dict(backend=backend, batch=batch, plan="device" if device_plan else "host", cache="float8_e4m3fn" if fp8 else "float32",
+                dsa=dsa, tokens=sum(query_lens), dense_routed_tokens=sum(dense),
+                suffix_tokens_per_layer=recorder.suffix_tokens,
                 layers=layers, ops_per_layer=per_layer, step_only_per_layer=step_only,
                 step_only_ops=dict(sorted(recorder.step_only[-1].items())),
                 ops=dict(sorted(recorder.ops[-1].items())))
@@ -163,6 +183,7 @@ def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.step_census", description=__doc__.split("\n")[0])
     parser.add_argument("--json", default=None, help="write the rows here")
     parser.add_argument("--batches", type=int, nargs="+", default=[4, 32])
+    parser.add_argument("--dsa", action="store_true", help="the tiny preset with DeepSeek Sparse Attention")
     parser.add_argument("--backend", choices=("torch", "triton"), default="torch",
                         help="triton: Triton's interpreter, which needs TRITON_INTERPRET=1")
     args = parser.parse_args(argv)
@@ -172,12 +193,14 @@ def main(argv=None) -> list[dict]:
     for device_plan in (False, True):
         for fp8 in (False, True):
             for batch in args.batches:
-                row = census(batch, device_plan, fp8, backend=args.backend)
+                row = census(batch, device_plan, fp8, backend=args.backend, dsa=args.dsa)
                 rows.append(row)
                 print(f"{row['plan']:6} {row['cache']:13} B={batch:3}: {row['ops_per_layer'][-1]:4} ops per layer, "
-                      f"{row['step_only_per_layer'][-1]:3} of them step-only", flush=True)
+                      f"{row['step_only_per_layer'][-1]:3} of them step-only; suffix over "
+                      f"{row['suffix_tokens_per_layer'][-1]} of {row['tokens']} tokens", flush=True)
     if args.json:
-        write_json_atomic(args.json, dict(benchmark="step_census", preset=PRESET, backend=args.backend, results=rows))
+        write_json_atomic(args.json, dict(benchmark="step_census", preset=PRESET, backend=args.backend,
+                                          dsa=DSA if args.dsa else None, results=rows))
     return rows
 
 

@@ -16,11 +16,13 @@ budget is split along its queries. vLLM's defaults: ``workspace_size = 40 * max_
 new token are vLLM's decodes (``decode_threshold = 1`` without speculation) and not in its prefill
 chunks.
 
-**The library**: only requests with ``c + q > index_topk`` (the sparse ones) are scored, the others take
-the dense paths; their sequences are cut into row chunks of W rows (``workspace_size``, shared with the
-dense chunk loop), each split along its queries into pieces of ``M = budget // W`` tokens (causally:
-queries that see none of a chunk's rows are skipped). The logits budget is the same byte count as
-vLLM's, as float32 entries (``index_scores_budget = MiB * 2**20 / 4``).
+**The library** (the host plan): only requests with ``c + q > index_topk`` (the sparse ones) are scored, the
+others take the dense paths; their sequences are cut into row chunks of W rows (``workspace_size``, shared
+with the dense chunk loop), and each row chunk into pieces by vLLM's rule applied to its requests' rows:
+requests packed while (their query tokens x their rows) stays within the budget, a request that alone
+breaks it split along its queries into pieces of ``budget // its rows`` tokens (causally: queries that see
+none of a chunk's rows are skipped). The logits budget is the same byte count as vLLM's, as float32
+entries (``index_scores_budget = MiB * 2**20 / 4``).
 
 Key-buffer bytes use vLLM's fp8 index row, 128 fp8 bytes + a 4-byte scale = 132 bytes.
 

@@ -28,9 +28,9 @@ def set_debug(enabled: bool) -> None:
 
     They catch: ``query_start_loc`` not starting at 0 or decreasing, negative ``context_lens``, a
     block table too short for a context, a block id outside the cache, and a device plan whose
-    batch needs more chunks than ``max_chunks`` (tokens that would otherwise come out as NaN), an fp8
-    scale that is not a positive, finite, normal float32, and a DSA ``topk_indices`` row with an entry
-    out of range or a repeated position.
+    batch needs more chunks than ``max_chunks`` or more indexer chunks than ``max_index_chunks`` (tokens
+    that would otherwise come out as NaN), an fp8 scale that is not a positive, finite, normal float32, and a
+    DSA ``topk_indices`` row with an entry out of range or a repeated position.
     Under torch.compile the switch is read when a function is traced: set it before compiling.
     """
     global _debug

@@ -36,16 +36,32 @@ class Step(NamedTuple):
     k_scale: torch.Tensor | None
     plan: PrefillPlan
     truncated_tokens: torch.Tensor | None  # [T] bool (``truncated_tokens``); None: no token can be
+    suffix_tokens: torch.Tensor | None = None  # [T'] (``suffix_tokens``); None: every token
 
     def suffix(self, kv_c: torch.Tensor, k_pe: torch.Tensor):
         """The suffix partial ``(out [T, N, V], lse [N, T])``: every token over its own request's new
-        keys, causally."""
+        keys, causally. In a DSA step only the dense-routed requests' tokens (``suffix_tokens``): the sparse
+        attention attends a sparse request's own new keys itself and overwrites its rows, which get the
+        empty partial here."""
         q, dims = self.q, self.dims
-        k_nope, v = dims.split_kv(torch.mm(kv_c, self.weight.t()))
-        out = q.new_empty(q.shape[0], dims.num_heads, dims.value)
-        lse = q.new_empty(dims.num_heads, q.shape[0], dtype=lse_dtype(q.dtype))
-        self.kernels.suffix_attention(q, k_nope, k_pe, v, self.plan.query_start_loc, self.softmax_scale, out, lse)
-        return out, lse
+        if self.suffix_tokens is None:
+            k_nope, v = dims.split_kv(torch.mm(kv_c, self.weight.t()))
+            out = q.new_empty(q.shape[0], dims.num_heads, dims.value)
+            lse = q.new_empty(dims.num_heads, q.shape[0], dtype=lse_dtype(q.dtype))
+            self.kernels.suffix_attention(q, k_nope, k_pe, v, self.plan.query_start_loc, self.softmax_scale, out,
+                                          lse)
+            return out, lse
+        tokens = self.suffix_tokens
+        rows = tokens.shape[0]
+        k_nope, v = dims.split_kv(torch.mm(kv_c.index_select(0, tokens), self.weight.t()))
+        # Empty partials first: the device form's slots past the dense tokens are padding the kernel skips.
+        part_out = q.new_zeros(rows, dims.num_heads, dims.value)
+        part_lse = q.new_full((dims.num_heads, rows), float("-inf"), dtype=lse_dtype(q.dtype))
+        self.kernels.suffix_attention(q.index_select(0, tokens), k_nope, k_pe.index_select(0, tokens), v,
+                                      self.plan.suffix_query_start_loc, self.softmax_scale, part_out, part_lse)
+        out = q.new_zeros(q.shape[0], dims.num_heads, dims.value).index_copy_(0, tokens, part_out)
+        lse = q.new_full((dims.num_heads, q.shape[0]), float("-inf"), dtype=part_lse.dtype)
+        return out, lse.index_copy_(1, tokens, part_lse)
 
     def absorbed(self, context_out, context_lse) -> None:
         """The absorbed requests' context partials, written into their rows only; the kernels pack
@@ -75,6 +91,22 @@ def attend_chunks(step: Step, num_chunks: int, chunk_rows: Callable[..., torch.T
         kernels.up_project(latent, step.weight, cu_k, kv)
         kernels.context_attention(step.q, chunk_k_nope, rope, chunk_v, step.plan.query_start_loc, cu_k, starts_k,
                                   step.softmax_scale, context_out, context_lse)
+
+
+def suffix_tokens(plan: PrefillPlan, num_tokens: int) -> torch.Tensor | None:
+    """[T'] int64: the tokens of a DSA step's suffix attention, in its order (``plan.suffix_query_start_loc``):
+    the dense-routed requests' tokens, then (device form, T' = T) the others, which it skips as padding.
+    None: every token, in order. Depends only on the step: made once (``begin_step``)."""
+    if plan.suffix_query_start_loc is None:
+        return None
+    token = torch.arange(num_tokens, device=plan.device)
+    request = (torch.searchsorted(plan.query_start_loc, token.to(plan.query_start_loc.dtype), right=True) - 1)
+    request = request.clamp(0, max(plan.num_requests - 1, 0))
+    dense = ~plan.sparse.index_select(0, request) & (token < plan.query_start_loc[-1])
+    rank = torch.cumsum(dense, 0) - 1  # dense tokens first, in order; then the others, in order
+    rank = torch.where(dense, rank, dense.sum() + torch.cumsum(~dense, 0) - 1)
+    order = torch.empty_like(token).scatter_(0, rank, token)
+    return order if plan.suffix_rows < 0 else order.narrow(0, 0, plan.suffix_rows)
 
 
 def truncated_tokens(plan: PrefillPlan, num_tokens: int) -> torch.Tensor | None:

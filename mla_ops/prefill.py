@@ -31,7 +31,7 @@ import torch
 
 from . import _checks as checks
 from ._mla import MLADims
-from .chunk_loop import Step, device_context, host_context, truncated_tokens
+from .chunk_loop import Step, device_context, host_context, suffix_tokens, truncated_tokens
 from .ops import backends
 from .ops.backends import BACKENDS
 from .ops.cache import CACHE_DTYPES, check_slot_mapping, write_checked
@@ -62,6 +62,7 @@ def plan_prefill(
     context_parallel: ContextParallel | None = None,
     index_topk: int | None = None,
     index_scores_budget: int = PlanOptions.index_scores_budget,
+    max_index_chunks: int | None = None,
     options: PlanOptions | None = None,
 ) -> PrefillPlan:
     """Plan a prefill step once for all layers: the chunk schedule, the routing, the checked lengths.
@@ -85,7 +86,8 @@ def plan_prefill(
     (DESIGN §12): requests with more than K_I keys (context + new tokens) take the sparse path
     (``index_topk`` selects their keys, ``run_prefill(topk_indices=)`` attends them), the others the
     dense paths; the plan holds the indexer's chunks, each scoring at most ``index_scores_budget``
-    (query tokens x key rows).
+    (query tokens x key rows); ``max_index_chunks``: the device form's indexer chunk slots (default
+    ``max_chunks``).
 
     Checks shapes and arguments always, and the lengths' values and the block ids the contexts use
     wherever they are readable for free (CPU tensors, not traced). Raises before anything runs.
@@ -94,7 +96,8 @@ def plan_prefill(
     options = options_from(options, block_size=block_size, workspace_size=workspace_size, policy=policy,
                            split_alignment=split_alignment, max_chunks=max_chunks,
                            absorb_max_query_len=absorb_max_query_len, max_absorbed_tokens=max_absorbed_tokens,
-                           index_topk=index_topk, index_scores_budget=index_scores_budget)
+                           index_topk=index_topk, index_scores_budget=index_scores_budget,
+                           max_index_chunks=max_index_chunks)
     return plan_with_options(query_start_loc, context_lens, block_table, options, context_parallel)
 
 
@@ -126,11 +129,13 @@ class PrefillStep:
 
     def __init__(self, plan: PrefillPlan, slot_mapping: torch.Tensor | None, k_scale: torch.Tensor | None,
                  truncated: torch.Tensor | None, kernels: backends.Kernels, cache_blocks: tuple[int, int],
-                 cache_dtype: torch.dtype, truncated_made: bool, k_scale_index: torch.Tensor | None = None):
+                 cache_dtype: torch.dtype, truncated_made: bool, k_scale_index: torch.Tensor | None = None,
+                 suffix_tokens: torch.Tensor | None = None):
         self.plan, self.slot_mapping, self.k_scale, self.kernels = plan, slot_mapping, k_scale, kernels
         self.k_scale_index = k_scale_index  # a float8 index cache's, as the kernels take it (begin_step)
         self.truncated = truncated  # [T] bool, chunk_loop.truncated_tokens (where truncated_made)
-        self.truncated_made = truncated_made  # T was known at begin_step: else each layer makes it
+        self.suffix_tokens = suffix_tokens  # [T'] chunk_loop.suffix_tokens (where truncated_made)
+        self.truncated_made = truncated_made  # T was known at begin_step: else each layer makes both
         self.cache_blocks = cache_blocks  # (num_blocks, block_size) every layer's cache has
         self.cache_dtype = cache_dtype
         # DSA: the requests whose tokens the sparse op writes. Requests the device plan truncated keep
@@ -165,9 +170,11 @@ class PrefillStep:
         dims = self._check_layer(q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, out, return_lse,
                                  v_head_dim)
         self._check_topk(topk_indices, q.shape[0])
-        truncated = self.truncated if self.truncated_made else truncated_tokens(self.plan, q.shape[0])
+        truncated, suffix = self.truncated, self.suffix_tokens
+        if not self.truncated_made:
+            truncated, suffix = truncated_tokens(self.plan, q.shape[0]), suffix_tokens(self.plan, q.shape[0])
         step = Step(self.kernels, dims, q, kv_cache, kv_b_proj_weight, float(softmax_scale), self.k_scale, self.plan,
-                    truncated)
+                    truncated, suffix)
         suffix_out, suffix_lse = step.suffix(kv_c, k_pe)
         if self.plan.context_parallel is not None:  # a sharded cache
             result, lse = run_context_parallel(step, suffix_out, suffix_lse)
@@ -176,9 +183,9 @@ class PrefillStep:
         else:
             result, lse = host_context(step, suffix_out, suffix_lse)
         if self.sparse_rows is not None:
-            # The dense paths gave the sparse requests' tokens their suffix partial only (their context is
-            # in no dense schedule): overwritten here, in the merged result, which no one else holds.
-            # Known waste: the suffix attention of those tokens.
+            # The dense paths gave the sparse requests' tokens the empty partial (their context is in no dense
+            # schedule, their suffix not run: Step.suffix): overwritten here, in the merged result, which no
+            # one else holds.
             p = self.plan
             self.kernels.sparse_attention(q, kv_c, k_pe, kv_cache, p.block_table, p.query_start_loc, p.context_lens,
                                           self.sparse_rows, topk_indices, kv_b_proj_weight, step.softmax_scale,
@@ -292,10 +299,10 @@ class PrefillStep:
 
 
 def _unflatten_step(leaves, context) -> PrefillStep:
-    plan, slot_mapping, k_scale, truncated, cache_blocks, sparse_rows, k_scale_index = leaves
+    plan, slot_mapping, k_scale, truncated, cache_blocks, sparse_rows, k_scale_index, suffix = leaves
     kernels, cache_dtype, truncated_made = context
     step = PrefillStep(plan, slot_mapping, k_scale, truncated, kernels, cache_blocks, cache_dtype, truncated_made,
-                       k_scale_index)
+                       k_scale_index, suffix)
     step.sparse_rows = sparse_rows
     return step
 
@@ -304,7 +311,8 @@ def _unflatten_step(leaves, context) -> PrefillStep:
 # and the cache's sizes are leaves, the kernels and flags static context.
 torch.utils._pytree.register_pytree_node(
     PrefillStep,
-    lambda s: ((s.plan, s.slot_mapping, s.k_scale, s.truncated, s.cache_blocks, s.sparse_rows, s.k_scale_index),
+    lambda s: ((s.plan, s.slot_mapping, s.k_scale, s.truncated, s.cache_blocks, s.sparse_rows, s.k_scale_index,
+                s.suffix_tokens),
                (s.kernels, s.cache_dtype, s.truncated_made)),
     _unflatten_step, serialized_type_name="mla_ops.PrefillStep")
 
@@ -365,11 +373,12 @@ def begin_step(plan: PrefillPlan, kv_cache: torch.Tensor, slot_mapping: torch.Te
     kernels = backends.select(backend, device, plan.absorbed_query_bound)
     num_tokens = plan.num_tokens if slot_mapping is None else slot_mapping.shape[0]
     truncated = None if num_tokens is None else truncated_tokens(plan, num_tokens)
+    suffix = None if num_tokens is None else suffix_tokens(plan, num_tokens)
     # The plan's block size (an int), not the cache's size it equals: under torch.compile that one is a symbol
     # the check above fixed, which a nested region cannot be handed.
     index_scale = None if index_cache is None else checks.k_scale_tensor(k_scale_index, index_cache)
     return PrefillStep(plan, slot_mapping, checks.k_scale_tensor(k_scale, kv_cache), truncated, kernels,
-                       (num_blocks, plan.block_size), kv_cache.dtype, num_tokens is not None, index_scale)
+                       (num_blocks, plan.block_size), kv_cache.dtype, num_tokens is not None, index_scale, suffix)
 
 
 def run_prefill(

@@ -6,9 +6,11 @@ k_index        [T, D_I]       the step's new index keys, dtype of q_index
 index_cache    [num_blocks, block_size, D_I]  paged index keys of the context (the latent cache's
                               block table and block size), dtype of q_index or float8_e4m3fn
 k_scale        [1] float32 or None   fp8 caches: dequantized = stored * k_scale
-the plan's IndexSchedule: starts [C, B], cu_seq_lens [C, B+1], token_start / token_end [C] int32;
-                              rows W and tokens M (static ints)
-scores         [M, W]         one chunk's scores (float32; float64 for float64 queries)
+the plan's IndexSchedule: starts [C, B], cu_seq_lens [C, B+1], token_start / token_end [C] int32
+                              (sparse tokens); rows W and tokens M (static ints); piece_shapes
+                              (host form: each piece's (tokens, rows), passed as two int lists)
+scores         [M, W]         one chunk's scores (float32; float64 for float64 queries); the host
+                              form's piece i: [piece_tokens[i], piece_rows[i]]
 -> topk        [T, K] int32   positions in the request's sequence, valid ones first, then -1; a row of
                               NO_FINITE_SELECTION (-2) where the token's scores are not finite
 
@@ -28,8 +30,9 @@ A dense-routed request takes every candidate whatever the scores (exact: its sel
 
 Scores are never held whole: the plan's index chunks (``mla_ops/planning/index_schedule.py``) each
 gather at most W keys (from the cache for context positions, from ``k_index`` for new ones, fp8
-dequantized) and score at most M query tokens against them into one [M, W] buffer (heads one at a
-time: a per-head product is [M, W] too); each token keeps the top ``min(K, W)`` of its row and folds
+dequantized) and score their query tokens (the sparse requests' only: ``slot_tokens`` maps a piece's
+sparse tokens to the step's) against them into one [M, W] buffer (heads one at a time: a per-head product
+is [M, W] too); each token keeps the top ``min(K, W)`` of its row and folds
 them into the running top-k ``(score, position)`` [T, K]. The fold is associative, ``(-inf, -1)``
 its identity (as the LSE merge's ``0 / -inf``), so the chunk order is free. Every chunk is read by
 tensor index (no host read of a device value), so the device form's C static chunks run without a
@@ -53,6 +56,7 @@ import torch
 from .._checks import FLOAT_DTYPES, check_scale, check_tensor, k_scale_tensor
 from .._env import triton_available
 from .._mla import NO_FINITE_SELECTION
+from ..planning.index_schedule import sparse_token_loc
 from ..planning.plan import PrefillPlan, current_max_block_id
 
 INDEX_CACHE_DTYPES = FLOAT_DTYPES + (torch.float8_e4m3fn,)
@@ -81,15 +85,25 @@ def chunk_rows(starts: torch.Tensor, cu_seq_lens: torch.Tensor, rows: int):
     return request, position, live
 
 
-def chunk_tokens(query_start_loc, context_lens, token_start, token_end, tokens: int, num_tokens: int):
-    """One chunk's M token slots (``token_start`` / ``token_end`` [1]): ``(token, request, position,
-    live)`` [M] each; dead slots (past the chunk's tokens or past T) point at token 0 of request 0."""
-    t = token_start.long() + torch.arange(tokens, device=token_start.device)
-    live = (t < token_end) & (t < num_tokens)
-    t = torch.where(live, t, 0)
+def chunk_tokens(query_start_loc, context_lens, slot_token, num_tokens: int):
+    """One chunk's token slots (``slot_token`` [M], a token each, ``num_tokens`` or more for a dead slot):
+    ``(token, request, position, live)`` [M] each; dead slots point at token 0 of request 0."""
+    live = slot_token < num_tokens
+    t = torch.where(live, slot_token, 0)
     request = torch.where(live, _request_of(query_start_loc, t), 0)
     position = context_lens.long().index_select(0, request) + t - query_start_loc.long().index_select(0, request)
     return t, request, position, live
+
+
+def slot_tokens(query_start_loc, token_loc, token_start, token_end, tokens: int, num_tokens: int) -> torch.Tensor:
+    """[M] int64: the step's token of each of a piece's slots (``token_start`` / ``token_end`` [1] count sparse
+    tokens, ``token_loc`` [B+1] their requests' offsets: ``planning.index_schedule.sparse_token_loc``);
+    ``num_tokens`` for a dead slot."""
+    sparse_token = token_start.long() + torch.arange(tokens, device=token_start.device)
+    live = sparse_token < token_end
+    request = _request_of(token_loc, sparse_token)
+    token = sparse_token - token_loc.index_select(0, request) + query_start_loc.long().index_select(0, request)
+    return torch.where(live & (token < num_tokens), token, num_tokens)
 
 
 def chunk_keys(index_cache, k_index, block_table, query_start_loc, context_lens, k_scale, request, position, live,
@@ -115,17 +129,16 @@ def chunk_keys(index_cache, k_index, block_table, query_start_loc, context_lens,
 
 
 def chunk_scores_reference(q_index, index_weights, k_index, index_cache, block_table, query_start_loc, context_lens,
-                           starts, cu_seq_lens, token_start, token_end, k_scale, scores) -> None:
+                           starts, cu_seq_lens, slot_token, k_scale, scores) -> None:
     """One chunk's masked scores into ``scores`` [M, W] (out=): ``starts`` [B], ``cu_seq_lens`` [B+1],
-    ``token_start`` / ``token_end`` [1]; -inf where a row is not a candidate of the slot's token (another
+    ``slot_token`` [M] (``slot_tokens``); -inf where a row is not a candidate of the slot's token (another
     request, past its position, a dead row or slot); NaN where a candidate's score is not finite."""
-    tokens, rows = scores.shape
+    rows = scores.shape[1]
     dtype = scores.dtype
     request, position, live = chunk_rows(starts, cu_seq_lens, rows)
     keys = chunk_keys(index_cache, k_index, block_table, query_start_loc, context_lens, k_scale, request, position,
                       live, dtype)
-    t, t_request, t_position, t_live = chunk_tokens(query_start_loc, context_lens, token_start, token_end, tokens,
-                                                    q_index.shape[0])
+    t, t_request, t_position, t_live = chunk_tokens(query_start_loc, context_lens, slot_token, q_index.shape[0])
     q = q_index.index_select(0, t).to(dtype)  # [M, H_I, D_I]
     w = index_weights.index_select(0, t).to(dtype)  # [M, H_I]
     acc = torch.zeros_like(scores)
@@ -142,31 +155,35 @@ ChunkScorer = Callable[..., None]  # chunk_scores_reference's signature
 
 def index_topk_chunked(score_chunk: ChunkScorer, q_index, index_weights, k_index, index_cache, block_table,
                        query_start_loc, context_lens, sparse, starts, cu_seq_lens, token_start, token_end, k_scale,
-                       topk: int, rows: int, tokens: int) -> torch.Tensor:
-    """The op (module doc) with ``score_chunk`` scoring each chunk (the torch or the Triton scorer)."""
+                       topk: int, rows: int, tokens: int, piece_tokens: list[int],
+                       piece_rows: list[int]) -> torch.Tensor:
+    """The op (module doc) with ``score_chunk`` scoring each chunk (the torch or the Triton scorer). Piece i's
+    scores tile is ``[piece_tokens[i], piece_rows[i]]`` (the host form's), or ``[tokens, rows]`` where the
+    lists are empty (the device form's)."""
     num_tokens, num_requests = q_index.shape[0], context_lens.shape[0]
     device = q_index.device
     out = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=device)
     if num_tokens == 0 or num_requests == 0:
         return out
     dtype = score_dtype(q_index.dtype)
-    slots = min(tokens, num_tokens)  # a chunk never has more tokens than the step
-    kept = min(topk, rows)
+    # A chunk never has more tokens than the step.
+    shapes = [(min(m, num_tokens), w) for m, w in zip(piece_tokens, piece_rows)] or \
+        [(min(tokens, num_tokens), rows)] * starts.shape[0]
+    token_loc = sparse_token_loc(query_start_loc, sparse)
     # Running top-k; row T is a scratch row that dead token slots read and write (no masked scatter).
     best = torch.full((num_tokens + 1, topk), float("-inf"), dtype=dtype, device=device)
     best_pos = torch.full((num_tokens + 1, topk), -1, dtype=torch.int64, device=device)
     not_finite = torch.zeros(num_tokens + 1, dtype=torch.bool, device=device)  # a NaN score seen (module doc)
-    scores = torch.empty(slots, rows, dtype=dtype, device=device)
-    slot = torch.arange(slots, device=device)
-    for i in range(starts.shape[0]):
-        chunk_start, chunk_end = token_start.narrow(0, i, 1), token_end.narrow(0, i, 1)
+    tiles = torch.empty(max((m * w for m, w in shapes), default=0), dtype=dtype, device=device)
+    for i, (slots, width) in enumerate(shapes):
+        scores = tiles.narrow(0, 0, slots * width).view(slots, width)
+        t = slot_tokens(query_start_loc, token_loc, token_start.narrow(0, i, 1), token_end.narrow(0, i, 1), slots,
+                        num_tokens)
         score_chunk(q_index, index_weights, k_index, index_cache, block_table, query_start_loc, context_lens,
-                    starts[i], cu_seq_lens[i], chunk_start, chunk_end, k_scale, scores)
-        _, position, _ = chunk_rows(starts[i], cu_seq_lens[i], rows)
-        value, index = scores.topk(kept, dim=1)  # [M, kept]
+                    starts[i], cu_seq_lens[i], t, k_scale, scores)
+        _, position, _ = chunk_rows(starts[i], cu_seq_lens[i], width)
+        value, index = scores.topk(min(topk, width), dim=1)  # [M, kept]
         found = torch.where(value > float("-inf"), position[index], -1)
-        t = chunk_start.long() + slot
-        t = torch.where((t < chunk_end) & (t < num_tokens), t, num_tokens)
         not_finite.index_copy_(0, t, not_finite.index_select(0, t) | scores.isnan().any(1))
         merged = torch.cat([best.index_select(0, t), value], 1)
         merged_pos = torch.cat([best_pos.index_select(0, t), found], 1)
@@ -209,15 +226,17 @@ def _index_topk(
     topk: int,
     rows: int,
     tokens: int,
+    piece_tokens: list[int],
+    piece_rows: list[int],
 ) -> torch.Tensor:
     return index_topk_reference(q_index, index_weights, k_index, index_cache, block_table, query_start_loc,
                                 context_lens, sparse, starts, cu_seq_lens, token_start, token_end, k_scale, topk,
-                                rows, tokens)
+                                rows, tokens, piece_tokens, piece_rows)
 
 
 @_index_topk.register_fake
 def _(q_index, index_weights, k_index, index_cache, block_table, query_start_loc, context_lens, sparse, starts,
-      cu_seq_lens, token_start, token_end, k_scale, topk, rows, tokens):
+      cu_seq_lens, token_start, token_end, k_scale, topk, rows, tokens, piece_tokens, piece_rows):
     return q_index.new_empty((q_index.shape[0], topk), dtype=torch.int32)
 
 
@@ -330,4 +349,5 @@ def index_topk_checked(q_index, index_weights, k_index, index_cache, plan, k_sca
         q_index, index_weights, k_index, index_cache, plan.block_table, plan.query_start_loc, plan.context_lens,
         plan.sparse, schedule.starts, schedule.cu_seq_lens, schedule.token_start, schedule.token_end,
         k_scale_index, plan.index_topk, schedule.rows, schedule.tokens,
+        [m for m, _ in schedule.piece_shapes], [w for _, w in schedule.piece_shapes],
     )

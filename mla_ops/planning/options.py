@@ -39,6 +39,9 @@ class PlanOptions:
     index_scores_budget: the scores (query tokens x key rows) one indexer chunk may hold: a chunk of
       W rows is scored by ``index_scores_budget // W`` query tokens at a time. Default 2**26 (256 MiB
       of float32 scores); at least ``workspace_size``.
+    max_index_chunks: the device form's static capacity of indexer chunks (DESIGN §12), apart from the
+      chunk loop's ``max_chunks``: a long sparse prompt needs many indexer pieces but no attention chunk.
+      None: ``max_chunks``. Only with ``max_chunks`` (the host form sizes both to the step).
     """
 
     block_size: int = 16
@@ -50,6 +53,7 @@ class PlanOptions:
     max_absorbed_tokens: int | None = None
     index_topk: int | None = None
     index_scores_budget: int = DEFAULT_INDEX_SCORES_BUDGET
+    max_index_chunks: int | None = None
 
     def __post_init__(self):
         # Every size is compared with int32 lengths or becomes an int32 offset: bounded by int32, by name
@@ -77,6 +81,11 @@ class PlanOptions:
                 raise ValueError(
                     f"max_chunks (the device form) plans only split_alignment=1, got "
                     f"split_alignment={self.split_alignment}: plan an aligned schedule on the host (max_chunks=None)")
+        if self.max_index_chunks is not None:
+            normalized["max_index_chunks"] = size(self.max_index_chunks, "max_index_chunks")
+            if self.max_chunks is None:
+                raise ValueError("max_index_chunks is the device form's indexer capacity: set max_chunks too (the "
+                                 "host form plans as many indexer chunks as the step needs)")
         if self.absorb_max_query_len is not None:
             normalized["absorb_max_query_len"] = size(self.absorb_max_query_len, "absorb_max_query_len", 0,
                                                       " (0 disables)")
@@ -109,6 +118,11 @@ class PlanOptions:
         if self.max_absorbed_tokens is None and self.device_form:
             return self.workspace_size // 4
         return self.max_absorbed_tokens
+
+    @property
+    def index_capacity(self) -> int | None:
+        """The device form's indexer chunk slots: ``max_index_chunks``, else ``max_chunks``."""
+        return self.max_chunks if self.max_index_chunks is None else self.max_index_chunks
 
     @property
     def index_tokens(self) -> int:

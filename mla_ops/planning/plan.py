@@ -74,6 +74,12 @@ class PrefillPlan:
     index_topk: int = 0
     sparse: torch.Tensor | None = None
     index_schedule: IndexSchedule | None = None
+    # DSA: the suffix attention runs over the dense-routed requests' tokens only (a sparse request's rows are
+    # the sparse attention's): [B+1] int32 their query offsets in the suffix's token order (``chunk_loop.
+    # suffix_tokens``: a sparse request has none); None where no request is sparse (host form) or without
+    # index_topk. ``suffix_rows``: those tokens (host form), or -1: T slots (device form), the others padding.
+    suffix_query_start_loc: torch.Tensor | None = None
+    suffix_rows: int = -1
 
     @property
     def num_requests(self) -> int:
@@ -112,8 +118,8 @@ class PrefillPlan:
             planned += [f"absorbed_query_bound={self.absorbed_query_bound}", f"absorbed_rows={rows}"]
         if self.index_topk:
             planned.append(f"index_topk={self.index_topk}")
-            if self.form == "host":
-                planned.append(f"index_chunks={self.index_schedule.max_chunks}")
+            planned.append(f"{'index_chunks' if self.form == 'host' else 'max_index_chunks'}="
+                           f"{self.index_schedule.max_chunks}")
         if self.context_parallel is not None:
             planned.append(f"context_parallel=rank {self.context_parallel.rank} of {self.context_parallel.world_size}")
         planned += [f"workspace_size={self.workspace_size}", f"block_size={self.block_size}", f"device={self.device}",
@@ -224,7 +230,8 @@ def plan_host(query_start_loc, context_lens, block_table, options: PlanOptions) 
     qsl, ctx, max_block_id = host_values(query_start_loc, context_lens, block_table, block_size)
     small = isinstance(qsl, list)
     query_lens = [b - a for a, b in zip(qsl, qsl[1:])] if small else np.diff(qsl)
-    sparse = index_schedule = None
+    sparse = index_schedule = suffix_loc = None
+    suffix_rows = -1
     if options.index_topk:
         host_qsl = torch.as_tensor(qsl, dtype=torch.int32)
         host_ctx = torch.as_tensor(ctx, dtype=torch.int32)
@@ -232,6 +239,11 @@ def plan_host(query_start_loc, context_lens, block_table, options: PlanOptions) 
         index_schedule = host_index_schedule(host_qsl, host_ctx, sparse, options.workspace_size,
                                              options.index_scores_budget).to(device)
         ctx = [0 if s else c for c, s in zip(ctx, sparse.tolist())] if small else np.where(sparse.numpy(), 0, ctx)
+        if bool(sparse.any()):
+            dense_queries = np.where(sparse.numpy(), 0, np.asarray(query_lens, dtype=np.int64))
+            suffix_rows = int(dense_queries.sum())
+            suffix_loc = torch.as_tensor(np.concatenate([[0], np.cumsum(dense_queries)]), dtype=torch.int32)
+            suffix_loc = suffix_loc.to(device, non_blocking=True)
         sparse = sparse.to(device, non_blocking=True)
     mha_lens, absorbed_lens = ctx, None
     if options.absorb_threshold:
@@ -265,6 +277,7 @@ def plan_host(query_start_loc, context_lens, block_table, options: PlanOptions) 
         absorbed_query_bound=max(routed, default=0), num_tokens=int(qsl[-1]), max_block_id=max_block_id,
         absorbed_rows=sum(routed), context_parallel=None, absorbed_token_loc=token_loc, options=options,
         index_topk=options.index_topk or 0, sparse=sparse, index_schedule=index_schedule,
+        suffix_query_start_loc=suffix_loc, suffix_rows=suffix_rows,
     ))
 
 
@@ -279,12 +292,14 @@ def plan_device(query_start_loc, context_lens, block_table, options: PlanOptions
         num_tokens = int(qsl[-1])
     elif _checks.debug_enabled():
         _checks.assert_lengths_async(query_start_loc, context_lens, block_table, block_size)
-    absorbed = sparse = index_schedule = None
+    absorbed = sparse = index_schedule = suffix_loc = None
     mha_lens = context_lens
     if options.index_topk:
         sparse = sparse_requests(query_start_loc, context_lens, options.index_topk)
+        dense_queries = torch.where(sparse, 0, query_start_loc[1:] - query_start_loc[:-1])
+        suffix_loc = torch.nn.functional.pad(torch.cumsum(dense_queries, 0), (1, 0)).int()
         index_schedule = device_index_schedule(query_start_loc, context_lens, sparse, options.workspace_size,
-                                               options.index_tokens, options.max_chunks)
+                                               options.index_tokens, options.index_capacity)
         mha_lens = torch.where(sparse, 0, context_lens)
     if threshold and capacity:
         mha_lens, absorbed = route_context(mha_lens, query_start_loc[1:] - query_start_loc[:-1], threshold,
@@ -304,6 +319,9 @@ def plan_device(query_start_loc, context_lens, block_table, options: PlanOptions
                 torch._dynamo.mark_static(t, 0)
     if _checks.debug_enabled():
         torch._assert_async(~schedule.overflow, "mla_ops debug: the batch needs more chunks than max_chunks")
+        if index_schedule is not None:
+            torch._assert_async(~index_schedule.truncated.any(),
+                                "mla_ops debug: the batch needs more indexer chunks than max_index_chunks")
     truncated = (torch.cumsum(mha_lens, 0) > max_chunks * workspace_size) & (mha_lens > 0)
     if index_schedule is not None:
         truncated = truncated | index_schedule.truncated
@@ -314,4 +332,5 @@ def plan_device(query_start_loc, context_lens, block_table, options: PlanOptions
         num_tokens=num_tokens, max_block_id=max_block_id, absorbed_rows=capacity,
         absorbed_token_loc=absorbed_token_loc(query_start_loc, absorbed) if capacity else None,
         options=options, index_topk=options.index_topk or 0, sparse=sparse, index_schedule=index_schedule,
+        suffix_query_start_loc=suffix_loc,
     )

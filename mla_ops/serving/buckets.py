@@ -110,7 +110,7 @@ class Buckets(NamedTuple):
             padded = torch.from_numpy(padded_lengths(Bucket(tokens, requests, 0), query_start_loc, context_lens))
             qsl, ctx = padded[: requests + 2], padded[requests + 2 :]
             sparse = sparse_requests(qsl, ctx, options.index_topk)
-            index_chunks = pieces_needed(sequence_lens(qsl, ctx, sparse), ctx, qsl, options.workspace_size,
+            index_chunks = pieces_needed(sequence_lens(qsl, ctx, sparse), ctx, qsl, sparse, options.workspace_size,
                                          options.index_tokens)
             context_lens = np.where(sparse.numpy()[: context_lens.size], 0, context_lens)  # no attention chunk
         chunked, _ = route_context(context_lens, np.diff(query_start_loc), options.absorb_threshold,

@@ -6,9 +6,9 @@ k_index        [T, D_I]       the step's new index keys, dtype of q_index
 index_cache    [num_blocks, block_size, D_I]  dtype of q_index, or float8_e4m3fn with k_scale
 block_table    [>= B, max_blocks] int32;  query_start_loc [B+1], context_lens [B] int32
 starts [B], cu_seq_lens [B+1]   the chunk's rows: request r's positions ``starts[r] ..`` at rows ``cu_seq_lens[r] ..``
-token_start, token_end [1]      the chunk's query tokens (at most M of them)
+slot_token     [M] int64       each slot's token (``ops.indexer.slot_tokens``; T or more: a dead slot)
 k_scale        [1] float32 or None   fp8 caches: dequantized = stored * k_scale
-scores         [M, W] float32 (out=)  slot m, row w: ``I(token_start + m, row w)``, -inf off the candidates
+scores         [M, W] float32 (out=)  slot m, row w: ``I(slot_token[m], row w)``, -inf off the candidates
 
 The oracle is ``chunk_scores_reference`` of ``mla_ops/ops/indexer.py``. Each program computes one
 (token tile, row tile) of the buffer: it finds each row's request by a binary search over
@@ -36,24 +36,24 @@ from ._common import device_guard, dot_dtype, dot_precision, e4m3fn_to_float32, 
 @triton.jit
 def _index_scores_kernel(
     q_ptr, w_ptr, k_index_ptr, cache_ptr, block_table_ptr, qsl_ptr, ctx_ptr, starts_ptr, cu_ptr,
-    token_start_ptr, token_end_ptr, k_scale_ptr, scores_ptr,
+    slot_token_ptr, k_scale_ptr, scores_ptr,
     num_tokens, num_requests, block_size, head_dim, num_slots, num_rows_cap,
     stride_qt, stride_qh, stride_qd, stride_wt, stride_wh, stride_kt, stride_kd,
     stride_cache_block, stride_cache_token, stride_cache_col, stride_table_row, stride_table_col,
-    stride_qsl, stride_ctx, stride_starts, stride_cu, stride_sm, stride_sw,
+    stride_qsl, stride_ctx, stride_starts, stride_cu, stride_slot, stride_sm, stride_sw,
     NUM_HEADS: tl.constexpr, IS_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     row_tiles = tl.cdiv(num_rows_cap, BLOCK_N)
     pid = tl.program_id(0)
     tile_m, tile_n = pid // row_tiles, pid % row_tiles
-    token_start = tl.load(token_start_ptr)
-    token_end = tl.minimum(tl.load(token_end_ptr), num_tokens)
     num_rows = tl.load(cu_ptr + num_requests * stride_cu)  # the chunk's live rows (a device count)
     offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     scores = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
-    if (token_start + tile_m * BLOCK_M < token_end) & (tile_n * BLOCK_N < num_rows):
+    # Live slots come first: a tile whose first slot is dead is all dead.
+    first_token = tl.load(slot_token_ptr + tile_m * BLOCK_M * stride_slot)
+    if (first_token < num_tokens) & (tile_n * BLOCK_N < num_rows):
         # Rows: request, sequence position, and where the key lives.
         row_live = offs_n < num_rows
         row_request = find_request(cu_ptr, stride_cu, num_requests, offs_n, 1, 0)
@@ -78,8 +78,8 @@ def _index_scores_kernel(
         if IS_FP8:
             row_scale = tl.where(in_context, tl.load(k_scale_ptr).to(tl.float32), 1.0)
         # Slots: token, request, position.
-        token = token_start + offs_m
-        slot_live = token < token_end
+        token = tl.load(slot_token_ptr + offs_m * stride_slot, mask=offs_m < num_slots, other=num_tokens)
+        slot_live = token < num_tokens
         token = tl.where(slot_live, token, 0)
         slot_request = find_request(qsl_ptr, stride_qsl, num_requests, token, 1, 0)
         slot_position = tl.load(ctx_ptr + slot_request * stride_ctx) + token - tl.load(qsl_ptr + slot_request * stride_qsl)
@@ -107,7 +107,7 @@ NUM_WARPS = 4
 
 
 def chunk_scores(q_index, index_weights, k_index, index_cache, block_table, query_start_loc, context_lens,
-                 starts, cu_seq_lens, token_start, token_end, k_scale, scores) -> None:
+                 starts, cu_seq_lens, slot_token, k_scale, scores) -> None:
     """Same contract as ``chunk_scores_reference`` (module doc); float32 ``scores`` only."""
     num_slots, rows = scores.shape
     num_tokens, num_heads, head_dim = q_index.shape
@@ -126,12 +126,13 @@ def chunk_scores(q_index, index_weights, k_index, index_cache, block_table, quer
         grid = (triton.cdiv(num_slots, BLOCK_M) * triton.cdiv(rows, BLOCK_N),)
         _index_scores_kernel[grid](
             q_index, index_weights, k_index, cache, block_table, query_start_loc, context_lens, starts, cu_seq_lens,
-            token_start, token_end,
+            slot_token,
             k_scale if is_fp8 else scores,  # a never-read placeholder pointer otherwise
             scores,
             num_tokens, num_requests, index_cache.shape[1], head_dim, num_slots, rows,
             *q_index.stride(), *index_weights.stride(), *k_index.stride(), *cache.stride(), *block_table.stride(),
             query_start_loc.stride(0), context_lens.stride(0), starts.stride(0), cu_seq_lens.stride(0),
+            slot_token.stride(0),
             *scores.stride(),
             NUM_HEADS=num_heads, IS_FP8=is_fp8, DOT_DTYPE=dtype, DOT_PRECISION=dot_precision(dtype),
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),

@@ -67,3 +67,15 @@ def test_vllm_indexer_planner_cli_on_the_trace_prefix(tmp_path):
     assert configs[("mla_ops", 65536, 16)]["total_chunks"] >= configs[("mla_ops", 65536, 512)]["total_chunks"]
     assert 0 < result["requests"]["dense_routed"] < result["num_prefill_requests"]
     assert png.stat().st_size > 10_000
+
+
+def test_our_indexer_needs_at_most_vllms_chunks_on_the_trace_prefix():
+    """Issue 39: pieces sized per request, dense requests never scored: at W = 65,536 (a key buffer bounded by
+    W) no more chunks than vLLM's at each of its three logits budgets."""
+    steps = list(vip.simulate(vip.load_trace(vip.DEFAULT_TRACE, 400), token_budget=8192))
+    result = vip.compare(steps, vip.VLLM_LOGITS_MIB, [65536])
+    for mib in vip.VLLM_LOGITS_MIB:
+        vllm, ours = (next(c for c in result["configs"] if c["planner"] == p and c["logits_mib"] == mib)
+                      for p in ("vllm", "mla_ops"))
+        assert ours["total_chunks"] <= vllm["total_chunks"], mib
+        assert ours["peak_key_rows"] <= 65536 and ours["peak_logits_mib"] <= mib

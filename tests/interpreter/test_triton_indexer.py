@@ -15,7 +15,8 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 
 from mla_ops._checks import k_scale_tensor  # noqa: E402
-from mla_ops.ops.indexer import chunk_scores_reference, index_topk_chunked  # noqa: E402
+from mla_ops.ops.indexer import chunk_scores_reference, index_topk_chunked, slot_tokens  # noqa: E402
+from mla_ops.planning.index_schedule import sparse_token_loc  # noqa: E402
 from mla_ops.triton.indexer import chunk_scores  # noqa: E402
 from tests.support.indexer import POISONS, check_poisoned_topk, check_topk, indexer_batch, poison  # noqa: E402
 
@@ -27,7 +28,7 @@ def op_args(batch, plan):
     s = plan.index_schedule
     return (*batch.args, plan.block_table, plan.query_start_loc, plan.context_lens, plan.sparse, s.starts,
             s.cu_seq_lens, s.token_start, s.token_end, k_scale_tensor(batch.k_scale, batch.index_cache),
-            plan.index_topk, s.rows, s.tokens)
+            plan.index_topk, s.rows, s.tokens, [m for m, _ in s.piece_shapes], [w for _, w in s.piece_shapes])
 
 
 @pytest.mark.parametrize("dtype, block_size, fp8", [(torch.float32, 1, False), (torch.float16, 4, False),
@@ -35,17 +36,22 @@ def op_args(batch, plan):
 def test_chunk_scores_match_the_torch_scorer(dtype, block_size, fp8):
     batch = indexer_batch(CONTEXTS, QUERIES, TOPK, block_size=block_size, width=20, dtype=dtype,
                           fp8_scale=0.5 if fp8 else None, seed=1)
-    plan = batch.plan(TOPK, WORKSPACE, BUDGET)
-    s = plan.index_schedule
     k_scale = k_scale_tensor(batch.k_scale, batch.index_cache)
-    for i in range(s.max_chunks):
-        got, want = (torch.full((s.tokens, s.rows), 7.0) for _ in range(2))
-        chunk = (*batch.args, plan.block_table, plan.query_start_loc, plan.context_lens, s.starts[i],
-                 s.cu_seq_lens[i], s.token_start.narrow(0, i, 1), s.token_end.narrow(0, i, 1), k_scale)
-        chunk_scores(*chunk, got)
-        chunk_scores_reference(*chunk, want)
-        assert torch.equal(torch.isinf(got), torch.isinf(want)), i
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for max_chunks in (None, 24):  # the host form's tiles sized per piece; the device form's [M, W], dead slots
+        plan = batch.plan(TOPK, WORKSPACE, BUDGET, max_chunks=max_chunks)
+        s = plan.index_schedule
+        token_loc = sparse_token_loc(plan.query_start_loc, plan.sparse)
+        for i in range(s.max_chunks):
+            m, w = s.piece_shapes[i] if s.piece_shapes else (s.tokens, s.rows)
+            got, want = (torch.full((m, w), 7.0) for _ in range(2))
+            t = slot_tokens(plan.query_start_loc, token_loc, s.token_start.narrow(0, i, 1), s.token_end.narrow(0, i, 1),
+                            m, plan.num_tokens)
+            chunk = (*batch.args, plan.block_table, plan.query_start_loc, plan.context_lens, s.starts[i],
+                     s.cu_seq_lens[i], t, k_scale)
+            chunk_scores(*chunk, got)
+            chunk_scores_reference(*chunk, want)
+            assert torch.equal(torch.isinf(got), torch.isinf(want)), i
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_top_k_on_the_triton_scorer_matches_the_oracle_in_both_plan_forms():

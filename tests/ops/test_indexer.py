@@ -30,7 +30,7 @@ def op_args(batch, plan):
     s = plan.index_schedule
     return (*batch.args, plan.block_table, plan.query_start_loc, plan.context_lens, plan.sparse, s.starts,
             s.cu_seq_lens, s.token_start, s.token_end, k_scale_tensor(batch.k_scale, batch.index_cache),
-            plan.index_topk, s.rows, s.tokens)
+            plan.index_topk, s.rows, s.tokens, [m for m, _ in s.piece_shapes], [w for _, w in s.piece_shapes])
 
 
 @pytest.mark.parametrize("form, block_size, dtype", [
@@ -41,8 +41,9 @@ def test_matches_the_dense_oracle(form, block_size, dtype):
     batch = indexer_batch(CONTEXTS, QUERIES, TOPK, block_size=block_size, dtype=dtype, seed=block_size)
     plan = batch.plan(TOPK, WORKSPACE, BUDGET, max_chunks=60 if form == "device" else None)
     assert plan.sparse.tolist() == [True, True, False, True, False, True]
-    if form == "host":  # chunks split requests and queries
-        assert plan.index_schedule.tokens == 2 and plan.index_schedule.max_chunks > 20
+    if form == "host":  # chunks split requests and queries, each sized to its requests' rows
+        shapes = plan.index_schedule.piece_shapes
+        assert len(shapes) > 10 and all(m * w <= BUDGET for m, w in shapes) and {m for m, _ in shapes} > {1, 2}
     else:
         assert not plan.truncated.any() and (plan.index_schedule.token_end == 0).any()  # dead chunks too
     check_topk(mla_ops.index_topk(*batch.args, plan), batch.expected, TOPK)

@@ -9,16 +9,26 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import mla_ops
+from mla_ops.planning.index_schedule import sparse_token_loc
 
 lengths = st.lists(st.tuples(st.integers(0, 40), st.integers(0, 12)), min_size=1, max_size=6)
 
 
-def plan_of(pairs, topk, workspace, budget, max_chunks=None):
+def plan_of(pairs, topk, workspace, budget, max_chunks=None, max_index_chunks=None):
     ctx = torch.tensor([c for c, _ in pairs], dtype=torch.int32)
     qsl = torch.tensor([0, *np.cumsum([q for _, q in pairs])], dtype=torch.int32)
     table = torch.zeros(len(pairs), 8, dtype=torch.int32)
     return mla_ops.plan_prefill(qsl, ctx, table, block_size=8, workspace_size=workspace, max_chunks=max_chunks,
-                                index_topk=topk, index_scores_budget=budget)
+                                index_topk=topk, index_scores_budget=budget, max_index_chunks=max_index_chunks)
+
+
+def step_tokens(plan, i):
+    """The step's tokens that index chunk i scores (its ``token_start .. token_end`` count sparse tokens)."""
+    qsl = plan.query_start_loc.numpy()
+    loc = sparse_token_loc(plan.query_start_loc, plan.sparse).numpy()
+    sparse_tokens = np.arange(int(plan.index_schedule.token_start[i]), int(plan.index_schedule.token_end[i]))
+    request = np.searchsorted(loc, sparse_tokens, side="right") - 1
+    return sparse_tokens - loc[request] + qsl[request]
 
 
 def coverage(plan):
@@ -32,7 +42,7 @@ def coverage(plan):
         counts[t, : ctx[r] + t - qsl[r] + 1] = 0
     sched = plan.index_schedule
     for i in range(sched.max_chunks):
-        for t in range(int(sched.token_start[i]), int(sched.token_end[i])):
+        for t in step_tokens(plan, i):
             r = request[t]
             start, rows = int(sched.starts[i, r]), int(sched.seq_lens[i, r])
             seen = counts[t, start : start + rows]
@@ -41,9 +51,17 @@ def coverage(plan):
 
 
 def check_budgets(sched, workspace, budget):
-    assert sched.rows <= workspace and sched.rows * sched.tokens <= budget
-    assert (sched.cu_seq_lens[:, -1] <= sched.rows).all()
-    assert ((sched.token_end - sched.token_start) <= sched.tokens).all()
+    """Every piece's scores tile within the budget, its rows within the workspace."""
+    assert sched.rows <= workspace
+    if sched.piece_shapes:  # the host form: each piece's own tile
+        assert len(sched.piece_shapes) == sched.max_chunks
+        assert [m for m, _ in sched.piece_shapes] == (sched.token_end - sched.token_start).tolist()
+        assert [w for _, w in sched.piece_shapes] == sched.cu_seq_lens[:, -1].tolist()
+        assert all(m * w <= budget for m, w in sched.piece_shapes)
+    else:
+        assert sched.rows * sched.tokens <= budget
+        assert (sched.cu_seq_lens[:, -1] <= sched.rows).all()
+        assert ((sched.token_end - sched.token_start) <= sched.tokens).all()
 
 
 @given(pairs=lengths, topk=st.integers(1, 20), workspace=st.integers(1, 24), tokens=st.integers(1, 5))
@@ -67,7 +85,7 @@ def test_device_chunks_score_each_pair_at_most_once_and_mark_what_does_not_fit(p
                                                                                capacity):
     plan = plan_of(pairs, topk, workspace, workspace * tokens, max_chunks=capacity)
     sched = plan.index_schedule
-    assert sched.max_chunks == capacity and sched.rows == workspace
+    assert sched.max_chunks == capacity and sched.rows == workspace and sched.piece_shapes == ()
     check_budgets(sched, workspace, workspace * tokens)
     used = int((sched.token_end > sched.token_start).sum())
     for name in ("starts", "seq_lens", "cu_seq_lens", "token_start", "token_end"):
@@ -83,9 +101,52 @@ def test_device_chunks_score_each_pair_at_most_once_and_mark_what_does_not_fit(p
 
 def test_a_step_with_fewer_sparse_keys_than_the_workspace_scores_more_queries_at_a_time():
     plan = plan_of([(30, 10), (0, 4)], topk=8, workspace=64, budget=640)
-    assert plan.index_schedule.rows == 40 and plan.index_schedule.tokens == 14  # 640 // 40, at most T = 14
-    assert plan.index_schedule.max_chunks == 1
+    assert plan.index_schedule.rows == 40 and plan.index_schedule.tokens == 10  # the sparse request's tokens
+    assert plan.index_schedule.max_chunks == 1 and plan.index_schedule.piece_shapes == ((10, 40),)
     assert plan_of([(30, 10), (0, 4)], topk=8, workspace=64, budget=640, max_chunks=4).index_schedule.tokens == 10
+
+
+def test_dense_requests_between_sparse_ones_are_never_scored():
+    #             sparse    dense    sparse
+    plan = plan_of([(20, 5), (1, 2), (20, 5)], topk=10, workspace=64, budget=640)
+    sched = plan.index_schedule
+    assert sched.piece_shapes == ((10, 50),)  # one piece: the two sparse requests' 10 tokens x 50 rows
+    assert step_tokens(plan, 0).tolist() == [0, 1, 2, 3, 4, 7, 8, 9, 10, 11]
+    device = plan_of([(20, 5), (1, 2), (20, 5)], topk=10, workspace=64, budget=640, max_chunks=2)
+    assert step_tokens(device, 0).tolist() == [0, 1, 2, 3, 4, 7, 8, 9, 10, 11]  # M = 640 // 64 = 10 tokens
+    assert step_tokens(device, 1).tolist() == []
+
+
+def test_a_piece_scores_as_many_queries_as_its_own_rows_allow():
+    """Pieces sized per request: a request with 40 rows in a row chunk of 64 is scored 640 // 40 = 16 queries
+    at a time, not 640 // 64 = 10; requests that fit the budget together share a piece (vLLM's rule)."""
+    sched = plan_of([(60, 4), (0, 40)], topk=8, workspace=64, budget=640).index_schedule
+    assert sched.piece_shapes == ((4, 64), (16, 40), (16, 40), (8, 40))
+    together = plan_of([(10, 5), (10, 5), (10, 5)], topk=8, workspace=64, budget=640).index_schedule
+    assert together.piece_shapes == ((10, 30), (5, 15))  # 15 x 45 > 640: the third starts a piece
+
+
+def test_max_index_chunks_bounds_the_indexer_apart_from_the_chunk_loop():
+    plan = plan_of([(0, 32)], topk=4, workspace=8, budget=16, max_chunks=1, max_index_chunks=40)
+    assert plan.device_schedule.max_chunks == 1 and plan.index_schedule.max_chunks == 40
+    assert not plan.truncated.any()  # 4 row chunks of 8 rows, 2 tokens a piece: 16 + 12 + 8 + 4 pieces
+    assert plan_of([(0, 32)], topk=4, workspace=8, budget=16, max_chunks=40).index_schedule.max_chunks == 40
+    short = plan_of([(0, 32)], topk=4, workspace=8, budget=16, max_chunks=40, max_index_chunks=39)
+    assert short.truncated.tolist() == [True]  # 40 pieces needed
+
+
+def test_debug_reports_an_indexer_overflow():
+    """Issue 38 case 9: under ``set_debug(True)`` a device plan whose indexer pieces exceed their capacity is an
+    error, not NaN tokens."""
+    mla_ops.set_debug(True)
+    try:
+        with pytest.raises(RuntimeError, match="indexer chunks"):
+            plan_of([(0, 32)], topk=4, workspace=8, budget=16, max_chunks=40, max_index_chunks=39)
+        with pytest.raises(RuntimeError, match="indexer chunks"):
+            plan_of([(0, 32)], topk=4, workspace=8, budget=16, max_chunks=39)
+        plan_of([(0, 32)], topk=4, workspace=8, budget=16, max_chunks=1, max_index_chunks=40)  # fits
+    finally:
+        mla_ops.set_debug(False)
 
 
 def test_routing_takes_sparse_requests_off_the_dense_paths():
@@ -117,6 +178,12 @@ def test_options_checks():
         mla_ops.PlanOptions(workspace_size=64, index_topk=8, index_scores_budget=32)
     assert mla_ops.PlanOptions(workspace_size=64, index_topk=8, index_scores_budget=640).index_tokens == 10
     assert mla_ops.PlanOptions().index_scores_budget == 1 << 26
+    with pytest.raises(ValueError, match="max_index_chunks"):
+        mla_ops.PlanOptions(index_topk=8, max_index_chunks=4)  # the host form has no capacity
+    with pytest.raises(ValueError, match="max_index_chunks"):
+        mla_ops.PlanOptions(max_chunks=2, index_topk=8, max_index_chunks=0)
+    assert mla_ops.PlanOptions(max_chunks=2).index_capacity == 2
+    assert mla_ops.PlanOptions(max_chunks=2, max_index_chunks=9).index_capacity == 9
 
 
 def test_context_parallel_refuses_a_dsa_step():

@@ -10,6 +10,7 @@ Near-ties: every index key is ``a_s * e_0`` with ``a_s`` distinct values exactly
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import mla_ops
 from tests.support.batches import FP8, _request_keys, dense_reference, make_batch
@@ -195,3 +196,42 @@ def test_a_non_finite_index_input_gives_nan_in_the_tokens_it_reaches_only(form, 
     torch.testing.assert_close(out[~reached], clean_out[~reached], rtol=0, atol=0)
     torch.testing.assert_close(lse[:, ~reached], clean_lse[:, ~reached], rtol=0, atol=0)
     assert not torch.isnan(out[~reached]).any()
+
+
+class SuffixCalls(TorchDispatchMode):
+    """Every ``mla_ops::suffix_attention`` dispatched: ``(query rows, live query tokens)`` (its q's rows and its
+    ``query_start_loc[-1]``; rows past the live ones are padding the kernels skip)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.mla_ops.suffix_attention.default:
+            self.calls.append((args[0].shape[0], int(args[4][-1])))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("form", ["host", "device"])
+def test_the_suffix_attention_skips_the_sparse_requests_tokens(form):
+    """Issue 39 item 4: the sparse attention attends a sparse request's own new keys and overwrites its rows, so
+    the suffix attention runs over the dense-routed requests' tokens only (host form: just those rows; device
+    form: T static rows, the sparse ones past its live tokens); the output still equals the oracle."""
+    batch = make_batch(CONTEXTS, QUERIES, seed=3, block_size=4, dtype=torch.float64, N=2, L=16, P=8, R=4, V=8)
+    q_index, weights, k_index, index_cache, _, keys = index_side(batch, seed=4)
+    plan = mla_ops.plan_prefill(batch.query_start_loc, batch.context_lens, batch.block_table, block_size=4,
+                                workspace_size=16, index_topk=TOPK, index_scores_budget=16 * 5,
+                                max_chunks=40 if form == "device" else None)
+    topk = mla_ops.index_topk(q_index, weights, k_index, index_cache, plan)
+    dense_tokens = sum(q for q, s in zip(QUERIES, plan.sparse.tolist()) if not s)  # 3 + 5 + 2
+    recorder = SuffixCalls()
+    with recorder:
+        out = mla_ops.run_prefill(*batch.args()[:4], batch.kv_b_proj_weight, batch.softmax_scale, plan,
+                                  backend="torch", topk_indices=topk)
+    rows = dense_tokens if form == "host" else sum(QUERIES)
+    assert recorder.calls == [(rows, dense_tokens)]
+    expect, _ = sparse_oracle(batch, oracle_selection(batch, q_index, weights, keys, TOPK), plan.sparse.tolist())
+    torch.testing.assert_close(out, expect, rtol=1e-10, atol=1e-10)
+    dense_only = mla_ops.plan_prefill(batch.query_start_loc, batch.context_lens, batch.block_table, block_size=4,
+                                      workspace_size=16, index_topk=100)  # no sparse request: the plain suffix
+    assert dense_only.suffix_query_start_loc is None and not dense_only.sparse.any()

@@ -64,7 +64,7 @@ def ds_mla_values(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> tor
                                                                           DS_MLA_TILE)
     scale_end = DS_MLA_LATENT + _SCALE_BYTES * (DS_MLA_LATENT // DS_MLA_TILE)
     scale = rows[:, DS_MLA_LATENT:scale_end].contiguous().view(torch.float32).unsqueeze(-1)  # [n, 4, 1]
-    latent = (codes * scale).view(-1, DS_MLA_LATENT).to(dtype)  # exact in float32: code * scale, one rounding
+    latent = (codes * scale).view(-1, DS_MLA_LATENT).to(dtype)  # the float32 product: every reader's value
     rope = rows[:, scale_end:].contiguous().view(torch.bfloat16).to(dtype)
     return torch.cat([latent, rope], dim=1).view(*lead, DS_MLA_LATENT + DS_MLA_ROPE)
 

@@ -320,7 +320,7 @@ def begin_step(plan: PrefillPlan, kv_cache: torch.Tensor, slot_mapping: torch.Te
     ``kv_cache_format`` / ``index_cache_format``: ``"auto"`` (the caches above) or vLLM's packed layouts,
     ``"fp8_ds_mla"`` (``kv_cache`` [.., num_blocks, block_size, 656] uint8) and ``"fp8_per_token"``
     (``index_cache`` [num_blocks, block_size, D_I + 4] uint8), which store their own scales
-    (``mla_ops/ops/cache_formats.py``); the torch kernels read them (backend "auto" or "torch").
+    (``mla_ops/ops/cache_formats.py``); every kernel but FlashMLA's dequantizes them as it reads.
     """
     if not isinstance(plan, PrefillPlan):
         raise TypeError(f"plan must be a PrefillPlan (mla_ops.plan_prefill), got {type(plan).__name__}")
@@ -364,10 +364,9 @@ def begin_step(plan: PrefillPlan, kv_cache: torch.Tensor, slot_mapping: torch.Te
         raise ValueError("k_scale_index is the scale of a float8 index_cache: pass index_cache too")
     elif index_cache_format != "auto":
         raise ValueError(f"index_cache_format={index_cache_format!r} describes an index_cache: pass index_cache too")
-    packed = [f for f in (kv_cache_format, index_cache_format) if f != "auto"]
-    if packed and backend in ("triton", "flashmla"):
-        raise ValueError(f"backend={backend!r} does not read {' or '.join(packed)} caches yet: use backend='auto' "
-                         "or 'torch' (the torch kernels dequantize them as they read)")
+    if kv_cache_format != "auto" and backend == "flashmla":
+        raise ValueError(f"backend='flashmla' does not read {kv_cache_format} caches through mla-ops yet: use "
+                         "backend='auto' (Triton), 'triton' or 'torch'")
     kernels = backends.select(backend, device, plan.absorbed_query_bound)
     num_tokens = plan.num_tokens if slot_mapping is None else slot_mapping.shape[0]
     truncated = None if num_tokens is None else truncated_tokens(plan, num_tokens)

@@ -134,10 +134,8 @@ class FlashMLAStep:
 
 def _cuda_kernel(name: str, reference: Callable) -> Callable:
     def kernel(*args):
-        # float64: the kernels don't take it; uint8: a packed cache format (cache_formats), which the
-        # Triton kernels don't read yet.
         if not triton_available() or any(
-            isinstance(a, torch.Tensor) and a.dtype in (torch.float64, torch.uint8) for a in args
+            isinstance(a, torch.Tensor) and a.dtype == torch.float64 for a in args
         ):
             return reference(*args)
         return getattr(triton_kernels(), name)(*args)

@@ -208,8 +208,8 @@ def _(q_index, index_weights, k_index, index_cache, block_table, query_start_loc
 def _index_topk_cuda(q_index, *args) -> torch.Tensor:
     """The op's CUDA kernel: the Triton scorer (imported on first use), else the torch one (float64, no
     Triton)."""
-    if not triton_available() or q_index.dtype == torch.float64 or args[2].dtype == torch.uint8:
-        return index_topk_reference(q_index, *args)  # uint8: a packed index cache, read by the torch scorer
+    if not triton_available() or q_index.dtype == torch.float64:
+        return index_topk_reference(q_index, *args)
     from ..triton.indexer import chunk_scores
 
     return index_topk_chunked(chunk_scores, q_index, *args)

@@ -89,3 +89,81 @@ def pack_per_token(cache):
     mla_ops.write_index_cache(cache.flatten(0, 1), torch.arange(num_blocks * block_size), packed,
                               index_cache_format="fp8_per_token")
     return packed
+
+
+# Few heads and tokens: fp8_ds_mla fixes L = 512 and R = 64.
+DS_DIMS = dict(N=2, L=512, R=64, P=8, V=8)
+DS_CONTEXTS, DS_QUERIES = [5, 0, 20, 3], [1, 3, 2, 2]
+
+
+def ds_mla_context_batch(dtype, seed):
+    """A batch (queries in ``dtype``) whose cache is packed fp8_ds_mla (NaN codes outside the contexts)."""
+    from dataclasses import replace
+
+    from tests.support.batches import context_batch
+
+    batch = context_batch(DS_CONTEXTS, DS_QUERIES, seed=seed, block_size=4, dtype=torch.float32, **DS_DIMS)
+    rows = batch.kv_cache.flatten(0, 1)
+    packed = ds_mla_rows(rows[:, :512], rows[:, 512:]).view(*batch.kv_cache.shape[:2], 656)
+    cast = {name: getattr(batch, name).to(dtype) for name in ("q", "kv_c", "k_pe", "kv_b_proj_weight")}
+    return replace(batch, kv_cache=packed, k_scale=None, **cast)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_sparse_attention_reads_fp8_ds_mla_rows(dtype):
+    from mla_ops.ops.sparse import sparse_reference
+    from mla_ops.triton.sparse import sparse_attention
+    from tests.support.sparse import random_topk
+
+    batch = ds_mla_context_batch(dtype, seed=3)
+    sparse = torch.tensor([True, True, True, False])
+    topk = random_topk(DS_CONTEXTS, DS_QUERIES, 20, seed=1, sparse=sparse.tolist(), future=True)
+    args = (batch.q, batch.kv_c, batch.k_pe, batch.kv_cache, batch.block_table, batch.query_start_loc,
+            batch.context_lens, sparse, topk, batch.kv_b_proj_weight, batch.softmax_scale, None)
+    got, got_lse = batch.sentinels(8, dtype=dtype)
+    want, want_lse = batch.sentinels(8, dtype=torch.float32)
+    sparse_attention(*args, got, got_lse)
+    reference_args = [a.float() if isinstance(a, torch.Tensor) and a.dtype == dtype else a for a in args]
+    sparse_reference(*reference_args, want, want_lse)
+    rows = torch.repeat_interleave(sparse, (batch.query_start_loc[1:] - batch.query_start_loc[:-1]).long())
+    assert torch.isnan(got[~rows]).all() and not torch.isnan(got[rows]).any()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got[rows].float(), want[rows], atol=tol, rtol=tol)
+    torch.testing.assert_close(got_lse[:, rows], want_lse[:, rows], atol=4 * tol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_absorbed_path_reads_fp8_ds_mla_rows(dtype):
+    from mla_ops.ops.absorbed import absorbed_reference
+    from mla_ops.triton.absorbed import absorbed_context_attention
+
+    batch = ds_mla_context_batch(dtype, seed=4)
+    args = batch.absorbed_args()
+    got, got_lse = batch.sentinels(8, dtype=dtype)
+    want, want_lse = batch.sentinels(8, dtype=torch.float32)
+    absorbed_context_attention(*args, got, got_lse)
+    absorbed_reference(*[a.float() if isinstance(a, torch.Tensor) and a.dtype == dtype else a for a in args],
+                       want, want_lse)
+    rows = torch.repeat_interleave(batch.context_lens > 0, (batch.query_start_loc[1:] - batch.query_start_loc[:-1]).long())
+    assert torch.isnan(got[~rows]).all() and not torch.isnan(got[rows]).any()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got[rows].float(), want[rows], atol=tol, rtol=tol)
+    torch.testing.assert_close(got_lse[:, rows], want_lse[:, rows], atol=4 * tol, rtol=0)
+
+
+def test_a_dsa_step_on_both_formats_runs_on_the_triton_kernels():
+    """run_prefill / index_topk with backend='triton' over fp8_ds_mla and fp8_per_token caches equal the torch
+    kernels' (gather, up-projection and attention of the chunk loop, the absorbed path, sparse attention)."""
+    import mla_ops
+    from tests.support.sparse import random_topk
+
+    batch = ds_mla_context_batch(torch.float32, seed=5)
+    plan = mla_ops.plan_prefill(batch.query_start_loc, batch.context_lens, batch.block_table, 4, 8,
+                                absorb_max_query_len=1, index_topk=6, index_scores_budget=32)
+    assert plan.sparse.any() and not plan.sparse.all()
+    topk = random_topk(DS_CONTEXTS, DS_QUERIES, 6, seed=2, sparse=plan.sparse.tolist())
+    outs = [mla_ops.run_prefill(batch.q, batch.kv_c, batch.k_pe, batch.kv_cache, batch.kv_b_proj_weight,
+                                batch.softmax_scale, plan, backend=backend, topk_indices=topk, return_lse=True,
+                                kv_cache_format="fp8_ds_mla") for backend in ("triton", "torch")]
+    torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(outs[0][1], outs[1][1], atol=4e-4, rtol=0)

@@ -157,8 +157,8 @@ BAD_STEP = {
                                 "needs a uint8 kv_cache"),
     "unknown format": (dict(kv_cache_format="fp8"), ValueError, "kv_cache_format must be one of"),
     "a per-tensor scale": (dict(kv_cache_format="fp8_ds_mla", k_scale=0.5), ValueError, "k_scale is for a per-tensor"),
-    "triton backend": (dict(kv_cache_format="fp8_ds_mla", backend="triton"), ValueError,
-                       "does not read fp8_ds_mla caches yet"),
+    "flashmla backend": (dict(kv_cache_format="fp8_ds_mla", backend="flashmla"), ValueError,
+                         "flashmla"),
     "index format without index cache": (dict(kv_cache_format="fp8_ds_mla", index_cache_format="fp8_per_token"),
                                          ValueError, "describes an index_cache"),
 }

@@ -25,6 +25,8 @@ from typing import NamedTuple, Sequence, Union
 
 import torch
 
+from .._mla import DS_MLA_LATENT, DS_MLA_ROPE, DS_MLA_ROW_BYTES
+from ..ops.cache_formats import INDEX_FORMATS, LATENT_FORMATS
 from . import regions
 
 LayerCaches = Sequence[torch.Tensor]  # one [num_blocks, block_size, W] per layer (eager code: or stacked)
@@ -62,6 +64,30 @@ def grown(caches: Caches, bigger: Caches) -> Caches:
     for old, new in zip(cache_tensors(caches), cache_tensors(bigger)):
         new.narrow(-3, 0, old.shape[-3]).copy_(old)
     return bigger
+
+
+def cache_widths(config, kv_cache_format: str, index_cache_format: str) -> tuple[int, int]:
+    """``(latent row width, index row width)`` of a model's caches in these formats (DESIGN §12): L+R and D_I,
+    or vLLM's packed 656 bytes (DeepSeek-V3.2's dims only) and D_I + 4 bytes."""
+    c = config
+    for name, value, choices in (("kv_cache_format", kv_cache_format, LATENT_FORMATS),
+                                 ("index_cache_format", index_cache_format, INDEX_FORMATS)):
+        if value not in choices:
+            raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    latent = c.kv_lora_rank + c.qk_rope_head_dim
+    if kv_cache_format == "fp8_ds_mla":
+        if (c.kv_lora_rank, c.qk_rope_head_dim) != (DS_MLA_LATENT, DS_MLA_ROPE) or c.no_rope_layers is not None:
+            raise ValueError(f"kv_cache_format='fp8_ds_mla' holds kv_lora_rank {DS_MLA_LATENT} and qk_rope_head_dim "
+                             f"{DS_MLA_ROPE} in every layer (DeepSeek-V3.2's), but the model has "
+                             f"{c.kv_lora_rank} and {c.qk_rope_head_dim}"
+                             f"{'' if c.no_rope_layers is None else ' with NoPE layers'}")
+        latent = DS_MLA_ROW_BYTES
+    if index_cache_format != "auto" and not c.is_sparse:
+        raise ValueError(f"index_cache_format={index_cache_format!r} is for a sparse (index_topk) model's index caches")
+    if index_cache_format == "fp8_per_token" and c.index_head_dim % 4:
+        raise ValueError(f"index_cache_format='fp8_per_token' needs index_head_dim a multiple of 4, got "
+                         f"{c.index_head_dim}")
+    return latent, c.index_head_dim + (4 if index_cache_format == "fp8_per_token" else 0)
 
 
 def allocate(layers: int, num_blocks: int, block_size: int, width: int, dtype, device) -> LayerCaches:

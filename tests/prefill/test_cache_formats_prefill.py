@@ -15,6 +15,7 @@ import mla_ops
 from mla_ops.ops.cache_formats import ds_mla_rows, ds_mla_values, per_token_quantize, per_token_rows
 from mla_ops.ops.gather import gather_reference
 from tests.support.batches import dense_reference, make_batch
+from tests.support.gpu import TOL, needs_cuda
 from tests.support.indexer import check_topk, indexer_batch
 from tests.support.sparse import masked_reference, random_topk
 
@@ -192,3 +193,77 @@ def test_index_topk_refuses_a_mismatched_index_format():
     with pytest.raises(ValueError, match="k_scale_index is for a per-tensor"):
         mla_ops.index_topk(*index.args[:3], pack_per_token(index.index_cache), plan, k_scale_index=1.0,
                            index_cache_format="fp8_per_token")
+
+
+# ---- on a GPU (benchmarks/gpu_check.sh, step dsa): the Triton kernels read the formats in place ----------
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("form", ["host, absorbed", "device"])
+def test_cuda_dsa_step_on_both_formats_matches_the_cpu_oracle(dtype, form):
+    """Writes (byte-equal to the CPU's), index_topk and run_prefill on CUDA over packed caches against the torch
+    kernels on CPU (float64 queries over the same bytes)."""
+    batch, packed = ds_mla_batch(seed=11)
+    plan = mla_ops.plan_prefill(batch.query_start_loc, batch.context_lens, batch.block_table, BLOCK, WORKSPACE,
+                                index_topk=TOPK, index_scores_budget=32, **PLANS[form])
+    topk = random_topk(CTX, QLENS, TOPK, seed=4, sparse=plan.sparse.tolist(), shuffle=False)
+    want = run(batch, packed, plan, topk_indices=topk)
+    gpu = batch.to("cuda", dtype)
+    gpu_plan = mla_ops.plan_prefill(gpu.query_start_loc, gpu.context_lens, gpu.block_table, BLOCK, WORKSPACE,
+                                    index_topk=TOPK, index_scores_budget=32, **PLANS[form])
+    got = run(gpu, packed.cuda(), gpu_plan, topk_indices=topk.cuda())
+    torch.testing.assert_close(got.double().cpu(), want, atol=TOL[dtype], rtol=TOL[dtype])
+    # the writes on the GPU: the bytes the CPU writes
+    slots = torch.arange(batch.q.shape[0])
+    cpu_cache, gpu_cache = packed.clone(), packed.cuda()
+    mla_ops.write_latent_cache(gpu.kv_c, gpu.k_pe, slots.cuda(), gpu_cache, kv_cache_format="fp8_ds_mla")
+    mla_ops.write_latent_cache(gpu.kv_c.cpu(), gpu.k_pe.cpu(), slots, cpu_cache, kv_cache_format="fp8_ds_mla")
+    assert torch.equal(gpu_cache.cpu(), cpu_cache)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_index_topk_on_fp8_per_token_equals_the_oracle(dtype):
+    ctx, qlens = [0, 13, 5, 30, 2], [3, 4, 9, 5, 2]
+    batch = indexer_batch(ctx, qlens, TOPK, block_size=BLOCK, width=32, dtype=dtype, seed=5,
+                          stored=per_token_round_trip)
+    packed = pack_per_token(batch.index_cache.float())
+    gpu = batch.to("cuda")
+    for max_chunks in (None, 60):
+        plan = gpu.plan(TOPK, WORKSPACE, 32, max_chunks=max_chunks)
+        got = mla_ops.index_topk(gpu.q_index, gpu.index_weights, gpu.k_index, packed.cuda(), plan,
+                                 index_cache_format="fp8_per_token")
+        check_topk(got, batch.expected, TOPK)
+
+
+def test_a_dsa_step_on_both_formats_compiles_whole():
+    """Under torch.compile (fullgraph, a device plan made in the graph) the packed formats run through the ops'
+    fake implementations and give what eager gives."""
+    batch, packed = ds_mla_batch(seed=12)
+    g = torch.Generator().manual_seed(13)
+    num_tokens, width = batch.q.shape[0], 32
+    index_cache = pack_per_token(torch.randn(packed.shape[0], BLOCK, width, generator=g))
+    q_index = torch.randn(num_tokens, 2, width, generator=g, dtype=torch.float64)
+    weights = torch.randn(num_tokens, 2, generator=g, dtype=torch.float64)
+    k_index = torch.randn(num_tokens, width, generator=g, dtype=torch.float64)
+
+    def layer(q, kv_c, k_pe, kv_cache, index_cache, query_start_loc, context_lens, block_table, slots):
+        plan = mla_ops.plan_prefill(query_start_loc, context_lens, block_table, BLOCK, WORKSPACE, max_chunks=24,
+                                    index_topk=TOPK, index_scores_budget=32)
+        step = mla_ops.begin_step(plan, kv_cache, slots, kv_cache_format="fp8_ds_mla", index_cache=index_cache,
+                                  index_cache_format="fp8_per_token")
+        topk = step.select(q_index, weights, k_index, index_cache)
+        step.write_index(k_index, index_cache)
+        return step.run(q, kv_c, k_pe, kv_cache, batch.kv_b_proj_weight, batch.softmax_scale, topk_indices=topk)
+
+    slots = torch.arange(num_tokens)
+    caches = [(packed.clone(), index_cache.clone()) for _ in range(2)]
+    args = (batch.q, batch.kv_c, batch.k_pe)
+    lengths = (batch.query_start_loc, batch.context_lens, batch.block_table, slots)
+    want = layer(*args, *caches[0], *lengths)
+    got = torch.compile(layer, fullgraph=True, backend="aot_eager")(*args, *caches[1], *lengths)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])

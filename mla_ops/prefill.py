@@ -333,6 +333,9 @@ def begin_step(plan: PrefillPlan, kv_cache: torch.Tensor, slot_mapping: torch.Te
     if kv_cache.device != device:
         raise ValueError(f"plan must be on {kv_cache.device} (the device of kv_cache), got a plan on {device}")
     check_latent_format(kv_cache_format, kv_cache)
+    if kv_cache_format != "auto" and plan.context_parallel is not None:
+        raise ValueError(f"context_parallel does not read {kv_cache_format} caches yet: plan the step on one device "
+                         "(docs/limitations.md)")
     if kv_cache_format == "auto" and kv_cache.dtype not in CACHE_DTYPES:
         raise TypeError(f"kv_cache must be float16, bfloat16, float32, float64 or float8_e4m3fn, got {kv_cache.dtype}")
     num_blocks, block_size = kv_cache.shape[-3], kv_cache.shape[-2]

@@ -228,7 +228,8 @@ def _hints(config: MLAConfig, unexpected: list[str]) -> list[str]:
                 misplaced.append(int(layer.group(1)))
     if misplaced:
         layer = min(misplaced)
-        by = (f"mlp_layer_types[{layer}]={config.mlp_layer_types[layer]!r}" if config.mlp_layer_types is not None
+        types = config.layer_kinds.mlp_layer_types
+        by = (f"mlp_layer_types[{layer}]={types[layer]!r}" if types is not None
               else f"n_routed_experts={config.n_routed_experts}, first_k_dense_replace={config.first_k_dense_replace}, "
                    f"moe_layer_freq={config.moe_layer_freq}")
         hints.append(f"layer {layer} is {'MoE' if config.is_moe_layer(layer) else 'dense'} by {by}, but the "

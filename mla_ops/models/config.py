@@ -13,22 +13,28 @@ value of the wrong type, a ValueError for one out of range.
   ``q_lora_rank``: None (a plain ``q_proj``, DeepSeek-V2-Lite) or at least 1; ``n_routed_experts``: None
   (dense) or at least 1 (config.json's 0 or null both mean dense).
 * real numbers (an int or a float, not a string or a bool, finite): ``rope_theta``, ``rms_norm_eps``,
-  ``lora_norm_eps``, ``routed_scaling_factor``, ``embedding_scale``, ``residual_scale``, ``logits_scaling`` > 0;
-  ``initializer_range`` >= 0.
-* ``mlp_layer_types``: None, or one of "dense" / "sparse" per layer ("sparse" needs experts).
+  ``lora_norm_eps``, ``routed_scaling_factor`` > 0; ``initializer_range`` >= 0.
 * booleans must be booleans (``"false"`` is refused, not read as true): ``rope_interleave``,
-  ``tie_word_embeddings``, ``norm_topk_prob``, ``post_mlp_layernorm``, ``optional_correction_bias``.
+  ``tie_word_embeddings``, ``norm_topk_prob``, ``post_mlp_layernorm``, ``optional_correction_bias``,
+  ``learned_rope_frequencies``.
 * ``scoring_func`` / ``topk_method`` / ``decoder_layer``: strings (known values); ``dtype``: None or one of float16,
   bfloat16, float32, float64 (``"torch.bfloat16"`` too); ``rope_scaling``: None, a ``YarnScaling``, a
   ``LongRopeScaling`` (its ``short_factor`` of R/2 entries) or config.json's dict; ``wrapper``: None or
-  a multimodal wrapper's model type (``models.wrappers``); ``query_scale``: None, a ``QueryScale`` or
-  its fields as a dict.
+  a multimodal wrapper's model type (``models.wrappers``).
 
-DeepSeek Sparse Attention (DESIGN §12; ``mla_ops.models.indexer``): ``index_topk`` None (dense MLA) or at least
-1 turns on each layer's lightning indexer, of ``index_n_heads`` heads of width ``index_head_dim`` (at least 1;
+The optional parts are small records, each field named as its config.json key (``grouped`` gathers flat
+keys into them; ``from_hf`` does): ``indexer`` (``IndexerConfig``, None: dense MLA), ``scalings``
+(``Scalings``: MiniCPM3's ``embedding_scale``, ``residual_scale``, ``logits_scaling`` > 0, LongCat's
+``mla_scale_*``, Mistral 4's ``query_scale``, Mistral Large 4's ``learned_query_scale`` and
+``final_logit_softcapping``) and ``layer_kinds`` (``LayerKinds``: one entry per layer, or None). A dict is
+read as a record's fields. ``mlp_layer_types``: None, or one of "dense" / "sparse" per layer ("sparse"
+needs experts).
+
+DeepSeek Sparse Attention (DESIGN §12; ``mla_ops.models.indexer``): an ``indexer`` (its ``index_topk`` at least
+1) turns on each layer's lightning indexer, of ``index_n_heads`` heads of width ``index_head_dim`` (at least 1;
 the first ``qk_rope_head_dim`` rotated, so at least that wide), reading the q-LoRA latent (``q_lora_rank``
 required); ``indexer_rope_interleave`` (bool): GLM-5's indexer rows are interleaved pairs (converted at load);
-``indexer_types``: None (every layer "full") or one of "full" / "shared" per layer, layer 0 "full" (a shared
+``layer_kinds.indexer_types``: None (every layer "full") or one of "full" / "shared" per layer, layer 0 "full" (a shared
 layer reuses the previous full layer's top-k, and has no indexer of its own). Only the deepseek layer has one.
 
 LongCat-Flash's layer (``decoder_layer="longcat"``, ``mla_ops.models.longcat``) needs experts; identity
@@ -42,7 +48,7 @@ JSON, or not a JSON object, is one ValueError naming it.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from .. import _checks
@@ -65,14 +71,97 @@ INDEXER_TYPES = ("full", "shared")  # indexer_types' entries: a layer's own inde
 _INTS = dict(hidden_size=1, num_attention_heads=1, kv_lora_rank=1, qk_nope_head_dim=1, qk_rope_head_dim=1,
              v_head_dim=1, intermediate_size=1, num_hidden_layers=1, vocab_size=1, max_position_embeddings=1,
              num_experts_per_tok=1, moe_intermediate_size=0, n_shared_experts=0, first_k_dense_replace=0,
-             moe_layer_freq=1, n_group=1, topk_group=1, zero_expert_num=0, index_n_heads=1, index_head_dim=1)
-_OPTIONAL_INTS = ("q_lora_rank", "n_routed_experts", "index_topk")  # None, or at least 1
+             moe_layer_freq=1, n_group=1, topk_group=1, zero_expert_num=0)
+_OPTIONAL_INTS = ("q_lora_rank", "n_routed_experts")  # None, or at least 1
 # Real fields: True if they must be > 0, False if >= 0.
 _REALS = dict(rope_theta=True, rms_norm_eps=True, lora_norm_eps=True, routed_scaling_factor=True,
               initializer_range=False)
-_BOOLS = ("rope_interleave", "tie_word_embeddings", "norm_topk_prob", "mla_scale_q_lora", "mla_scale_kv_lora",
-          "post_mlp_layernorm", "optional_correction_bias", "indexer_rope_interleave", "indexer_q_norm",
-          "learned_query_scale", "learned_rope_frequencies")
+_BOOLS = ("rope_interleave", "tie_word_embeddings", "norm_topk_prob", "post_mlp_layernorm", "optional_correction_bias",
+          "learned_rope_frequencies")
+
+
+@dataclass
+class IndexerConfig:
+    """DeepSeek Sparse Attention's lightning indexer (``mla_ops.models.indexer``): each query's MLA sees the
+    ``index_topk`` (K_I) keys of highest score. V3.2's defaults."""
+
+    index_topk: int
+    index_n_heads: int = 64  # H_I
+    index_head_dim: int = 128  # D_I; its first qk_rope_head_dim are rotated
+    indexer_rope_interleave: bool = False  # its rope rows are interleaved pairs (GLM-5's; V3.2 rotates halves)
+    indexer_q_norm: bool = False  # queries from a LayerNorm of the layer input, no q-LoRA latent (Mistral Large 4)
+
+    def __post_init__(self):
+        self.index_topk = _checks.check_int(self.index_topk, "index_topk", 1)
+        self.index_n_heads = _checks.check_int(self.index_n_heads, "index_n_heads", 1)
+        self.index_head_dim = _checks.check_int(self.index_head_dim, "index_head_dim", 1)
+        _checks.check_bool(self.indexer_rope_interleave, "indexer_rope_interleave")
+        _checks.check_bool(self.indexer_q_norm, "indexer_q_norm")
+
+
+@dataclass
+class Scalings:
+    """Factors some families put around the standard block (the defaults: none)."""
+
+    # MiniCPM3's: the token embeddings times embedding_scale, each attention and MLP output times residual_scale
+    # before its residual add, the final hidden states divided by logits_scaling.
+    embedding_scale: float = 1.0
+    residual_scale: float = 1.0
+    logits_scaling: float = 1.0
+    final_logit_softcapping: Optional[float] = None  # logits = c * tanh(logits / c) (Mistral Large 4's)
+    mla_scale_q_lora: bool = False  # q times sqrt(hidden_size / q_lora_rank) (LongCat-Flash)
+    mla_scale_kv_lora: bool = False  # the latent kv_c times sqrt(hidden_size / kv_lora_rank) (LongCat-Flash)
+    query_scale: Optional[QueryScale] = None  # Mistral 4's per-position query scale; a dict is read as its fields
+    # Mistral Large 4's learned per-head query scale s * log(position + 1) + b, in the attention and the indexer
+    learned_query_scale: bool = False
+
+    def __post_init__(self):
+        for name in ("embedding_scale", "residual_scale", "logits_scaling"):
+            setattr(self, name, _checks.check_real(getattr(self, name), name))
+        self.final_logit_softcapping = _checks.check_real(self.final_logit_softcapping, "final_logit_softcapping",
+                                                          optional=True)
+        for name in ("mla_scale_q_lora", "mla_scale_kv_lora", "learned_query_scale"):
+            _checks.check_bool(getattr(self, name), name)
+        self.query_scale = _record(self.query_scale, QueryScale, "query_scale")
+
+
+@dataclass
+class LayerKinds:
+    """What differs from layer to layer: one entry per layer in each list; None: every layer alike."""
+
+    # "dense" / "sparse" MLP (GLM-4.7-Flash's); None: by first_k_dense_replace and moe_layer_freq
+    mlp_layer_types: Optional[tuple[str, ...]] = None
+    # "full" (its own indexer) / "shared" (the previous full layer's top-k), GLM-5's; None: all full
+    indexer_types: Optional[tuple[str, ...]] = None
+    no_rope_layers: Optional[tuple[int, ...]] = None  # 1: RoPE, 0: NoPE (Mistral Large 4's, transformers' convention)
+    kv_source_layers: Optional[tuple[int, ...]] = None  # the layer whose latent cache each layer attends
+
+
+def _record(value, cls, name: str):
+    """An optional part: None, a ``cls`` or a dict of its fields (config.json's)."""
+    if value is None or isinstance(value, cls):
+        return value
+    if isinstance(value, dict):
+        return cls(**value)
+    raise TypeError(f"{name} must be None, a dict or {cls.__name__}, got {type(value).__name__}")
+
+
+# Where each optional part's config.json keys go (the records' field names are the keys).
+_PARTS = {part: tuple(f.name for f in dataclasses.fields(cls))
+          for part, cls in (("indexer", IndexerConfig), ("scalings", Scalings), ("layer_kinds", LayerKinds))}
+
+
+def grouped(kwargs: dict) -> dict:
+    """``MLAConfig`` keyword arguments from flat ones: the optional parts' keys (``index_topk``,
+    ``embedding_scale``, ``kv_source_layers``, ...) gathered into their records."""
+    out = dict(kwargs)
+    for part, keys in _PARTS.items():
+        values = {key: out.pop(key) for key in keys if key in out}
+        if values:
+            if part in out:
+                raise TypeError(f"{part} and its fields {sorted(values)} both given: pass one")
+            out[part] = values
+    return out
 
 
 @dataclass
@@ -110,41 +199,20 @@ class MLAConfig:
     tie_word_embeddings: bool = False
     dtype: Optional[str] = None  # the checkpoint's dtype ("bfloat16"): from_pretrained's default
     wrapper: Optional[str] = None  # the text model of this multimodal model type ("kimi_k25"): its checkpoint names
-    query_scale: Optional[QueryScale] = None  # Mistral 4's per-position query scale; a dict is read as its fields
-    # Per-layer MLP kinds ("dense" / "sparse"), GLM-4.7-Flash's; None: by first_k_dense_replace and moe_layer_freq.
-    mlp_layer_types: Optional[tuple[str, ...]] = None
-    # MiniCPM3's scalings (1: none): the token embeddings times embedding_scale, each attention and MLP
-    # output times residual_scale before its residual add, the final hidden states divided by logits_scaling.
-    embedding_scale: float = 1.0
-    residual_scale: float = 1.0
-    logits_scaling: float = 1.0
+    learned_rope_frequencies: bool = False  # Mistral Large 4's: inv_freq * exp(model.rotary_emb.alpha)
     # The layer structure: "deepseek" (attention + MLP or MoE) or "longcat" (LongCat-Flash: two attention
     # sublayers, two dense MLPs and a shortcut MoE per layer; mla_ops.models.longcat).
     decoder_layer: str = "deepseek"
     zero_expert_num: int = 0  # identity experts routed after the n_routed_experts (LongCat-Flash)
-    mla_scale_q_lora: bool = False  # q times sqrt(hidden_size / q_lora_rank) (LongCat-Flash)
-    mla_scale_kv_lora: bool = False  # the latent kv_c times sqrt(hidden_size / kv_lora_rank) (LongCat-Flash)
     # A.X-K1's: an RMSNorm (the layer's post_mlp_layernorm) on the MoE layers' MLP output, before its
     # residual add; and a checkpoint may leave out e_score_correction_bias (zeros: its releases have none).
     post_mlp_layernorm: bool = False
     optional_correction_bias: bool = False
-    # DeepSeek Sparse Attention (mla_ops.models.indexer): K_I keys per query; None: dense MLA. V3.2's defaults.
-    index_topk: Optional[int] = None
-    index_n_heads: int = 64  # H_I
-    index_head_dim: int = 128  # D_I; its first qk_rope_head_dim are rotated
-    indexer_rope_interleave: bool = False  # the indexer's rope rows are interleaved pairs (GLM-5's; V3.2 halves)
-    indexer_types: Optional[tuple[str, ...]] = None  # "full" / "shared" per layer (GLM-5); None: all full
-    # Mistral Large 4's (mla_ops.models.mistral_large4): the indexer's queries from a LayerNorm of the layer
-    # input (no q-LoRA latent); a learned per-head query scale s * log(position + 1) + b in the attention and
-    # the indexer; learned RoPE frequencies (model.rotary_emb.alpha: inv_freq * exp(alpha)); NoPE layers
-    # (no_rope_layers[i] 0: R = 0, P + R nope dims, an L-wide latent); KV sharing (kv_source_layers[i] < i:
-    # layer i attends that layer's latent cache and has none of its own); tanh soft-capping of the logits.
-    indexer_q_norm: bool = False
-    learned_query_scale: bool = False
-    learned_rope_frequencies: bool = False
-    no_rope_layers: Optional[tuple[int, ...]] = None  # 1: RoPE, 0: NoPE, per layer (transformers' convention)
-    kv_source_layers: Optional[tuple[int, ...]] = None  # the layer whose latent cache each layer attends
-    final_logit_softcapping: Optional[float] = None  # logits = c * tanh(logits / c); None: none
+    # The optional parts, each a small record (a dict is read as its fields): DeepSeek Sparse Attention's
+    # indexer (None: dense MLA), the families' scalings, and what differs from layer to layer.
+    indexer: Optional[IndexerConfig] = None
+    scalings: Scalings = field(default_factory=Scalings)
+    layer_kinds: LayerKinds = field(default_factory=LayerKinds)
 
     def __post_init__(self):
         # Types and ranges of every field (normalized: numpy integers -> int, ints -> float where real).
@@ -169,15 +237,17 @@ class MLAConfig:
         elif self.rope_scaling is not None and not isinstance(self.rope_scaling, LongRopeScaling):
             raise TypeError(f"rope_scaling must be None, a dict (config.json's), a YarnScaling or a LongRopeScaling, "
                             f"got {type(self.rope_scaling).__name__}")
-        if isinstance(self.query_scale, dict):
-            self.query_scale = QueryScale(**self.query_scale)
-        elif self.query_scale is not None and not isinstance(self.query_scale, QueryScale):
-            raise TypeError(f"query_scale must be None, a dict or a QueryScale, got {type(self.query_scale).__name__}")
+        self.indexer = _record(self.indexer, IndexerConfig, "indexer")
+        self.scalings = _record(self.scalings, Scalings, "scalings")
+        self.layer_kinds = _record(self.layer_kinds, LayerKinds, "layer_kinds")
+        if self.scalings is None or self.layer_kinds is None:
+            raise TypeError(f"{'scalings' if self.scalings is None else 'layer_kinds'} must be a dict or a record, "
+                            "not None (its defaults: none)")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
         if isinstance(self.rope_scaling, LongRopeScaling):
             self.rope_scaling.check_rope_dim(self.qk_rope_head_dim)
-        _check_layer_types_and_scales(self)
+        _check_mlp_layer_types(self)
         self._check_layer_structure()
         self._check_indexer()
         _check_mistral_large4_layers(self)
@@ -215,13 +285,13 @@ class MLAConfig:
         if longcat and self.n_routed_experts is None:
             raise ValueError("decoder_layer 'longcat' has a shortcut MoE in every layer: n_routed_experts must be set")
         for name in ("mla_scale_q_lora", "mla_scale_kv_lora"):
-            if getattr(self, name) and not longcat:
+            if getattr(self.scalings, name) and not longcat:
                 raise ValueError(f"{name}=True scales LongCat-Flash's attention: it needs decoder_layer 'longcat', "
                                  f"got {self.decoder_layer!r}")
         if self.post_mlp_layernorm and longcat:
             raise ValueError("post_mlp_layernorm=True norms the MoE output of decoder_layer 'deepseek' (A.X-K1's); "
                              "decoder_layer 'longcat' has none")
-        if self.mla_scale_q_lora and self.q_lora_rank is None:
+        if self.scalings.mla_scale_q_lora and self.q_lora_rank is None:
             raise ValueError("mla_scale_q_lora=True scales q by sqrt(hidden_size / q_lora_rank): q_lora_rank must be "
                              "set")
         if self.zero_expert_num and (self.n_routed_experts is None or self.n_group != 1):
@@ -230,33 +300,40 @@ class MLAConfig:
                              f"n_group={self.n_group}")
 
     def _check_indexer(self) -> None:
-        if self.index_topk is None:
-            if self.indexer_types is not None:
+        kinds = self.layer_kinds
+        if self.indexer is None:
+            if kinds.indexer_types is not None:
                 raise ValueError("indexer_types is set but index_topk is None (no indexer): set index_topk or "
                                  "leave indexer_types None")
             return
         if self.decoder_layer != "deepseek":
             raise ValueError(f"index_topk: only decoder_layer 'deepseek' has an indexer, got {self.decoder_layer!r}")
-        if self.q_lora_rank is None and not self.indexer_q_norm:
+        if self.q_lora_rank is None and not self.indexer.indexer_q_norm:
             raise ValueError("index_topk is set but q_lora_rank is None: the indexer's wq_b reads the q-LoRA latent "
                              "(or, with indexer_q_norm, a LayerNorm of the layer input)")
-        if self.index_head_dim < self.qk_rope_head_dim:
-            raise ValueError(f"index_head_dim ({self.index_head_dim}) must hold the qk_rope_head_dim "
+        if self.indexer.index_head_dim < self.qk_rope_head_dim:
+            raise ValueError(f"index_head_dim ({self.indexer.index_head_dim}) must hold the qk_rope_head_dim "
                              f"({self.qk_rope_head_dim}) rotated dims")
         if not _check_layer_list(self, "indexer_types", INDEXER_TYPES):
             return
-        if self.indexer_types[0] != "full":
+        if kinds.indexer_types[0] != "full":
             raise ValueError("indexer_types[0] must be 'full': a 'shared' layer reuses the top-k of a full layer "
                              "before it")
 
     @property
     def is_sparse(self) -> bool:
-        """DeepSeek Sparse Attention: the layers select their keys with an indexer (``index_topk``)."""
-        return self.index_topk is not None
+        """DeepSeek Sparse Attention: the layers select their keys with an indexer (``indexer``)."""
+        return self.indexer is not None
+
+    @property
+    def index_topk(self) -> int | None:
+        """K_I, the keys each query's MLA sees (``indexer.index_topk``); None: dense MLA."""
+        return None if self.indexer is None else self.indexer.index_topk
 
     def has_indexer(self, layer_idx: int) -> bool:
         """Layer ``layer_idx`` runs its own indexer (a "full" layer of a sparse model)."""
-        return self.is_sparse and (self.indexer_types is None or self.indexer_types[layer_idx] == "full")
+        types = self.layer_kinds.indexer_types
+        return self.is_sparse and (types is None or types[layer_idx] == "full")
 
     @property
     def num_index_layers(self) -> int:
@@ -265,7 +342,8 @@ class MLAConfig:
 
     def uses_rope(self, layer_idx: int) -> bool:
         """Layer ``layer_idx`` rotates R dims of its queries and keys (False: a NoPE layer, R = 0)."""
-        return self.no_rope_layers is None or bool(self.no_rope_layers[layer_idx])
+        kinds = self.layer_kinds.no_rope_layers
+        return kinds is None or bool(kinds[layer_idx])
 
     def layer_dims(self, layer_idx: int) -> tuple[int, int]:
         """(P, R) of layer ``layer_idx``: a NoPE layer's query and key heads are all nope, (P + R, 0)."""
@@ -274,7 +352,8 @@ class MLAConfig:
 
     def kv_source(self, layer_idx: int) -> int:
         """The layer whose latent cache layer ``layer_idx`` attends (itself unless it shares an earlier one's)."""
-        return layer_idx if self.kv_source_layers is None else self.kv_source_layers[layer_idx]
+        sources = self.layer_kinds.kv_source_layers
+        return layer_idx if sources is None else sources[layer_idx]
 
     @property
     def latent_layers(self) -> tuple[int, ...]:
@@ -316,8 +395,8 @@ class MLAConfig:
         return scale if self.rope_scaling is None else scale * self.rope_scaling.softmax_scale_factor()
 
     def is_moe_layer(self, layer_idx: int) -> bool:
-        if self.mlp_layer_types is not None:
-            return self.mlp_layer_types[layer_idx] == "sparse"
+        if self.layer_kinds.mlp_layer_types is not None:
+            return self.layer_kinds.mlp_layer_types[layer_idx] == "sparse"
         return (self.n_routed_experts is not None and layer_idx >= self.first_k_dense_replace
                 and layer_idx % self.moe_layer_freq == 0)
 
@@ -338,9 +417,9 @@ class MLAConfig:
         a multimodal wrapper the key of its text model's config)."""
         where = [w for w in (source, text_config_key(config)) if w]
         if not where:
-            return cls(**mla_config_kwargs(config))
+            return cls(**grouped(mla_config_kwargs(config)))
         try:
-            return cls(**mla_config_kwargs(config))
+            return cls(**grouped(mla_config_kwargs(config)))
         except (TypeError, ValueError) as e:
             raise (ValueError if isinstance(e, ValueError) else TypeError)(f"{': '.join(where)}: {e}") from e
 
@@ -354,20 +433,19 @@ def _int_list(value, name: str, num_layers: int) -> tuple[int, ...]:
 
 
 def _check_mistral_large4_layers(c: MLAConfig) -> None:
-    """``no_rope_layers``, ``kv_source_layers`` and ``final_logit_softcapping`` (Mistral Large 4's)."""
-    if c.final_logit_softcapping is not None:
-        c.final_logit_softcapping = _checks.check_real(c.final_logit_softcapping, "final_logit_softcapping")
-    if (c.no_rope_layers is not None or c.kv_source_layers is not None) and not c.is_sparse:
+    """``no_rope_layers`` and ``kv_source_layers`` (Mistral Large 4's)."""
+    kinds = c.layer_kinds
+    if (kinds.no_rope_layers is not None or kinds.kv_source_layers is not None) and not c.is_sparse:
         raise ValueError("no_rope_layers / kv_source_layers are Mistral Large 4's layer kinds, run by the sparse "
                          "layers (index_topk): set index_topk or leave them None")
-    if c.no_rope_layers is not None:
-        c.no_rope_layers = _int_list(c.no_rope_layers, "no_rope_layers", c.num_hidden_layers)
-        for i, v in enumerate(c.no_rope_layers):
+    if kinds.no_rope_layers is not None:
+        kinds.no_rope_layers = _int_list(kinds.no_rope_layers, "no_rope_layers", c.num_hidden_layers)
+        for i, v in enumerate(kinds.no_rope_layers):
             if v not in (0, 1):
                 raise ValueError(f"no_rope_layers[{i}] must be 1 (RoPE) or 0 (NoPE), got {v}")
-    if c.kv_source_layers is None:
+    if kinds.kv_source_layers is None:
         return
-    c.kv_source_layers = sources = _int_list(c.kv_source_layers, "kv_source_layers", c.num_hidden_layers)
+    kinds.kv_source_layers = sources = _int_list(kinds.kv_source_layers, "kv_source_layers", c.num_hidden_layers)
     last_owner = {}  # RoPE kind -> the last layer so far that writes its own latent cache and is shared
     for i, s in enumerate(sources):
         if s > i or sources[s] != s:
@@ -386,8 +464,8 @@ def _check_mistral_large4_layers(c: MLAConfig) -> None:
 
 
 def _check_layer_list(c: MLAConfig, name: str, choices) -> bool:
-    """``c.<name>``: None (False), or one of ``choices`` per layer, made a tuple (True)."""
-    kinds = getattr(c, name)
+    """``c.layer_kinds.<name>``: None (False), or one of ``choices`` per layer, made a tuple (True)."""
+    kinds = getattr(c.layer_kinds, name)
     if kinds is None:
         return False
     if not isinstance(kinds, (list, tuple)):
@@ -396,17 +474,16 @@ def _check_layer_list(c: MLAConfig, name: str, choices) -> bool:
         raise ValueError(f"{name} must have num_hidden_layers={c.num_hidden_layers} entries, got {len(kinds)}")
     for i, kind in enumerate(kinds):
         _checks.check_str(kind, f"{name}[{i}]", choices)
-    setattr(c, name, tuple(kinds))
+    setattr(c.layer_kinds, name, tuple(kinds))
     return True
 
 
-def _check_layer_types_and_scales(c: MLAConfig) -> None:
-    for name in ("embedding_scale", "residual_scale", "logits_scaling"):
-        setattr(c, name, _checks.check_real(getattr(c, name), name))
+def _check_mlp_layer_types(c: MLAConfig) -> None:
     if not _check_layer_list(c, "mlp_layer_types", MLP_LAYER_TYPES):
         return
-    if c.n_routed_experts is None and "sparse" in c.mlp_layer_types:
-        raise ValueError(f"mlp_layer_types[{c.mlp_layer_types.index('sparse')}] is 'sparse' but n_routed_experts is "
+    types = c.layer_kinds.mlp_layer_types
+    if c.n_routed_experts is None and "sparse" in types:
+        raise ValueError(f"mlp_layer_types[{types.index('sparse')}] is 'sparse' but n_routed_experts is "
                          "None (no experts)")
 
 
@@ -453,7 +530,7 @@ mla_configs = {
         n_routed_experts=128, num_experts_per_tok=4, moe_intermediate_size=2048, n_shared_experts=1,
         first_k_dense_replace=0, moe_layer_freq=1, scoring_func="softmax", topk_method="group_top2", n_group=1,
         topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0, tie_word_embeddings=False,
-        dtype="bfloat16", query_scale=dict(beta=0.1, original_max_position_embeddings=8192),
+        dtype="bfloat16", scalings=dict(query_scale=dict(beta=0.1, original_max_position_embeddings=8192)),
     ),
     "tiny": dict(  # for tests: dense, no YaRN
         hidden_size=64, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32,

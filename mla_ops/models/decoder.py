@@ -101,8 +101,9 @@ class MLAModel(nn.Module):
         # The rotary frequencies, built once (Mistral Large 4's learned ones: model.rotary_emb.alpha)
         self.rotary_emb = RotaryEmbedding(config.qk_rope_head_dim, config.rope_theta, config.rope_scaling,
                                           learned=config.learned_rope_frequencies)
-        self.position_scale = None if config.query_scale is None else PositionScale(config.query_scale)
-        self.embedding_scale = config.embedding_scale  # MiniCPM3's; 1: none
+        query_scale = config.scalings.query_scale  # Mistral 4's; None: none
+        self.position_scale = None if query_scale is None else PositionScale(query_scale)
+        self.embedding_scale = config.scalings.embedding_scale  # MiniCPM3's; 1: none
         regions.static_floats(self)
 
     def compile_layers(self, **options) -> MLAModel:
@@ -166,7 +167,7 @@ class MLAModel(nn.Module):
         latent, index = (kv_caches.latent, kv_caches.index[0]) if c.is_sparse else (kv_caches, None)
         step = ModelStep.begin(positions, plan, latent[0], slot_mapping, k_scale, backend,
                                self.embed_tokens.weight.dtype, self.rotary_emb, self.position_scale,
-                               index, k_scale_index, c.learned_query_scale,
+                               index, k_scale_index, c.scalings.learned_query_scale,
                                (kv_cache_format, index_cache_format))  # once, not per layer
         x = scaled(self.embed_tokens(input_ids), self.embedding_scale)  # [T, H]
         carry, shared = Carry(), {}  # shared: the latest new latent rows of a KV source, per RoPE kind
@@ -174,7 +175,8 @@ class MLAModel(nn.Module):
             needs = Carry(carry.topk if c.is_sparse and not c.has_indexer(i) else None,  # a shared DSA layer
                           None if c.kv_source(i) == i else shared[c.uses_rope(i)])  # a KV-sharing layer
             x, carry = regions.run_layer(layer, x, caches, step, needs)
-            if c.kv_source_layers is not None and i in c.kv_source_layers[i + 1:]:
+            sources = c.layer_kinds.kv_source_layers
+            if sources is not None and i in sources[i + 1:]:
                 shared[c.uses_rope(i)] = carry.latent
         return self.norm(x)  # [T, H]
 
@@ -235,8 +237,8 @@ class MLAForCausalLM(nn.Module):
         self.lm_head = linear(config.hidden_size, config.vocab_size, config.initializer_range)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.logits_scaling = config.logits_scaling  # MiniCPM3's; 1: none
-        self.logit_softcapping = config.final_logit_softcapping  # Mistral Large 4's; None: none
+        self.logits_scaling = config.scalings.logits_scaling  # MiniCPM3's; 1: none
+        self.logit_softcapping = config.scalings.final_logit_softcapping  # Mistral Large 4's; None: none
         regions.static_floats(self)
 
     @classmethod

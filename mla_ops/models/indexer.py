@@ -41,17 +41,17 @@ class Indexer(nn.Module):
         c, std = config, config.initializer_range
         # A NoPE layer's indexer (Mistral Large 4's no_rope_layers) rotates nothing either
         rope_dim = c.qk_rope_head_dim if c.uses_rope(layer_idx) else 0
-        self.n_heads, self.head_dim, self.rope_dim = c.index_n_heads, c.index_head_dim, rope_dim
+        heads, width, q_norm = c.indexer.index_n_heads, c.indexer.index_head_dim, c.indexer.indexer_q_norm
+        self.n_heads, self.head_dim, self.rope_dim = heads, width, rope_dim
         # Mistral Large 4 (indexer_q_norm): no q-LoRA latent; the queries read a LayerNorm of the layer input
-        self.q_input_norm = nn.LayerNorm(c.hidden_size, eps=K_NORM_EPS) if c.indexer_q_norm else None
-        self.wq_b = linear(c.hidden_size if c.indexer_q_norm else c.q_lora_rank, c.index_n_heads * c.index_head_dim,
-                           std)
-        self.wk = linear(c.hidden_size, c.index_head_dim, std)
-        self.k_norm = nn.LayerNorm(c.index_head_dim, eps=K_NORM_EPS)
-        self.weights_proj = linear(c.hidden_size, c.index_n_heads, std)
-        self.weight_scale = (c.index_n_heads * c.index_head_dim) ** -0.5  # folded into the head weights
+        self.q_input_norm = nn.LayerNorm(c.hidden_size, eps=K_NORM_EPS) if q_norm else None
+        self.wq_b = linear(c.hidden_size if q_norm else c.q_lora_rank, heads * width, std)
+        self.wk = linear(c.hidden_size, width, std)
+        self.k_norm = nn.LayerNorm(width, eps=K_NORM_EPS)
+        self.weights_proj = linear(c.hidden_size, heads, std)
+        self.weight_scale = (heads * width) ** -0.5  # folded into the head weights
         # Mistral Large 4's learned per-head query scale (learned_query_scale), or None
-        self.softmax_scaling = LogPositionScale(c.index_n_heads) if c.learned_query_scale else None
+        self.softmax_scaling = LogPositionScale(heads) if c.scalings.learned_query_scale else None
 
     def forward(self, x: torch.Tensor, q_resid: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor):
         """(q_index [T, H_I, D_I], weights [T, H_I], k_index [T, D_I]) of the module doc; cos, sin [T, R].
@@ -82,9 +82,10 @@ def convert_interleaved(config: MLAConfig, target: str, tensor: torch.Tensor) ->
     """An indexer tensor of an interleaved-RoPE checkpoint (GLM-5) with its first R rows (of each head for
     ``wq_b``) as halves; other tensors, and a NoPE layer's (no rotation), unchanged."""
     layer = _LAYER.match(target)
-    if not config.indexer_rope_interleave or (layer and not config.uses_rope(int(layer.group(1)))):
+    interleaved = config.is_sparse and config.indexer.indexer_rope_interleave
+    if not interleaved or (layer and not config.uses_rope(int(layer.group(1)))):
         return tensor
-    R, D = config.qk_rope_head_dim, config.index_head_dim
+    R, D = config.qk_rope_head_dim, config.indexer.index_head_dim
     order = deinterleave_index(R)
     if _WQ_B.search(target):
         heads = tensor.view(-1, D, tensor.shape[-1])  # [H_I, D_I, Q]

@@ -76,18 +76,18 @@ def cache_widths(config, kv_cache_format: str, index_cache_format: str) -> tuple
             raise ValueError(f"{name} must be one of {choices}, got {value!r}")
     latent = c.kv_lora_rank + c.qk_rope_head_dim
     if kv_cache_format == "fp8_ds_mla":
-        if (c.kv_lora_rank, c.qk_rope_head_dim) != (DS_MLA_LATENT, DS_MLA_ROPE) or c.no_rope_layers is not None:
+        nope_layers = c.layer_kinds.no_rope_layers is not None
+        if (c.kv_lora_rank, c.qk_rope_head_dim) != (DS_MLA_LATENT, DS_MLA_ROPE) or nope_layers:
             raise ValueError(f"kv_cache_format='fp8_ds_mla' holds kv_lora_rank {DS_MLA_LATENT} and qk_rope_head_dim "
                              f"{DS_MLA_ROPE} in every layer (DeepSeek-V3.2's), but the model has "
-                             f"{c.kv_lora_rank} and {c.qk_rope_head_dim}"
-                             f"{'' if c.no_rope_layers is None else ' with NoPE layers'}")
+                             f"{c.kv_lora_rank} and {c.qk_rope_head_dim}{' with NoPE layers' if nope_layers else ''}")
         latent = DS_MLA_ROW_BYTES
     if index_cache_format != "auto" and not c.is_sparse:
         raise ValueError(f"index_cache_format={index_cache_format!r} is for a sparse (index_topk) model's index caches")
-    if index_cache_format == "fp8_per_token" and c.index_head_dim % 4:
+    if index_cache_format == "fp8_per_token" and c.indexer.index_head_dim % 4:
         raise ValueError(f"index_cache_format='fp8_per_token' needs index_head_dim a multiple of 4, got "
-                         f"{c.index_head_dim}")
-    return latent, c.index_head_dim + (4 if index_cache_format == "fp8_per_token" else 0)
+                         f"{c.indexer.index_head_dim}")
+    return latent, c.indexer.index_head_dim + (4 if index_cache_format == "fp8_per_token" else 0)
 
 
 def allocate(layers: int, num_blocks: int, block_size: int, width: int, dtype, device) -> LayerCaches:

@@ -43,8 +43,8 @@ class ModelStep(NamedTuple):
     cos: torch.Tensor  # [T, R] rotary cos / sin of the step's positions
     sin: torch.Tensor
     attention: PrefillStep  # the plan checked against the caches and slots (a DSA step's index caches too)
-    q_scale: torch.Tensor | None = None  # [T] per-token query factors (config.query_scale), or None
-    log_positions: torch.Tensor | None = None  # [T] log(position + 1) (config.learned_query_scale), or None
+    q_scale: torch.Tensor | None = None  # [T] per-token query factors (config.scalings.query_scale), or None
+    log_positions: torch.Tensor | None = None  # [T] log(position + 1) (scalings.learned_query_scale), or None
     # None: write the new rows at once; a list: collect them, to be written by whoever made it (regions.py)
     writes: list | None = None
 
@@ -146,7 +146,7 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = linear(c.kv_lora_rank, c.num_attention_heads * (P + c.v_head_dim), std)
         self.o_proj = linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, std)
         # Mistral Large 4's learned per-head query scale (mla_ops.models.mistral_large4), or None
-        self.softmax_scaling = LogPositionScale(c.num_attention_heads) if c.learned_query_scale else None
+        self.softmax_scaling = LogPositionScale(c.num_attention_heads) if c.scalings.learned_query_scale else None
         # DeepSeek Sparse Attention: a layer's own indexer, or None (dense, or a "shared" layer of a sparse model)
         self.sparse = c.is_sparse
         self.indexer = Indexer(c, layer_idx) if c.has_indexer(layer_idx) else None
@@ -189,7 +189,7 @@ class MLAAttention(nn.Module):
         check_plan_block_table(block_table, plan)
         c = self.config
         rotary = RotaryEmbedding(c.qk_rope_head_dim, c.rope_theta, c.rope_scaling).to(positions.device)
-        position_scale = None if c.query_scale is None else PositionScale(c.query_scale)
+        position_scale = None if c.scalings.query_scale is None else PositionScale(c.scalings.query_scale)
         return ModelStep.begin(positions, plan, kv_cache, slot_mapping, k_scale, backend,
                                dtype or self.o_proj.weight.dtype, rotary, position_scale)
 
@@ -252,7 +252,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: MLAConfig, layer_idx: int = 0, tp_group=None):
         super().__init__()
         self.tp_group = tp_group  # tensor parallel: the partial sums of o_proj and the MLP are all-reduced
-        self.residual_scale = config.residual_scale  # MiniCPM3's; 1: none
+        self.residual_scale = config.scalings.residual_scale  # MiniCPM3's; 1: none
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = MLAAttention(config, tp_group, layer_idx)
         if not self.self_attn.owns_kv:

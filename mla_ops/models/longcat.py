@@ -48,8 +48,8 @@ class LongcatAttention(MLAAttention):
     def __init__(self, config: MLAConfig, tp_group=None):
         super().__init__(config, tp_group)
         c = config
-        self.q_scale = (c.hidden_size / c.q_lora_rank) ** 0.5 if c.mla_scale_q_lora else 1.0
-        self.latent_scale = (c.hidden_size / c.kv_lora_rank) ** 0.5 if c.mla_scale_kv_lora else 1.0
+        self.q_scale = (c.hidden_size / c.q_lora_rank) ** 0.5 if c.scalings.mla_scale_q_lora else 1.0
+        self.latent_scale = (c.hidden_size / c.kv_lora_rank) ** 0.5 if c.scalings.mla_scale_kv_lora else 1.0
 
     def project(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         q, kv_c, k_pe = super().project(hidden, cos, sin)  # [T, N, P+R], [T, L], [T, R]

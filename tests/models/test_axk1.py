@@ -55,7 +55,7 @@ def test_config_reads_the_gate_layer_types_and_the_moe_output_norm(checkpoint):
         "model.layers.0.post_mlp_layernorm.weight", "model.layers.2.post_mlp_layernorm.weight"]
     assert "model.layers.0.mlp.gate.e_score_correction_bias" in names
     config = MLAConfig.from_hf(path)
-    assert config.mlp_layer_types == ("sparse", "dense", "sparse")
+    assert config.layer_kinds.mlp_layer_types == ("sparse", "dense", "sparse")
     assert (config.scoring_func, config.topk_method, config.norm_topk_prob) == ("sigmoid", "noaux_tc", True)
     assert (config.routed_scaling_factor, config.n_group, config.topk_group) == (2.5, 2, 1)
     assert config.post_mlp_layernorm and config.optional_correction_bias
@@ -110,7 +110,8 @@ def test_release_layout_loads(tmp_path, nested):
     hf = make_axk1(None, seed=4)  # transformers' default: dense, sparse, sparse
     release_layout(hf, tmp_path, nested)
     config = MLAConfig.from_hf(tmp_path)
-    assert config.mlp_layer_types is None and config.first_k_dense_replace == 1 and config.dtype == "bfloat16"
+    assert config.layer_kinds.mlp_layer_types is None
+    assert config.first_k_dense_replace == 1 and config.dtype == "bfloat16"
     assert [config.is_moe_layer(i) for i in range(3)] == [False, True, True]
     model = mla_ops.MLAForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
     assert model.model.layers[0].post_mlp_layernorm is None  # the dense layer's copy skipped

@@ -6,12 +6,11 @@ The oracle: the same step on float caches holding the packed caches' values, deq
 rounding is the only difference a packed cache makes, and it happens when a row is written).
 """
 
-import dataclasses
-
 import pytest
 import torch
 
 import mla_ops
+from mla_ops.models.config import mla_configs
 from mla_ops.models.kv_caches import DSACaches
 from mla_ops.ops.cache_formats import ds_mla_values, per_token_views
 from tests.support.families import step_inputs
@@ -19,13 +18,13 @@ from tests.support.families import step_inputs
 # DeepSeek-V3.2's latent dims (fp8_ds_mla fixes them), everything else tiny.
 CONFIG = dict(hidden_size=64, num_attention_heads=2, q_lora_rank=32, kv_lora_rank=512, qk_nope_head_dim=16,
               qk_rope_head_dim=64, v_head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6, intermediate_size=64,
-              num_hidden_layers=2, vocab_size=64, index_topk=4, index_n_heads=2, index_head_dim=64)
+              num_hidden_layers=2, vocab_size=64, indexer=dict(index_topk=4, index_n_heads=2, index_head_dim=64))
 FORMATS = dict(kv_cache_format="fp8_ds_mla", index_cache_format="fp8_per_token")
 
 
 @torch.no_grad()
 def v32_like_model(seed=0):
-    config = dataclasses.replace(mla_ops.MLAConfig.from_name("tiny"), **CONFIG)
+    config = mla_ops.MLAConfig(**{**mla_configs["tiny"], **CONFIG})
     torch.manual_seed(seed)
     model = mla_ops.MLAForCausalLM(config).eval()
     for p in model.parameters():

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 import mla_ops
 from mla_ops.models import checkpoint_files
-from mla_ops.models.config import MLAConfig
+from mla_ops.models.config import IndexerConfig, LayerKinds, MLAConfig, Scalings, grouped
 
 FP8 = torch.float8_e4m3fn
 # A DeepSeek-V2-style config.json: q LoRA, YaRN, a dense layer 0 and a MoE layer 1 with 4 experts.
@@ -297,6 +297,28 @@ def test_mlaconfig_checks_its_fields_directly():
         with pytest.raises(error, match=key):
             MLAConfig(**{**tiny, key: value})
     assert MLAConfig(**{**tiny, "num_attention_heads": torch.tensor(4).numpy()[()]}).num_attention_heads == 4
+
+
+def test_mlaconfig_groups_its_optional_parts_into_records():
+    tiny = mla_ops.models.config.mla_configs["tiny"]
+    flat = {**tiny, "index_topk": 4, "index_n_heads": 2, "index_head_dim": 8, "embedding_scale": 2,
+            "indexer_types": ["full", "shared"]}
+    config = MLAConfig(**grouped(flat))
+    assert config.indexer == IndexerConfig(index_topk=4, index_n_heads=2, index_head_dim=8)
+    assert config.index_topk == 4 and config.is_sparse and config.num_index_layers == 1
+    assert config.scalings.embedding_scale == 2.0 and isinstance(config.scalings.embedding_scale, float)
+    assert config.layer_kinds == LayerKinds(indexer_types=("full", "shared"))  # lists made tuples
+    assert MLAConfig(**tiny).indexer is None and MLAConfig(**tiny).scalings == Scalings()
+    for part, value, error, match in (("indexer", 4, TypeError, "indexer must be None, a dict or IndexerConfig"),
+                                      ("indexer", dict(index_topk=0), ValueError, "index_topk"),
+                                      ("scalings", None, TypeError, "scalings must be a dict or a record"),
+                                      ("scalings", dict(residual_scale="1"), TypeError, "residual_scale"),
+                                      ("layer_kinds", dict(no_rope_layers=[1, 0]), ValueError,
+                                       "no_rope_layers / kv_source_layers are Mistral Large 4's")):
+        with pytest.raises(error, match=match):
+            MLAConfig(**{**tiny, part: value})
+    with pytest.raises(TypeError, match=r"indexer and its fields \['index_topk'\] both given"):
+        grouped({**tiny, "indexer": dict(index_topk=4), "index_topk": 4})
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -55,10 +55,10 @@ def model64(checkpoint):
 
 def test_config_reads_the_indexer(checkpoint):
     config = MLAConfig.from_hf(checkpoint[0])
-    assert (config.index_topk, config.index_n_heads, config.index_head_dim) == (8, 16, 16)
-    assert config.is_sparse and config.num_index_layers == 2 and config.indexer_types is None
-    assert (config.rope_interleave, config.indexer_rope_interleave) == (True, False)
-    assert (config.scoring_func, config.topk_method, config.n_group, config.mlp_layer_types) == \
+    assert (config.index_topk, config.indexer.index_n_heads, config.indexer.index_head_dim) == (8, 16, 16)
+    assert config.is_sparse and config.num_index_layers == 2 and config.layer_kinds.indexer_types is None
+    assert (config.rope_interleave, config.indexer.indexer_rope_interleave) == (True, False)
+    assert (config.scoring_func, config.topk_method, config.n_group, config.layer_kinds.mlp_layer_types) == \
         ("sigmoid", "noaux_tc", 2, ("dense", "sparse"))
     model = mla_ops.MLAForCausalLM(config)
     caches = model.allocate_kv_caches(5, 4)

@@ -46,7 +46,7 @@ def checkpoint(tmp_path_factory):
 def test_config_reads_the_layer_types_and_gate(checkpoint):
     path, hf = checkpoint
     config = MLAConfig.from_hf(path)
-    assert config.mlp_layer_types == ("sparse", "dense", "sparse")
+    assert config.layer_kinds.mlp_layer_types == ("sparse", "dense", "sparse")
     assert [config.is_moe_layer(i) for i in range(3)] == [True, False, True]
     assert (config.scoring_func, config.topk_method, config.norm_topk_prob) == ("sigmoid", "noaux_tc", True)
     assert (config.routed_scaling_factor, config.n_group, config.rms_norm_eps) == (1.8, 1, 1e-5)
@@ -95,7 +95,7 @@ def test_release_layout_loads(tmp_path):
     hf = make_glm(None, seed=4)  # transformers' default: dense, sparse, sparse
     release_layout(hf, tmp_path)
     config = MLAConfig.from_hf(tmp_path)
-    assert config.mlp_layer_types == ("dense", "sparse", "sparse") and config.dtype == "bfloat16"
+    assert config.layer_kinds.mlp_layer_types == ("dense", "sparse", "sparse") and config.dtype == "bfloat16"
     model = mla_ops.MLAForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
     assert len(model.model.layers) == 3  # the MTP layer (model.layers.3.*) skipped
     prompt = torch.arange(11) * 7 % 96

@@ -52,9 +52,9 @@ def model64(checkpoint):
 
 def test_config_reads_the_shared_layers(checkpoint):
     config = MLAConfig.from_hf(checkpoint[0])
-    assert config.indexer_types == tuple(TYPES) and config.num_index_layers == 2
-    assert (config.indexer_rope_interleave, config.n_group, config.rms_norm_eps) == (True, 1, 1e-5)
-    assert (config.qk_nope_head_dim, config.v_head_dim, config.index_n_heads) == (24, 32, 16)
+    assert config.layer_kinds.indexer_types == tuple(TYPES) and config.num_index_layers == 2
+    assert (config.indexer.indexer_rope_interleave, config.n_group, config.rms_norm_eps) == (True, 1, 1e-5)
+    assert (config.qk_nope_head_dim, config.v_head_dim, config.indexer.index_n_heads) == (24, 32, 16)
     model = mla_ops.MLAForCausalLM(config)
     assert [layer.self_attn.indexer is None for layer in model.model.layers] == [False, True, False]
     caches = model.allocate_kv_caches(5, 4)
@@ -108,11 +108,11 @@ def test_a_step_selects_once_per_full_layer(model64):
 def test_index_topk_pattern_and_schedule_give_the_layer_types(checkpoint):
     with open(os.path.join(checkpoint[0], "config.json")) as f:
         config = {k: v for k, v in json.load(f).items() if k != "indexer_types"}
-    assert MLAConfig.from_hf(dict(config, index_topk_pattern="FSF")).indexer_types == tuple(TYPES)
+    assert MLAConfig.from_hf(dict(config, index_topk_pattern="FSF")).layer_kinds.indexer_types == tuple(TYPES)
     schedule = MLAConfig.from_hf(dict(config, num_hidden_layers=3, index_topk_freq=2, index_skip_topk_offset=1))
-    assert schedule.indexer_types == tuple(transformers.GlmMoeDsaConfig(
+    assert schedule.layer_kinds.indexer_types == tuple(transformers.GlmMoeDsaConfig(
         **SHAPE, index_topk_freq=2, index_skip_topk_offset=1).indexer_types)
-    assert MLAConfig.from_hf(config).indexer_types == ("full",) * 3  # transformers' default schedule
+    assert MLAConfig.from_hf(config).layer_kinds.indexer_types == ("full",) * 3  # transformers' default schedule
 
 
 @pytest.mark.parametrize("change, error, match", [

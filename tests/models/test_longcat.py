@@ -120,7 +120,7 @@ def test_config_forms_released_and_transformers_agree(checkpoint):
             config.zero_expert_num) == ("longcat", 2, 96, 32, 3, 6, 3)
     assert (config.scoring_func, config.topk_method, config.n_group, config.norm_topk_prob,
             config.routed_scaling_factor) == ("softmax", "noaux_tc", 1, False, 2.0)
-    assert config.mla_scale_q_lora and config.mla_scale_kv_lora and config.rope_interleave
+    assert config.scalings.mla_scale_q_lora and config.scalings.mla_scale_kv_lora and config.rope_interleave
     # The release's form: rope_theta apart, torch_dtype, its own flags.
     released = {k: v for k, v in written.items() if k not in ("rope_parameters", "dtype", "head_dim", "qk_head_dim")}
     released.update(rope_theta=10000.0, torch_dtype="float64", mla_scale_q_lora=True, mla_scale_kv_lora=True,
@@ -154,7 +154,7 @@ def test_config_errors_name_the_key(checkpoint, change, error, message):
 def test_longcat_fields_need_the_longcat_layer():
     tiny = mla_ops.models.config.mla_configs["tiny"]
     with pytest.raises(ValueError, match="mla_scale_kv_lora=True scales LongCat-Flash's attention"):
-        MLAConfig(**tiny, mla_scale_kv_lora=True)
+        MLAConfig(**tiny, scalings=dict(mla_scale_kv_lora=True))
     with pytest.raises(ValueError, match="decoder_layer must be one of"):
         MLAConfig(**tiny, decoder_layer="qwen")
     with pytest.raises(ValueError, match="identity experts need routed experts and n_group 1"):

@@ -44,8 +44,9 @@ def checkpoint(tmp_path_factory):
 def test_config_reads_the_scalings_and_rope(checkpoint):
     path, hf = checkpoint
     config = MLAConfig.from_hf(path)
-    assert (config.embedding_scale, config.logits_scaling) == (2.0, 4.0) == (2.0, hf.config.logits_scaling)
-    assert config.residual_scale == pytest.approx(3.0 / 2 ** 0.5) == hf.model.layers[0].residual_scale
+    scalings = config.scalings
+    assert (scalings.embedding_scale, scalings.logits_scaling) == (2.0, 4.0) == (2.0, hf.config.logits_scaling)
+    assert config.scalings.residual_scale == pytest.approx(3.0 / 2 ** 0.5) == hf.model.layers[0].residual_scale
     assert not config.rope_interleave and config.tie_word_embeddings and config.v_head_dim == 16
     assert config.rope_scaling == LongRopeScaling(tuple(SHORT), 128, 1.0)
     ours = inverse_frequencies(8, config.rope_theta, config.rope_scaling, "cpu", torch.float32)
@@ -84,7 +85,7 @@ def test_released_config_form_reads_the_same(checkpoint):
     assert config == MLAConfig.from_hf(dict(written, dtype="bfloat16"))
     assert MLAConfig.from_hf(dict(written, rope_interleave=True)).rope_interleave is False  # as transformers
     nulls = MLAConfig.from_hf(dict(written, scale_depth=None, dim_model_base=None))  # transformers: no scaling
-    assert (nulls.residual_scale, nulls.logits_scaling) == (1.0, 1.0)
+    assert (nulls.scalings.residual_scale, nulls.scalings.logits_scaling) == (1.0, 1.0)
 
 
 @pytest.mark.parametrize("change, error, match", [

@@ -92,7 +92,7 @@ def test_config_json_reads_into_mla_config(checkpoint):
     c = MLAConfig.from_hf(path)
     assert (c.scoring_func, c.topk_method, c.n_group, c.topk_group) == ("softmax", "group_top2", 2, 1)
     assert (c.norm_topk_prob, c.routed_scaling_factor, c.n_shared_experts, c.rope_interleave) == (True, 1.5, 1, True)
-    assert c.query_scale == QueryScale(beta=0.3, original_max_position_embeddings=ORIGINAL)
+    assert c.scalings.query_scale == QueryScale(beta=0.3, original_max_position_embeddings=ORIGINAL)
     assert (c.rope_scaling.factor, c.rope_scaling.original_max_position_embeddings) == (4.0, ORIGINAL)
     assert c.softmax_scale == pytest.approx(modeling_mistral4.Mistral4Attention(hf_config(), 0).scaling)
     with pytest.raises(ValueError, match="model_type 'mistral5'"):  # a model type of unknown gate: named
@@ -211,7 +211,7 @@ def test_multimodal_wrapper_loads_its_text_model(tmp_path):
         assert json.load(f)["text_config"]["model_type"] == "mistral4"
 
     model = mla_ops.MLAForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
-    assert model.config.wrapper == "mistral3" and model.config.query_scale.beta == 0.3
+    assert model.config.wrapper == "mistral3" and model.config.scalings.query_scale.beta == 0.3
     prompt = prompts_of([40], 96, seed=7)[0]
     expect = hf.double()(input_ids=torch.tensor([prompt])).logits[0]
     got = step(model, model.allocate_kv_caches(16, 4), [prompt], [0], max_blocks=16)[0]

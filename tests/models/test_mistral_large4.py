@@ -72,10 +72,11 @@ def model64(checkpoint):
 def test_config_and_layers(checkpoint):
     path, _, kind = checkpoint
     config = MLAConfig.from_hf(path)
-    assert (config.wrapper, config.q_lora_rank, config.index_n_heads, config.final_logit_softcapping) == \
+    kinds, indexer = config.layer_kinds, config.indexer
+    assert (config.wrapper, config.q_lora_rank, indexer.index_n_heads, config.scalings.final_logit_softcapping) == \
         ("mistral_large4", None, 16, 30.0)
-    assert config.no_rope_layers == (1, 0, 1) and config.indexer_types == tuple(KINDS[kind]["indexer_types"])
-    assert (config.topk_method, config.lora_norm_eps, config.indexer_rope_interleave) == ("group_top2", 1e-5, True)
+    assert kinds.no_rope_layers == (1, 0, 1) and kinds.indexer_types == tuple(KINDS[kind]["indexer_types"])
+    assert (config.topk_method, config.lora_norm_eps, indexer.indexer_rope_interleave) == ("group_top2", 1e-5, True)
     model = mla_ops.MLAForCausalLM(config)
     attn = [layer.self_attn for layer in model.model.layers]
     assert [(a.qk_nope_head_dim, a.qk_rope_head_dim) for a in attn] == [(16, 8), (24, 0), (16, 8)]

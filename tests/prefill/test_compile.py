@@ -377,8 +377,9 @@ class RestartCounter(logging.Handler):
 # The model's float constants (rope_theta, eps, scales, YaRN's) read as constants: a symbolic float that an
 # op cannot take would be specialised after the trace and the whole analysis restarted.
 SCALED = dict(rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=64, mscale=1.0,
-                                mscale_all_dim=1.0), max_position_embeddings=2560, embedding_scale=12.0,
-              residual_scale=0.5, logits_scaling=4.0, final_logit_softcapping=30.0)
+                                mscale_all_dim=1.0), max_position_embeddings=2560,
+              scalings=dict(embedding_scale=12.0, residual_scale=0.5, logits_scaling=4.0,
+                            final_logit_softcapping=30.0))
 
 
 @torch.no_grad()

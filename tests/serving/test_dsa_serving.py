@@ -15,12 +15,13 @@ import torch
 from torch._dynamo.utils import counters
 
 import mla_ops
-from mla_ops.models.config import mla_configs
+from mla_ops.models.config import grouped, mla_configs
 from tests.support.batches import clone_caches, map_caches, model_step, normal_caches, spread_weights
 from tests.support.gpu import needs_cuda
 
 BLOCK_SIZE, WORKSPACE, NUM_BLOCKS = 4, 16, 64
-SPARSE = dict(index_topk=8, index_n_heads=16, index_head_dim=16, indexer_types=["full", "shared", "full"])
+SPARSE = dict(indexer=dict(index_topk=8, index_n_heads=16, index_head_dim=16),
+              layer_kinds=dict(indexer_types=["full", "shared", "full"]))
 
 
 def make_model(dtype=torch.float64):
@@ -126,11 +127,11 @@ def test_cuda_graph_generation_equals_the_cpu():
 def test_compile_mode_serves_mistral_large4_layers_equal_to_eager():
     # Mistral Large 4's layer kinds: a NoPE layer (R = 0, L-wide latent rows) and a KV-sharing layer (no latent
     # cache of its own, layer 0's rows), with the learned query scale and RoPE frequencies.
-    config = mla_ops.MLAConfig(**{**mla_configs["tiny"], "num_hidden_layers": 3, **SPARSE, "q_lora_rank": None,
-                                  "indexer_q_norm": True, "learned_query_scale": True,
-                                  "learned_rope_frequencies": True, "no_rope_layers": [1, 0, 1],
-                                  "kv_source_layers": [0, 1, 0], "indexer_types": ["full", "shared", "full"],
-                                  "final_logit_softcapping": 30.0})
+    config = mla_ops.MLAConfig(**grouped({
+        **mla_configs["tiny"], "num_hidden_layers": 3, "q_lora_rank": None, "index_topk": 8, "index_n_heads": 16,
+        "index_head_dim": 16, "indexer_q_norm": True, "learned_query_scale": True, "learned_rope_frequencies": True,
+        "no_rope_layers": [1, 0, 1], "kv_source_layers": [0, 1, 0], "indexer_types": ["full", "shared", "full"],
+        "final_logit_softcapping": 30.0}))
     model = spread_weights(mla_ops.MLAForCausalLM(config).to(torch.float64).eval(), seed=0)
     reference = copy.deepcopy(model)
     runner = mla_ops.PrefillGraphs(model.model, max_tokens=32, max_requests=4, max_blocks_per_request=12,

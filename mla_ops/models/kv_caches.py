@@ -67,8 +67,8 @@ def grown(caches: Caches, bigger: Caches) -> Caches:
 
 
 def cache_widths(config, kv_cache_format: str, index_cache_format: str) -> tuple[int, int]:
-    """``(latent row width, index row width)`` of a model's caches in these formats (DESIGN §12): L+R and D_I,
-    or vLLM's packed 656 bytes (DeepSeek-V3.2's dims only) and D_I + 4 bytes."""
+    """``(latent row width, index row width)`` of a model's caches in these formats (DESIGN §12): L+R and D_I (0
+    for a dense model), or vLLM's packed 656 bytes (DeepSeek-V3.2's dims only) and D_I + 4 bytes."""
     c = config
     for name, value, choices in (("kv_cache_format", kv_cache_format, LATENT_FORMATS),
                                  ("index_cache_format", index_cache_format, INDEX_FORMATS)):
@@ -82,12 +82,15 @@ def cache_widths(config, kv_cache_format: str, index_cache_format: str) -> tuple
                              f"{DS_MLA_ROPE} in every layer (DeepSeek-V3.2's), but the model has "
                              f"{c.kv_lora_rank} and {c.qk_rope_head_dim}{' with NoPE layers' if nope_layers else ''}")
         latent = DS_MLA_ROW_BYTES
-    if index_cache_format != "auto" and not c.is_sparse:
-        raise ValueError(f"index_cache_format={index_cache_format!r} is for a sparse (index_topk) model's index caches")
-    if index_cache_format == "fp8_per_token" and c.indexer.index_head_dim % 4:
-        raise ValueError(f"index_cache_format='fp8_per_token' needs index_head_dim a multiple of 4, got "
-                         f"{c.indexer.index_head_dim}")
-    return latent, c.indexer.index_head_dim + (4 if index_cache_format == "fp8_per_token" else 0)
+    if not c.is_sparse:
+        if index_cache_format != "auto":
+            raise ValueError(f"index_cache_format={index_cache_format!r} is for a sparse (index_topk) model's index "
+                             "caches")
+        return latent, 0  # no index cache
+    width = c.indexer.index_head_dim
+    if index_cache_format == "fp8_per_token" and width % 4:
+        raise ValueError(f"index_cache_format='fp8_per_token' needs index_head_dim a multiple of 4, got {width}")
+    return latent, width + (4 if index_cache_format == "fp8_per_token" else 0)
 
 
 def allocate(layers: int, num_blocks: int, block_size: int, width: int, dtype, device) -> LayerCaches:

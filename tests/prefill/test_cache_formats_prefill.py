@@ -267,3 +267,31 @@ def test_a_dsa_step_on_both_formats_compiles_whole():
     got = torch.compile(layer, fullgraph=True, backend="aot_eager")(*args, *caches[1], *lengths)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+def test_opcheck_of_the_reading_ops_on_packed_caches():
+    """The ops that read a packed cache (its format known from the uint8 dtype) pass opcheck: schema, fake
+    tensors, AOT dispatch."""
+    utils = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+    batch, packed = ds_mla_batch(seed=14)
+    batch = replace(batch, **{name: getattr(batch, name).float()
+                                          for name in ("q", "kv_c", "k_pe", "kv_b_proj_weight")})
+    t, n = batch.q.shape[:2]
+    out, lse = torch.randn(t, n, 8), torch.randn(n, t)
+    common = (batch.block_table, batch.query_start_loc, batch.context_lens)
+    torch.library.opcheck(torch.ops.mla_ops.absorbed_context_attention.default,
+                          (batch.q, packed, *common, batch.kv_b_proj_weight, batch.softmax_scale, None, out, lse),
+                          test_utils=utils)
+    sparse = torch.tensor([False, True, False, True, True, True, False])
+    topk = random_topk(CTX, QLENS, TOPK, seed=4, sparse=sparse.tolist())
+    torch.library.opcheck(torch.ops.mla_ops.sparse_attention.default,
+                          (batch.q, batch.kv_c, batch.k_pe, packed, *common, sparse, topk, batch.kv_b_proj_weight,
+                           batch.softmax_scale, None, out, lse), test_utils=utils)
+    index = indexer_batch([0, 13, 5, 30, 2], [3, 4, 9, 5, 2], TOPK, block_size=BLOCK, width=32, seed=5,
+                          stored=per_token_round_trip)
+    plan = index.plan(TOPK, WORKSPACE, 32)
+    s = plan.index_schedule
+    torch.library.opcheck(torch.ops.mla_ops.index_topk.default,
+                          (*index.args[:3], pack_per_token(index.index_cache.float()), plan.block_table,
+                           plan.query_start_loc, plan.context_lens, plan.sparse, s.starts, s.cu_seq_lens,
+                           s.token_start, s.token_end, None, plan.index_topk, s.rows, s.tokens), test_utils=utils)

@@ -28,7 +28,9 @@ def set_debug(enabled: bool) -> None:
 
     They catch: ``query_start_loc`` not starting at 0 or decreasing, negative ``context_lens``, a
     block table too short for a context, a block id outside the cache, and a device plan whose
-    batch needs more chunks than ``max_chunks`` (tokens that would otherwise come out as NaN).
+    batch needs more chunks than ``max_chunks`` (tokens that would otherwise come out as NaN), an fp8
+    scale that is not a positive, finite, normal float32, and a DSA ``topk_indices`` row with an entry
+    out of range or a repeated position.
     Under torch.compile the switch is read when a function is traced: set it before compiling.
     """
     global _debug
@@ -47,13 +49,24 @@ class TracedValueError(torch._dynamo.exc.UserError, ValueError):
         super().__init__(torch._dynamo.exc.UserErrorType.INVALID_INPUT, message)
 
 
-def _raise_at_trace_time(ctx) -> None:
+class TracedTypeError(torch._dynamo.exc.UserError, TypeError):
+    """``TracedValueError``'s twin for a ``TypeError``."""
+
+    def __init__(self, message: str):
+        super().__init__(torch._dynamo.exc.UserErrorType.INVALID_INPUT, message)
+
+
+def _raise_at_trace_time(ctx, error: type = TracedValueError) -> None:
     """A ``comptime`` callback: under ``fullgraph=True`` raise the caller's ``message`` now; otherwise do nothing,
     so the caller's plain raise falls back to eager and reaches the user as a ``ValueError`` (a trace-time
     error there would make Dynamo skip the frame silently)."""
     tx = torch._dynamo.symbolic_convert.InstructionTranslator.current_tx()
     if getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False):
-        raise TracedValueError(ctx.get_local("message").as_python_constant())
+        raise error(ctx.get_local("message").as_python_constant())
+
+
+def _raise_type_at_trace_time(ctx) -> None:
+    _raise_at_trace_time(ctx, TracedTypeError)
 
 
 def raise_value_error(message: str):
@@ -64,6 +77,15 @@ def raise_value_error(message: str):
 
         comptime(_raise_at_trace_time)
     raise ValueError(message)
+
+
+def raise_type_error(message: str):
+    """``raise TypeError(message)``, as ``raise_value_error`` raises its ``ValueError``."""
+    if torch.compiler.is_compiling():
+        from torch._dynamo.comptime import comptime
+
+        comptime(_raise_type_at_trace_time)
+    raise TypeError(message)
 
 
 def values_readable(*tensors: torch.Tensor) -> bool:
@@ -81,9 +103,14 @@ def _got(value) -> str:
     return name
 
 
-def check_int(value, name: str, least: int | None = None, *, optional: bool = False, meaning: str = "") -> int | None:
+INT32_MAX = 2**31 - 1
+
+
+def check_int(value, name: str, least: int | None = None, *, optional: bool = False, meaning: str = "",
+              most: int | None = None) -> int | None:
     """``value`` as an int (numpy ints too; a bool, float or str is a TypeError naming ``name``),
-    at least ``least``; None passes where ``optional``. ``meaning`` follows the type in messages.
+    at least ``least`` and at most ``most``; None passes where ``optional``. ``meaning`` follows the type
+    in messages.
 
     Traced, an int the compiled function closes over (or reads from ``self``) arrives symbolic under
     ``dynamic=True``: ``operator.index`` makes Dynamo specialise it (a guard on its value), so every size
@@ -98,7 +125,16 @@ def check_int(value, name: str, least: int | None = None, *, optional: bool = Fa
     if least is not None and value < least:
         bound = "a positive int" if least == 1 else f"an int >= {least}"
         raise ValueError(f"{name} must be {bound}{meaning}{either}, got {value}")
+    if most is not None and value > most:
+        limit = "2**31 - 1 (it reaches int32 tensors)" if most == INT32_MAX else str(most)
+        raise ValueError(f"{name} must be at most {limit}, got {value}")
     return value
+
+
+def check_int32_size(value, name: str, least: int = 1, meaning: str = "") -> int:
+    """A size that reaches an int32 tensor (a compare with int32 lengths, an int32 offset): an int in
+    ``least .. 2**31 - 1`` (a larger one would wrap around in the comparison)."""
+    return check_int(value, name, least, meaning=meaning, most=INT32_MAX)
 
 
 def check_positive_int(value, name: str) -> int:
@@ -336,9 +372,9 @@ def check_k_scale(k_scale, kv_cache: torch.Tensor, device: torch.device) -> None
 
 
 def check_scale(scale, name: str, device: torch.device) -> None:
-    """A dequantization scale: a finite positive float or a one-element float32 tensor on ``device``,
-    checked by value where that is free (a float, a CPU tensor; a GPU tensor under the debug switch,
-    as a device-side assert)."""
+    """A dequantization scale: a float or a one-element float32 tensor on ``device`` whose float32 value
+    (the dtype the kernels use) is positive, finite and normal, checked by value where that is free (a
+    float, a CPU tensor; a GPU tensor under the debug switch, as a device-side assert)."""
     if isinstance(scale, torch.Tensor):
         if scale.numel() != 1 or scale.dtype != torch.float32:
             raise ValueError(
@@ -350,15 +386,24 @@ def check_scale(scale, name: str, device: torch.device) -> None:
         if values_readable(scale):
             _check_scale_value(float(scale.reshape(())), name)
         elif debug_enabled():
-            torch._assert_async(torch.isfinite(scale).all() & (scale > 0).all(),
-                                f"mla_ops debug: {name} must be finite and positive")
+            torch._assert_async(torch.isfinite(scale).all() & (scale >= FLOAT32_TINY).all(),
+                                f"mla_ops debug: {name} must be finite and positive, a normal float32")
     else:
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
             raise TypeError(f"{name} must be a float or a one-element float32 tensor, got {type(scale).__name__}")
         _check_scale_value(float(scale), name)
 
 
+FLOAT32_TINY = torch.finfo(torch.float32).tiny  # the smallest normal float32
+
+
 def _check_scale_value(value: float, name: str) -> None:
-    # 0 or inf would store every row as +-448 or 0 (row / scale, saturated) and read it back as 0 or NaN.
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be finite and positive, got {value}")
+    # Checked as float32, the kernels' dtype: 1e-46 is finite and positive as a Python float but 0 in
+    # float32, 1e39 is inf. 0 or inf would store every row as +-448 or 0 (row / scale, saturated) and read
+    # it back as 0 or NaN; a subnormal loses its precision (and flushes to 0 on some kernels).
+    with np.errstate(over="ignore"):
+        as_float32 = float(np.float32(value))
+    if not (math.isfinite(as_float32) and as_float32 >= FLOAT32_TINY):
+        raise ValueError(f"{name} must be finite and positive, a normal float32 (in [{FLOAT32_TINY:.6g}, "
+                         f"{torch.finfo(torch.float32).max:.6g}]), got {value!r}"
+                         + (f", {as_float32!r} as float32" if as_float32 != value and math.isfinite(value) else ""))

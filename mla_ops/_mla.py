@@ -15,6 +15,10 @@ import torch
 DS_MLA_LATENT, DS_MLA_ROPE, DS_MLA_TILE = 512, 64, 128
 DS_MLA_ROW_BYTES = DS_MLA_LATENT + 4 * (DS_MLA_LATENT // DS_MLA_TILE) + 2 * DS_MLA_ROPE  # 656
 
+# A ``topk_indices`` entry (DSA): the indexer's scores of this token were not finite (a NaN or inf in its
+# index query, weights or a candidate's key), so no selection exists; the token's attention output is NaN.
+NO_FINITE_SELECTION = -2
+
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     """LSEs are float32, or float64 when the attention itself runs in float64 (exact oracle)."""

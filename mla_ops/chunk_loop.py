@@ -103,7 +103,7 @@ def device_context(step: Step, suffix_out: torch.Tensor, suffix_lse: torch.Tenso
     a device value."""
     dims, q, plan = step.dims, step.q, step.plan
     context_out, context_lse = empty_partial(suffix_out, suffix_lse)
-    if plan.absorbed_context_lens is not None:  # first: its scratch is freed before the chunk buffers exist
+    if plan.has_absorbed_path:  # first: its scratch is freed before the chunk buffers exist
         step.absorbed(context_out, context_lse)
     schedule = plan.device_schedule
     workspace = q.new_empty(plan.workspace_size, dims.latent + dims.rope)
@@ -123,7 +123,7 @@ def host_context(step: Step, suffix_out: torch.Tensor, suffix_lse: torch.Tensor)
     """The host schedule's chunks, each over its own requests only, merged with the suffix: ``(out, lse)``."""
     kernels, dims, q, plan = step.kernels, step.dims, step.q, step.plan
     schedule, num_tokens = plan.schedule, q.shape[0]
-    if plan.absorbed_context_lens is not None:  # any token may get an absorbed partial
+    if plan.has_absorbed_path:  # any token may get an absorbed partial
         covered = num_tokens
         context_out, context_lse = empty_partial(suffix_out, suffix_lse)
         step.absorbed(context_out, context_lse)

@@ -144,27 +144,29 @@ class PrefillStep:
 
     def run(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
             kv_b_proj_weight: torch.Tensor, softmax_scale: float, *, out: torch.Tensor | None = None,
-            return_lse: bool = False, topk_indices: torch.Tensor | None = None, write: bool = True):
+            return_lse: bool = False, topk_indices: torch.Tensor | None = None, write: bool = True,
+            v_head_dim: int | None = None):
         """One layer: ``attend``, then its new rows written into ``kv_cache`` at the step's slots (when
         ``begin_step`` had a ``slot_mapping`` and ``write``; nothing otherwise: ``write=False`` for rows that
         are written elsewhere). Checks only this layer's tensors, all before anything is written. Returns
         ``out`` [T, N, V], or ``(out, lse)`` with ``return_lse=True`` (``lse`` [N, T], float32 or float64 for
         float64 q, natural log). ``topk_indices`` [T, index_topk] int32: required with a DSA plan, refused
-        without one (see ``run_prefill``)."""
+        without one (see ``run_prefill``). ``v_head_dim``: V, to check q's P+R against (see ``run_prefill``)."""
         if not isinstance(write, bool):
             raise TypeError(f"write must be a bool, got {type(write).__name__}")
         result = self.attend(q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, out=out,
-                             return_lse=return_lse, topk_indices=topk_indices)
+                             return_lse=return_lse, topk_indices=topk_indices, v_head_dim=v_head_dim)
         if write:  # after the attention, which takes the new rows as given (never from the cache)
             self.write(kv_c, k_pe, kv_cache)
         return result
 
     def attend(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                kv_b_proj_weight: torch.Tensor, softmax_scale: float, *, out: torch.Tensor | None = None,
-               return_lse: bool = False, topk_indices: torch.Tensor | None = None):
+               return_lse: bool = False, topk_indices: torch.Tensor | None = None, v_head_dim: int | None = None):
         """One layer's attention (``run``'s) without the cache write: the new tokens' rows ``kv_c``, ``k_pe``
         are read as given, the context's from ``kv_cache``."""
-        dims = self._check_layer(q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, out, return_lse)
+        dims = self._check_layer(q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, out, return_lse,
+                                 v_head_dim)
         self._check_topk(topk_indices, q.shape[0])
         truncated = self.truncated if self.truncated_made else truncated_tokens(self.plan, q.shape[0])
         step = Step(self.kernels, dims, q, kv_cache, kv_b_proj_weight, float(softmax_scale), self.k_scale, self.plan,
@@ -223,8 +225,13 @@ class PrefillStep:
         check_topk_indices(topk_indices, num_tokens, plan.index_topk, plan.device, "plan")
         check_topk_values(topk_indices, plan.query_start_loc, plan.context_lens, plan.sparse)
 
-    def _check_layer(self, q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, out, return_lse) -> MLADims:
-        """Shapes, dtypes and devices of one layer's tensors, against each other and the step."""
+    def _check_layer(self, q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, out, return_lse,
+                     v_head_dim=None) -> MLADims:
+        """Shapes, dtypes and devices of one layer's tensors, against each other and the step.
+
+        N, L and R are read from q, kv_c and k_pe; P and V are not: kv_b_proj_weight's N*(P+V) rows and q's
+        P+R fit any split, so a q of the wrong width would be read as another P/V split. ``v_head_dim`` fixes V
+        and P+R is then checked against q (``out``, checked against the V read, catches it too)."""
         device = self.plan.device
         checks.check_tensor(q, "q", 3, "[T, N, P+R]", device, "plan")
         if q.dtype not in checks.FLOAT_DTYPES:
@@ -259,6 +266,14 @@ class PrefillStep:
                 f"(kv_c and k_pe widths), got {kv_cache.shape[2]}"
             )
         rows, cols = kv_b_proj_weight.shape
+        v_head_dim = checks.check_int(v_head_dim, "v_head_dim", 1, optional=True)
+        if v_head_dim is not None and cols == latent_dim and rows % max(num_heads, 1) == 0 \
+                and rows // max(num_heads, 1) - v_head_dim != nope_dim:
+            nope = rows // max(num_heads, 1) - v_head_dim
+            raise ValueError(
+                f"q must be [T, N, P+R] with P+R = {nope}+{rope_dim} = {nope + rope_dim} (kv_b_proj_weight "
+                f"[N*(P+V), L] = {list(kv_b_proj_weight.shape)} with N={num_heads}, V={v_head_dim}, and k_pe's "
+                f"R={rope_dim}), got {list(q.shape)}")
         if cols != latent_dim or rows % num_heads or rows // num_heads <= nope_dim:
             raise ValueError(
                 f"kv_b_proj_weight must be [N*(P+V), L] with N={num_heads}, P={nope_dim}, L={latent_dim}, "
@@ -278,7 +293,9 @@ class PrefillStep:
         if out is not None:
             checks.check_tensor(out, "out", 3, "[T, N, V]", device, "q", dtype=q.dtype)
             if tuple(out.shape) != (num_tokens, num_heads, dims.value):
-                raise ValueError(f"out must be [T, N, V] = {[num_tokens, num_heads, dims.value]}, got {list(out.shape)}")
+                raise ValueError(f"out must be [T, N, V] = {[num_tokens, num_heads, dims.value]} (V = "
+                                 f"{dims.value}: kv_b_proj_weight's rows / N - P, P = q's last dim - R = {nope_dim}), "
+                                 f"got {list(out.shape)}")
         return dims
 
 
@@ -396,6 +413,7 @@ def run_prefill(
     return_lse: bool = False,
     topk_indices: torch.Tensor | None = None,
     kv_cache_format: str = "auto",
+    v_head_dim: int | None = None,
 ):
     """Attention of each request's new tokens over its cached context and, causally, itself.
 
@@ -418,12 +436,16 @@ def run_prefill(
     position past the query's own never); their rows on the CPU must lie in ``-1 .. c_r + q_r - 1``.
     Dense-routed requests' rows are ignored (they attend every key).
 
+    Dims: N, L and R are read from q, kv_c and k_pe; P and V from q and kv_b_proj_weight
+    (P = q's last dim - R, V = rows / N - P), which any P/V split fits. ``v_head_dim=V`` fixes V, and q's
+    last dim is then checked to be P+R: pass it (or ``out=``) where q is not made from the same config.
+
     ``kv_cache_format="fp8_ds_mla"``: ``kv_cache`` in vLLM's DeepSeek-V3.2 layout ([num_blocks, block_size,
     656] uint8, a float32 scale per 128 values; L = 512, R = 64; no ``k_scale``), see ``begin_step``.
     """
     step = begin_step(plan, kv_cache, k_scale=k_scale, backend=backend, kv_cache_format=kv_cache_format)
     return step.run(q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, out=out, return_lse=return_lse,
-                    topk_indices=topk_indices)
+                    topk_indices=topk_indices, v_head_dim=v_head_dim)
 
 
 def mla_prefill(
@@ -447,11 +469,13 @@ def mla_prefill(
     max_absorbed_tokens: int | None = None,
     plan: PrefillPlan | None = None,
     kv_cache_format: str = "auto",
+    v_head_dim: int | None = None,
 ) -> torch.Tensor:
     """``plan_prefill`` + ``run_prefill`` in one call (see both).
 
     ``plan=``: a plan made once per step (then the planning arguments must be left at their
     defaults, and ``block_table``, ``query_start_loc``, ``context_lens`` must be the plan's).
+    ``v_head_dim``: V, to check q's P+R against (``run_prefill``).
     """
     checks.check_tensor(q, "q", 3, "[T, N, P+R]")
     for name, x, ndim, doc in (("block_table", block_table, 2, "[B, max_blocks]"),
@@ -480,4 +504,4 @@ def mla_prefill(
         planning.check_step_tensors(plan, block_table=block_table, query_start_loc=query_start_loc,
                                     context_lens=context_lens)
     return run_prefill(q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, plan, k_scale, backend,
-                       kv_cache_format=kv_cache_format)
+                       kv_cache_format=kv_cache_format, v_head_dim=v_head_dim)

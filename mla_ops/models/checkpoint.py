@@ -25,8 +25,9 @@ A.X-K1's releases have no ``e_score_correction_bias`` (``MLAConfig.optional_corr
 Everything is checked before any weight is allocated or read (names, shapes and dtypes against a model
 built on the meta device, all else before it is built), each error one ValueError (TypeError for a value of
 the wrong type) naming the key, argument, file or tensor: config.json (``MLAConfig.from_hf``), the
-``dtype`` / ``device`` arguments, the files (``checkpoint_files``), then the layers and tensors
-(``checkpoint_names``).
+``dtype`` / ``device`` arguments, the files (``checkpoint_files``), the model's size (``check_model_size``:
+a config.json whose model is far larger than its checkpoint; ``check_memory``: weights past the memory the
+device has left), then the layers and tensors (``checkpoint_names``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from collections import defaultdict
 import torch
 
 from .. import _checks
+from .._env import available_memory
 from ..parallel import tensor_parallel
 from . import checkpoint_files
 from .checkpoint_files import checkpoint_files as tensor_files, open_safetensors, read_json_object
@@ -128,6 +130,7 @@ def load_pretrained(cls, path, dtype: torch.dtype | None = None, device=None, *,
     check_layers(config, headers)
 
     whole = _meta_model(cls, config, dtype)  # the checkpoint's shapes, checked against the file headers
+    check_model_size(whole, headers, config_file)
     sources = map_tensors(config, headers, dict(whole.state_dict(keep_vars=True)), block,
                           whole.model.layer_class.checkpoint_name)
     shard = None
@@ -136,6 +139,7 @@ def load_pretrained(cls, path, dtype: torch.dtype | None = None, device=None, *,
         shard = (context_parallel.rank, context_parallel.world_size)
     else:
         model = whole
+    check_memory(model, device)
 
     model.to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty gives every module a tensor of its own: tie them again
@@ -156,6 +160,46 @@ def load_pretrained(cls, path, dtype: torch.dtype | None = None, device=None, *,
                     tensor = _convert(config, source, _read_shard(f, file, files, source, block, shard))
                     target[source.index(target.shape[1] // 2 if target.dim() == 3 else 0)].copy_(tensor)
     return model.eval()
+
+
+# A model may hold at most this many times its checkpoint's elements (plus a little: A.X-K1's zero correction
+# biases are not stored). Every weight is read from the checkpoint, so a model past it cannot load, and a
+# config.json that asks for one (``n_routed_experts: 1e9`` beside a tiny checkpoint) is wrong.
+MAX_MODEL_TO_CHECKPOINT = 2
+SLACK_ELEMENTS = 2**20
+
+
+def _tensors(model) -> list[tuple[str, torch.Tensor]]:
+    """The model's parameters and persistent buffers, each once (tied weights are one)."""
+    seen, out = set(), []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            out.append((name, tensor))
+    return out
+
+
+def check_model_size(model, headers: dict[str, tuple[list, str]], config_file: str) -> None:
+    """``model`` (on the meta device: built from config.json, nothing allocated) against the checkpoint's
+    tensors (their headers): a model of more than ``MAX_MODEL_TO_CHECKPOINT`` times the checkpoint's elements
+    is refused, naming config.json and the model's largest tensor, before anything is allocated."""
+    stored = sum(math.prod(shape) for shape, _ in headers.values())
+    tensors = _tensors(model)
+    wanted = sum(t.numel() for _, t in tensors)
+    if wanted > MAX_MODEL_TO_CHECKPOINT * stored + SLACK_ELEMENTS:
+        name, largest = max(tensors, key=lambda item: item[1].numel())
+        raise ValueError(f"{config_file} describes a model of {wanted:,} parameters, but the checkpoint's tensors "
+                         f"hold {stored:,} values: a size in config.json is wrong (the largest tensor, {name}, "
+                         f"would be {list(largest.shape)})")
+
+
+def check_memory(model, device: torch.device) -> None:
+    """``model`` (meta; a rank's shard under context parallel) must fit the memory ``device`` has left."""
+    wanted = sum(t.numel() * t.element_size() for _, t in _tensors(model))
+    available = available_memory(device)
+    if available is not None and wanted > available:
+        raise ValueError(f"device: the model's weights take {wanted / 2**30:.3g} GiB, more than the "
+                         f"{available / 2**30:.3g} GiB available on {device}")
 
 
 def _meta_model(cls, config: MLAConfig, dtype: torch.dtype, **kwargs):

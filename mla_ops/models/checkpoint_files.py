@@ -92,15 +92,21 @@ def headers(file: str) -> dict[str, tuple[list, str]]:
             raise ValueError(f"cannot read the header of {file}: {e}") from e
 
 
-def _shard(path: str, name: str, index: str | None) -> str:
-    """The file ``name`` of checkpoint directory ``path``, refused unless it lies inside it."""
-    where = f"{index} names shard {name!r}" if index else f"{name!r}"
+def _shard(path: str, name: str, index: str | None, entry: str | None = None) -> str:
+    """The file ``name`` of checkpoint directory ``path`` (named by ``index``'s ``weight_map[entry]``), refused
+    unless it lies inside it; every error names the index, the entry and the shard."""
+    where = f"{index}: weight_map[{entry!r}] names shard {name!r}" if index else f"{name!r}"
     parts = re.split(r"[\\/]", name)
     if os.path.isabs(name) or ".." in parts or not name or name in (".",):
         raise ValueError(f"{where}: shard files must lie inside the checkpoint directory {path} "
                          "(a file name relative to it, without '..')")
+    if "\0" in name:  # the OS would refuse it with a bare "embedded null byte"
+        raise ValueError(f"{where}: a file name cannot hold a NUL character")
     full = os.path.join(path, name)
-    root, real = os.path.realpath(path), os.path.realpath(full)
+    try:
+        root, real = os.path.realpath(path), os.path.realpath(full)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{where}: cannot resolve {full}: {e}") from e
     if os.path.commonpath([root, real]) != root and not _in_hub_blobs(root, real):
         raise ValueError(f"{where}: {full} resolves to {real}, outside the checkpoint directory {root}")
     if not os.path.isfile(full):
@@ -133,7 +139,10 @@ def checkpoint_files(path: str) -> dict[str, str]:
             if not isinstance(file, str):
                 raise ValueError(f"the index {index}: weight_map[{name!r}] must be a shard file name (a string), "
                                  f"got {file!r}")
-        shards = {file: _shard(path, file, index) for file in sorted(set(weight_map.values()))}
+        first_entry = {}  # each shard's first tensor in the index, named in its errors
+        for name, file in weight_map.items():
+            first_entry.setdefault(file, name)
+        shards = {file: _shard(path, file, index, first_entry[file]) for file in sorted(first_entry)}
         return {name: shards[file] for name, file in weight_map.items()}
     single = os.path.join(path, SINGLE)
     if not os.path.lexists(single):

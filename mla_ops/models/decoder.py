@@ -156,8 +156,10 @@ class MLAModel(nn.Module):
     ) -> torch.Tensor:
         c = self.config
         latent_width, index_width = cache_widths(c, kv_cache_format, index_cache_format)
+        weight = self.embed_tokens.weight
         kv_caches = check_caches(kv_caches, self.num_cache_layers, latent_width,
-                                 (c.num_index_layers, index_width) if c.is_sparse else None)
+                                 (c.num_index_layers, index_width) if c.is_sparse else None,
+                                 (weight.dtype, weight.device), (kv_cache_format != "auto", index_cache_format != "auto"))
         check_plan_block_table(block_table, plan)
         if plan.index_topk != (c.index_topk or 0):
             raise ValueError(f"plan was made with index_topk={plan.index_topk or None}, but the model selects "

@@ -25,6 +25,7 @@ from typing import NamedTuple, Sequence, Union
 
 import torch
 
+from .. import _checks
 from .._mla import DS_MLA_LATENT, DS_MLA_ROPE, DS_MLA_ROW_BYTES
 from ..ops.cache_formats import INDEX_FORMATS, LATENT_FORMATS
 from . import regions
@@ -120,23 +121,75 @@ def _check_layer_caches(caches, name: str, layers: int, width: int) -> tuple[tor
     return tuple(caches)
 
 
-def check_caches(caches, num_cache_layers: int, width: int, index: tuple[int, int] | None = None) -> Caches:
+def check_caches(caches, num_cache_layers: int, width: int, index: tuple[int, int] | None = None,
+                 model: tuple[torch.dtype, torch.device] | None = None,
+                 packed: tuple[bool, bool] = (False, False)) -> Caches:
     """A model's caches (``allocate_kv_caches``), returned as tuples of per-layer tensors: rows ``width`` (L+R)
     wide; ``index`` None for a dense model (its latent caches), else (index layers, D_I) of a ``DSACaches``
-    whose two parts share the block geometry, dtype and device. (Checking the widths here, before any layer,
-    also keeps them static under ``torch.compile(dynamic=True)``, where a layer's region would meet them
-    symbolic.)"""
+    whose two parts share the block geometry and device. ``model``: the model's (dtype, device), which every
+    cache must have (float8_e4m3fn also: its scale is checked with the step). No two cache layers may share
+    memory. All of it is checked here, across every cache layer, before any layer runs: a refused step writes
+    nothing. (Checking the widths here also keeps them static under ``torch.compile(dynamic=True)``, where a
+    layer's region would meet them symbolic.) ``packed``: the latent and index caches are in vLLM's packed
+    formats (uint8, ``cache_widths``) rather than the model's dtype."""
     if index is None:
         if isinstance(caches, DSACaches):
             raise TypeError("kv_caches is a DSACaches, but this dense model takes its latent caches alone")
-        return _check_layer_caches(caches, "kv_caches", num_cache_layers, width)
-    if not isinstance(caches, DSACaches):
-        raise TypeError(f"kv_caches must be a DSACaches (latent, index) for a sparse (index_topk) model, got "
-                        f"{type(caches).__name__} (see allocate_kv_caches)")
-    latent = _check_layer_caches(caches.latent, "kv_caches.latent", num_cache_layers, width)
-    index_caches = _check_layer_caches(caches.index, "kv_caches.index", *index)
-    if latent and index_caches and (index_caches[0].shape[:2] != latent[0].shape[:2]
-                                    or index_caches[0].device != latent[0].device):
-        raise ValueError(f"kv_caches.index must have the latent cache's blocks {tuple(latent[0].shape[:2])} on "
-                         f"{latent[0].device}, got {tuple(index_caches[0].shape[:2])} on {index_caches[0].device}")
-    return DSACaches(latent, index_caches)
+        latent = _check_layer_caches(caches, "kv_caches", num_cache_layers, width)
+        parts = (("kv_caches", latent),)
+    else:
+        if not isinstance(caches, DSACaches):
+            raise TypeError(f"kv_caches must be a DSACaches (latent, index) for a sparse (index_topk) model, got "
+                            f"{type(caches).__name__} (see allocate_kv_caches)")
+        latent = _check_layer_caches(caches.latent, "kv_caches.latent", num_cache_layers, width)
+        index_caches = _check_layer_caches(caches.index, "kv_caches.index", *index)
+        if latent and index_caches and (index_caches[0].shape[:2] != latent[0].shape[:2]
+                                        or index_caches[0].device != latent[0].device):
+            raise ValueError(f"kv_caches.index must have the latent cache's blocks {tuple(latent[0].shape[:2])} "
+                             f"on {latent[0].device}, got {tuple(index_caches[0].shape[:2])} on "
+                             f"{index_caches[0].device}")
+        parts = (("kv_caches.latent", latent), ("kv_caches.index", index_caches))
+    if model is not None:
+        for (name, part), is_packed in zip(parts, packed):
+            _check_model_dtype(part, name, torch.uint8 if is_packed else model[0], model[1])
+    _check_no_shared_memory(parts)
+    return latent if index is None else DSACaches(latent, index_caches)
+
+
+def _check_model_dtype(caches: tuple[torch.Tensor, ...], name: str, dtype: torch.dtype, device: torch.device) -> None:
+    """Every layer's cache has the model's dtype (or float8_e4m3fn) and device (their layers agree already)."""
+    if not caches:
+        return
+    first = caches[0]
+    if first.dtype not in (dtype, torch.float8_e4m3fn):
+        _checks.raise_type_error(f"{name} must have the model's dtype ({dtype}) or float8_e4m3fn, got "
+                                 f"{first.dtype} (allocate_kv_caches allocates the model's)")
+    if first.device != device:
+        _checks.raise_value_error(f"{name} must be on the model's device ({device}), got {first.device}")
+
+
+def _check_no_shared_memory(parts) -> None:
+    """No two cache layers alias: each layer's writes would land in the other's rows. In eager code, tensors
+    whose memory spans overlap in one storage are refused (the views of one stacked tensor are disjoint);
+    under torch.compile, whose fake tensors have no addresses, the same tensor twice."""
+    named = [(f"{name}[{i}]", t) for name, part in parts for i, t in enumerate(part)]
+    if torch.compiler.is_compiling():
+        for j, (name, t) in enumerate(named):
+            for other, u in named[:j]:
+                if t is u:
+                    _checks.raise_value_error(f"{name} is {other}: every cache layer needs a tensor of its own")
+        return
+    spans = []  # (where, first byte, end byte, name): addresses on a device, or offsets in a storage without any
+    for name, t in named:
+        if t.numel():
+            extent = (sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1) * t.element_size()
+            if type(t) is torch.Tensor and t.device.type != "meta":  # memory with addresses (two storages may alias)
+                where, start = str(t.device), t.data_ptr()
+            else:  # meta or fake: the storage object, the offset in it
+                where, start = f"storage {t.untyped_storage()._cdata}", t.storage_offset() * t.element_size()
+            spans.append((where, start, start + extent, name))
+    spans.sort()
+    for (where, _, end, other), (next_where, next_start, _, name) in zip(spans, spans[1:]):
+        if where == next_where and next_start < end:
+            raise ValueError(f"{name} shares memory with {other}: every cache layer needs memory of its own "
+                             "(allocate_kv_caches allocates one tensor per layer)")

@@ -171,7 +171,8 @@ class MLAAttention(nn.Module):
         elif self.sparse and topk is None:
             raise ValueError("a shared DSA layer (indexer_types 'shared') needs the top-k of a full layer before it")
         out = step.attention.attend(self.scaled_queries(q, step), kv_c, k_pe, kv_cache, self.kv_b_proj.weight,
-                                    self.softmax_scale, topk_indices=topk if self.sparse else None)  # [T, N, V]
+                                    self.softmax_scale, topk_indices=topk if self.sparse else None,
+                                    v_head_dim=self.v_head_dim)  # [T, N, V]
         if self.owns_kv:
             step.write_latent(kv_c, k_pe, kv_cache)
         if self.indexer is not None:

@@ -9,7 +9,8 @@ k_scale        [1] float32 or None   fp8 caches: dequantized = stored * k_scale
 the plan's IndexSchedule: starts [C, B], cu_seq_lens [C, B+1], token_start / token_end [C] int32;
                               rows W and tokens M (static ints)
 scores         [M, W]         one chunk's scores (float32; float64 for float64 queries)
--> topk        [T, K] int32   positions in the request's sequence, valid ones first, then -1
+-> topk        [T, K] int32   positions in the request's sequence, valid ones first, then -1; a row of
+                              NO_FINITE_SELECTION (-2) where the token's scores are not finite
 
 Query token t of request r at position ``c_r + j`` scores the candidates ``s = 0 .. c_r + j``:
 ``I(t, s) = sum_h w[t, h] * relu(q[t, h] . key[s])``, where ``key[s]`` is the index cache row of
@@ -17,6 +18,13 @@ context position ``s < c_r`` (``block_table[r, s // block_size]``, ``s % block_s
 ``k_index[query_start_loc[r] + s - c_r]`` for ``s >= c_r``; its row holds the K best. A dense-routed
 request (``plan.sparse[r]`` False: at most K keys) gets every candidate ``0 .. c_r + j`` unscored;
 tokens past ``query_start_loc[-1]`` (padding) get -1 only.
+
+Non-finite scores: a NaN or inf in a sparse token's index query or weights, or in the key of one of its
+candidates (or a product that overflows), leaves its ranking undefined. Its row is then all
+``NO_FINITE_SELECTION`` (-2), which ``sparse_attention`` turns into a NaN output: never a finite answer
+from an undefined selection, and the row format holds (no -1 before valid positions). The scorers write
+NaN for a candidate's non-finite score (inf too: -inf marks non-candidates) and the fold flags the token.
+A dense-routed request takes every candidate whatever the scores (exact: its selection is all of them).
 
 Scores are never held whole: the plan's index chunks (``mla_ops/planning/index_schedule.py``) each
 gather at most W keys (from the cache for context positions, from ``k_index`` for new ones, fp8
@@ -44,6 +52,7 @@ import torch
 
 from .._checks import FLOAT_DTYPES, check_scale, check_tensor, k_scale_tensor
 from .._env import triton_available
+from .._mla import NO_FINITE_SELECTION
 from ..planning.plan import PrefillPlan, current_max_block_id
 from .cache_formats import check_index_format, index_rows, index_width
 
@@ -106,7 +115,7 @@ def chunk_scores_reference(q_index, index_weights, k_index, index_cache, block_t
                            starts, cu_seq_lens, token_start, token_end, k_scale, scores) -> None:
     """One chunk's masked scores into ``scores`` [M, W] (out=): ``starts`` [B], ``cu_seq_lens`` [B+1],
     ``token_start`` / ``token_end`` [1]; -inf where a row is not a candidate of the slot's token (another
-    request, past its position, a dead row or slot)."""
+    request, past its position, a dead row or slot); NaN where a candidate's score is not finite."""
     tokens, rows = scores.shape
     dtype = scores.dtype
     request, position, live = chunk_rows(starts, cu_seq_lens, rows)
@@ -119,6 +128,7 @@ def chunk_scores_reference(q_index, index_weights, k_index, index_cache, block_t
     acc = torch.zeros_like(scores)
     for h in range(q.shape[1]):  # one [M, W] product at a time: the budget holds
         acc.addcmul_(w[:, h : h + 1], (q[:, h] @ keys.T).clamp_min_(0))
+    acc.masked_fill_(~torch.isfinite(acc), float("nan"))  # an inf would pass for a rank (or, -inf, for the mask)
     candidate = (t_live.unsqueeze(1) & live.unsqueeze(0) & (t_request.unsqueeze(1) == request.unsqueeze(0))
                  & (position.unsqueeze(0) <= t_position.unsqueeze(1)))
     scores.copy_(torch.where(candidate, acc, float("-inf")))
@@ -142,6 +152,7 @@ def index_topk_chunked(score_chunk: ChunkScorer, q_index, index_weights, k_index
     # Running top-k; row T is a scratch row that dead token slots read and write (no masked scatter).
     best = torch.full((num_tokens + 1, topk), float("-inf"), dtype=dtype, device=device)
     best_pos = torch.full((num_tokens + 1, topk), -1, dtype=torch.int64, device=device)
+    not_finite = torch.zeros(num_tokens + 1, dtype=torch.bool, device=device)  # a NaN score seen (module doc)
     scores = torch.empty(slots, rows, dtype=dtype, device=device)
     slot = torch.arange(slots, device=device)
     for i in range(starts.shape[0]):
@@ -153,6 +164,7 @@ def index_topk_chunked(score_chunk: ChunkScorer, q_index, index_weights, k_index
         found = torch.where(value > float("-inf"), position[index], -1)
         t = chunk_start.long() + slot
         t = torch.where((t < chunk_end) & (t < num_tokens), t, num_tokens)
+        not_finite.index_copy_(0, t, not_finite.index_select(0, t) | scores.isnan().any(1))
         merged = torch.cat([best.index_select(0, t), value], 1)
         merged_pos = torch.cat([best_pos.index_select(0, t), found], 1)
         value, index = merged.topk(topk, dim=1)
@@ -165,7 +177,8 @@ def index_topk_chunked(score_chunk: ChunkScorer, q_index, index_weights, k_index
     position = context_lens.long().index_select(0, request) + token - query_start_loc.long().index_select(0, request)
     candidate = torch.arange(topk, device=device)
     dense = torch.where(candidate.unsqueeze(0) <= position.unsqueeze(1), candidate, -1)
-    chosen = torch.where(sparse.index_select(0, request).unsqueeze(1), best_pos[:num_tokens], dense)
+    chosen = torch.where(not_finite[:num_tokens].unsqueeze(1), NO_FINITE_SELECTION, best_pos[:num_tokens])
+    chosen = torch.where(sparse.index_select(0, request).unsqueeze(1), chosen, dense)
     out.copy_(torch.where(live.unsqueeze(1), chosen, -1))
     return out
 
@@ -307,7 +320,9 @@ def index_topk(
     """The K = ``plan.index_topk`` keys each new token's sparse attention may see (module doc).
 
     Returns [T, K] int32: per token, positions in its request's sequence (``0 .. c_r + j``), valid ones
-    first in any order, then -1 where there are fewer than K candidates. A float8_e4m3fn
+    first in any order, then -1 where there are fewer than K candidates; a sparse token whose scores are
+    not finite (a NaN or inf in its query, weights or a candidate key) gets a row of -2, which
+    ``run_prefill`` turns into a NaN output. A float8_e4m3fn
     ``index_cache`` needs ``k_scale_index`` (a float or a one-element float32 tensor). Reads no device
     value on the host; runs under torch.compile with a device-form plan made inside the graph.
     ``index_cache_format="fp8_per_token"``: ``index_cache`` [num_blocks, block_size, D_I + 4] uint8 in vLLM's

@@ -4,14 +4,16 @@ q                [T, N, P+R]   rotated queries          kv_c [T, L], k_pe [T, R]
 kv_cache         [num_blocks, block_size, L+R]   bf16/fp16/fp32, or float8_e4m3fn with k_scale
 block_table      [B, max_blocks] int32   query_start_loc [B+1] int32   context_lens [B] int32
 sparse           [B] bool      the requests this op serves (the plan's ``sparse``)
-topk_indices     [T, K] int32  per token, positions in its request's sequence (-1: none)
+topk_indices     [T, K] int32  per token, positions in its request's sequence (-1: none; -2, NO_FINITE_SELECTION:
+                               the indexer had no finite scores for the token, whose output is then NaN)
 kv_b_proj_weight [N*(P+V), L]  W_UK = [:, :P] [N, P, L], W_UV = [:, P:] [N, V, L] (``_mla.split_kv_b_proj``)
 k_scale          [1] float32 or None   dequantized = stored * k_scale (float8_e4m3fn caches only)
 -> out           [T, N, V]   lse [N, T] float32 (float64 for float64 q), natural log   (out=)
 
 For token t of a request r with ``sparse[r]``, at position ``c_r + j`` of its sequence: its keys are
 the entries s of ``topk_indices[t]`` with ``0 <= s <= c_r + j`` (a position past the query's own is
-never attended; -1 pads). Position s is the row ``[kv_c | k_pe]``
+never attended; -1 pads; a position appears at most once in a row: refused on the CPU, a device assert
+under ``mla_ops.set_debug(True)``, else counted as often as it appears). Position s is the row ``[kv_c | k_pe]``
 
     kv_cache[block_table[r, s // block_size], s % block_size]   (* k_scale for fp8)   if s < c_r
     [kv_c | k_pe][query_start_loc[r] + s - c_r]                                         otherwise
@@ -23,7 +25,8 @@ and per head n (DESIGN §1, absorbed path):
     o_lat  = softmax(scores) @ kv_c rows                             [L]
     out    = o_lat @ W_UV[n]^T                                       [V]
 
-A token without a valid key gets the empty partial (0, -inf). Rows of tokens of the other requests
+A token without a valid key gets the empty partial (0, -inf). A token whose row holds -2 anywhere gets NaN
+(out and lse): ``index_topk``'s mark of a token whose scores were not finite. Rows of tokens of the other requests
 and past ``query_start_loc[-1]`` are left untouched: ``run_prefill`` writes the dense paths' merged
 result first and this op overwrites the sparse requests' tokens.
 
@@ -37,7 +40,8 @@ from __future__ import annotations
 import torch
 
 from .. import _checks as checks
-from .._mla import MLADims, fold_queries, lse_dtype, split_kv_b_proj, token_requests, unfold_outputs
+from .._mla import (NO_FINITE_SELECTION, MLADims, fold_queries, lse_dtype, split_kv_b_proj, token_requests,
+                   unfold_outputs)
 from .cache_formats import latent_rows
 
 # Gathered rows (tokens x K) per block of the reference: at L+R = 576 fp32, 72 MiB.
@@ -84,8 +88,11 @@ def sparse_reference(q, kv_c, k_pe, kv_cache, block_table, query_start_loc, cont
         probs = torch.exp(scores - top)
         total = probs.sum(-1)  # [n, N]
         o_lat = torch.bmm(probs, rows[..., :latent]) / torch.where(total > 0, total, 1)[..., None]
+        # -2 in a row: no finite selection, a NaN answer (0 elsewhere: adding it changes nothing).
+        nan = torch.where((s == NO_FINITE_SELECTION).any(1), float("nan"), 0.0).to(acc)[:, None]  # [n, 1]
+        o_lat = o_lat + nan[:, :, None]
         out.index_copy_(0, t, unfold_outputs(o_lat.transpose(0, 1), w_uv).transpose(0, 1).to(out.dtype))
-        lse.index_copy_(1, t, (torch.log(total) + top.squeeze(-1)).t().to(lse.dtype))  # -inf without keys
+        lse.index_copy_(1, t, (torch.log(total) + top.squeeze(-1) + nan).t().to(lse.dtype))  # -inf without keys
 
 
 @torch.library.custom_op("mla_ops::sparse_attention", mutates_args=("out", "lse"))
@@ -125,9 +132,10 @@ def check_topk_indices(topk_indices, num_tokens: int, index_topk: int | None, de
 
 
 def check_topk_values(topk_indices, query_start_loc, context_lens, sparse) -> None:
-    """Where readable (CPU): every entry of a sparse request's token lies in ``-1 .. c_r + q_r - 1``
-    (positions in its request's sequence); other tokens' rows are ignored, so not checked. Elsewhere,
-    under the debug switch (``mla_ops.set_debug``), the same check as a device-side assert."""
+    """Where readable (CPU): every entry of a sparse request's token lies in ``-2 .. c_r + q_r - 1``
+    (positions in its request's sequence) and no position repeats in a row (the softmax would count
+    that key twice); other tokens' rows are ignored, so not checked. Elsewhere, under the debug switch
+    (``mla_ops.set_debug``), the same checks as device-side asserts."""
     if topk_indices.numel() == 0 or context_lens.shape[0] == 0:
         return
     readable = checks.values_readable(topk_indices, query_start_loc, context_lens, sparse)
@@ -135,15 +143,27 @@ def check_topk_values(topk_indices, query_start_loc, context_lens, sparse) -> No
         return
     request, _, valid = token_requests(query_start_loc, topk_indices.shape[0])
     seq = (context_lens + (query_start_loc[1:] - query_start_loc[:-1])).index_select(0, request)  # [T]: c_r + q_r
-    bad = ((topk_indices < -1) | (topk_indices >= seq[:, None])) & (valid & sparse.index_select(0, request))[:, None]
-    if not readable:  # the debug switch: a device-side assert, no host sync
-        torch._assert_async(~bad.any(), "mla_ops debug: topk_indices must lie in -1 .. c_r + q_r - 1")
+    checked = (valid & sparse.index_select(0, request))[:, None]
+    bad = ((topk_indices < NO_FINITE_SELECTION) | (topk_indices >= seq[:, None])) & checked
+    ordered = topk_indices.sort(dim=1).values  # a repeat is two equal neighbours
+    repeated = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)) & checked
+    if not readable:  # the debug switch: device-side asserts, no host sync
+        torch._assert_async(~bad.any(), "mla_ops debug: topk_indices must lie in -2 .. c_r + q_r - 1")
+        torch._assert_async(~repeated.any(), "mla_ops debug: topk_indices must not repeat a position in a row")
         return
     if bad.any():
         t, k = (int(i) for i in torch.nonzero(bad)[0])
         r = int(request[t])
         raise ValueError(f"topk_indices[{t}, {k}] is {int(topk_indices[t, k])}: token {t} of request {r} selects "
-                         f"positions in -1 .. {int(seq[t]) - 1} (c_r + q_r - 1; -1 pads)")
+                         f"positions in -1 .. {int(seq[t]) - 1} (c_r + q_r - 1; -1 pads, -2 marks a token "
+                         "without a finite selection)")
+    if repeated.any():
+        t, k = (int(i) for i in torch.nonzero(repeated)[0])
+        position = int(ordered[t, k])
+        columns = torch.nonzero(topk_indices[t] == position).squeeze(1).tolist()
+        raise ValueError(f"topk_indices row {t} (request {int(request[t])}) holds position {position} "
+                         f"{len(columns)} times (columns {columns}): each selected key must appear once "
+                         "(the softmax would count it twice)")
 
 
 def sparse_attention(q, kv_c, k_pe, kv_cache, block_table, query_start_loc, context_lens, sparse, topk_indices,

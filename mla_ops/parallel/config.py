@@ -82,7 +82,7 @@ class ContextParallel:
     check: bool | None = None
 
     def __post_init__(self):
-        _checks.check_positive_int(self.interleave, "interleave")
+        _checks.check_int32_size(self.interleave, "interleave")  # compared with int32 lengths
         if not isinstance(self.cost_model, CostModel):
             raise TypeError("cost_model must be a mla_ops.parallel.CostModel, got "
                             f"{type(self.cost_model).__name__}")

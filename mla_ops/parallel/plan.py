@@ -187,7 +187,7 @@ def _host_plan(query_start_loc, context_lens, block_table, options: PlanOptions,
                                      int(absorbed_qsl[-1]), part_rows, args)
     return PrefillPlan(
         query_start_loc=query_start_loc.to(device), context_lens=context_lens.to(device), block_table=block_table,
-        absorbed_context_lens=to_device(np.where(absorbed, ctx, 0).astype(np.int32)) if absorbed.any() else None,
+        absorbed_context_lens=to_device(np.where(absorbed, ctx, 0).astype(np.int32)),
         schedule=schedule.to(device), device_schedule=None, truncated=None, block_size=block_size,
         workspace_size=args.workspace_size,
         absorbed_query_bound=int(query_lens[absorbed].max()) if absorbed.any() else 0,
@@ -231,7 +231,7 @@ def _device_plan(query_start_loc, context_lens, block_table, options: PlanOption
                                      args.part_rows, args)
     return PrefillPlan(
         query_start_loc=query_start_loc, context_lens=context_lens, block_table=block_table,
-        absorbed_context_lens=torch.where(absorbed, context_lens, 0) if capacity else None,
+        absorbed_context_lens=torch.where(absorbed, context_lens, 0) if capacity else torch.zeros_like(context_lens),
         schedule=None, device_schedule=schedule,
         truncated=(torch.cumsum(stripes, 0) > max_chunks * args.stripes_per_chunk) & (stripes > 0),
         block_size=block_size, workspace_size=args.workspace_size, absorbed_query_bound=capacity,

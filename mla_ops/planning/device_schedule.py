@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import check_int32, check_positive_int
+from .._checks import check_int32, check_int32_size
 
 
 @dataclass(frozen=True)
@@ -71,8 +71,8 @@ def _(context_lens, workspace_size, max_chunks):
 def plan_context_chunks_device(context_lens: torch.Tensor, workspace_size: int, max_chunks: int) -> DeviceSchedule:
     """The packed schedule of ``context_lens`` in ``max_chunks`` fixed slots (see module doc)."""
     check_int32(context_lens, "context_lens", 1, "[B]")
-    check_positive_int(workspace_size, "workspace_size")
-    check_positive_int(max_chunks, "max_chunks")
+    check_int32_size(workspace_size, "workspace_size")  # compared with int32 lengths
+    check_int32_size(max_chunks, "max_chunks")
     starts, seq_lens, cu_seq_lens, num_chunks = torch.ops.mla_ops.plan_context_chunks_device(
         context_lens, workspace_size, max_chunks
     )

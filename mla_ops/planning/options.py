@@ -52,10 +52,13 @@ class PlanOptions:
     index_scores_budget: int = DEFAULT_INDEX_SCORES_BUDGET
 
     def __post_init__(self):
+        # Every size is compared with int32 lengths or becomes an int32 offset: bounded by int32, by name
+        # (2**31 would wrap around, e.g. route every request sparse under index_topk=2**31).
+        size = _checks.check_int32_size
         normalized = dict(
-            block_size=_checks.check_positive_int(self.block_size, "block_size"),
-            workspace_size=_checks.check_positive_int(self.workspace_size, "workspace_size"),
-            split_alignment=_checks.check_positive_int(self.split_alignment, "split_alignment"),
+            block_size=size(self.block_size, "block_size"),
+            workspace_size=size(self.workspace_size, "workspace_size"),
+            split_alignment=size(self.split_alignment, "split_alignment"),
         )
         _checks.check_choice(self.policy, "policy", POLICIES)
         if normalized["workspace_size"] < normalized["split_alignment"]:
@@ -64,22 +67,24 @@ class PlanOptions:
                 f"got {self.workspace_size}"
             )
         if self.max_chunks is not None:
-            normalized["max_chunks"] = _checks.check_positive_int(self.max_chunks, "max_chunks")
-            if self.policy != "packed" or normalized["split_alignment"] != 1:
+            normalized["max_chunks"] = size(self.max_chunks, "max_chunks")
+            # The device form has one planner: the packed schedule, split anywhere.
+            if self.policy != "packed":
                 raise ValueError(
-                    "max_chunks plans the packed schedule (split_alignment=1) on the device: it cannot be "
-                    f"combined with policy={self.policy!r} or split_alignment={self.split_alignment}"
-                )
+                    f"max_chunks (the device form) plans only policy='packed', got policy={self.policy!r}: plan "
+                    f"{self.policy!r} on the host (max_chunks=None) or use policy='packed'")
+            if normalized["split_alignment"] != 1:
+                raise ValueError(
+                    f"max_chunks (the device form) plans only split_alignment=1, got "
+                    f"split_alignment={self.split_alignment}: plan an aligned schedule on the host (max_chunks=None)")
         if self.absorb_max_query_len is not None:
-            normalized["absorb_max_query_len"] = _checks.check_nonnegative_int(
-                self.absorb_max_query_len, "absorb_max_query_len", " (0 disables)")
+            normalized["absorb_max_query_len"] = size(self.absorb_max_query_len, "absorb_max_query_len", 0,
+                                                      " (0 disables)")
         if self.max_absorbed_tokens is not None:
-            normalized["max_absorbed_tokens"] = _checks.check_nonnegative_int(
-                self.max_absorbed_tokens, "max_absorbed_tokens")
-        normalized["index_scores_budget"] = _checks.check_positive_int(self.index_scores_budget,
-                                                                       "index_scores_budget")
+            normalized["max_absorbed_tokens"] = size(self.max_absorbed_tokens, "max_absorbed_tokens", 0)
+        normalized["index_scores_budget"] = size(self.index_scores_budget, "index_scores_budget")
         if self.index_topk is not None:
-            normalized["index_topk"] = _checks.check_positive_int(self.index_topk, "index_topk")
+            normalized["index_topk"] = size(self.index_topk, "index_topk")
             if normalized["index_scores_budget"] < normalized["workspace_size"]:
                 raise ValueError(
                     f"index_scores_budget must hold one query token's scores over a chunk of workspace_size "

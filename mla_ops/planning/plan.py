@@ -44,7 +44,7 @@ class PrefillPlan:
     query_start_loc: torch.Tensor  # [B+1] int32
     context_lens: torch.Tensor  # [B] int32
     block_table: torch.Tensor  # [>= B, max_blocks] int32, the caller's tensor (not copied)
-    absorbed_context_lens: torch.Tensor | None  # [B] context read by the absorbed path; None: no request
+    absorbed_context_lens: torch.Tensor  # [B] int32 context read by the absorbed path; zeros: no request
     schedule: ContextSchedule | None  # host form: chunks of the MHA-routed context, tensors on the device
     device_schedule: DeviceSchedule | None  # device form: [K, B] chunk slots
     truncated: torch.Tensor | None  # device form: [B] bool, MHA context running past chunk K
@@ -85,6 +85,12 @@ class PrefillPlan:
         return None if self.device_schedule is None else self.device_schedule.max_chunks
 
     @property
+    def has_absorbed_path(self) -> bool:
+        """Whether a layer launches the absorbed path (a static fact: some request may take it with
+        queries); ``absorbed_context_lens`` is a [B] tensor either way."""
+        return self.absorbed_query_bound > 0
+
+    @property
     def device(self) -> torch.device:
         return self.block_table.device
 
@@ -99,7 +105,7 @@ class PrefillPlan:
             planned.append(f"chunks={self.schedule.num_chunks}")
         else:
             planned.append(f"max_chunks={self.max_chunks}")
-        if self.absorbed_context_lens is None:
+        if not self.has_absorbed_path:
             planned.append("absorbed=none")
         else:
             rows = "T" if self.absorbed_rows < 0 else self.absorbed_rows
@@ -246,6 +252,8 @@ def plan_host(query_start_loc, context_lens, block_table, options: PlanOptions) 
         batch = len(absorbed_lens)
         lens_and_loc = torch.as_tensor(values, dtype=torch.int32).to(device, non_blocking=True)
         absorbed, token_loc = lens_and_loc.split([batch, batch + 1])
+    else:  # one type always: a [B] tensor of zeros (a memset on the device, no copy)
+        absorbed = torch.zeros(len(ctx), dtype=torch.int32, device=device)
     if not (query_start_loc.is_cpu and block_table.is_cpu) and query_start_loc.device != device:
         query_start_loc = query_start_loc.to(device, non_blocking=True)
         context_lens = context_lens.to(device, non_blocking=True)
@@ -283,6 +291,7 @@ def plan_device(query_start_loc, context_lens, block_table, options: PlanOptions
                                            capacity)
     else:
         threshold = capacity = 0
+        absorbed = torch.zeros_like(context_lens)
     schedule = plan_context_chunks_device(mha_lens, workspace_size, max_chunks)
     if not torch.compiler.is_compiling():
         # Passed into a compiled function, K stays a constant: under dynamic=True, duck sizing
@@ -303,6 +312,6 @@ def plan_device(query_start_loc, context_lens, block_table, options: PlanOptions
         absorbed_context_lens=absorbed, schedule=None, device_schedule=schedule, truncated=truncated,
         block_size=block_size, workspace_size=workspace_size, absorbed_query_bound=threshold,
         num_tokens=num_tokens, max_block_id=max_block_id, absorbed_rows=capacity,
-        absorbed_token_loc=None if absorbed is None else absorbed_token_loc(query_start_loc, absorbed),
+        absorbed_token_loc=absorbed_token_loc(query_start_loc, absorbed) if capacity else None,
         options=options, index_topk=options.index_topk or 0, sparse=sparse, index_schedule=index_schedule,
     )

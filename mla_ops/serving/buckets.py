@@ -53,7 +53,7 @@ def check_sizes(sizes, name: str, limit: int | None = None) -> tuple[int, ...]:
     """A bucket list: positive ints, sorted and unique, at most ``limit``."""
     if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
         raise TypeError(f"{name} must be a sequence of positive ints, got {type(sizes).__name__}")
-    checked = tuple(sorted({checks.check_positive_int(b, name) for b in sizes}))
+    checked = tuple(sorted({checks.check_int32_size(b, name) for b in sizes}))  # int32 lengths and offsets
     if not checked:
         raise ValueError(f"{name} must hold at least one size")
     if limit is not None and checked[-1] > limit:
@@ -77,8 +77,8 @@ class Buckets(NamedTuple):
     def build(cls, max_tokens: int, max_requests: int, chunks=(1, 2, 4, 8, 16), tokens=None,
               requests=None) -> Buckets:
         """Token and request buckets default to powers of two (from 16 and 1) up to the maxima."""
-        max_tokens = checks.check_positive_int(max_tokens, "max_tokens")
-        max_requests = checks.check_positive_int(max_requests, "max_requests")
+        max_tokens = checks.check_int32_size(max_tokens, "max_tokens")  # query_start_loc is int32
+        max_requests = checks.check_int32_size(max_requests, "max_requests")
         return cls(
             tokens=powers_of_two_up_to(max_tokens, 16) if tokens is None else
             check_sizes(tokens, "token_buckets", max_tokens),

@@ -27,16 +27,20 @@ Every call all-gathers a fingerprint of its arguments first: ranks that disagree
 refuses the call) raise a ValueError naming ``context_parallel`` on every rank, instead of hanging.
 
 Arguments are checked before anything is written: a refused call (a bad prompt, token id,
-``max_new_tokens`` or ``eos_token_id``, or a fixed ``num_blocks`` too small for the call) raises
-a TypeError or ValueError that names the argument, allocates no cache, takes no block and leaves
-the prefix index as it was, so the ``Generator`` stays usable.
+``max_new_tokens`` or ``eos_token_id``, a fixed ``num_blocks`` too small for the call, or a cache
+past the device's memory or int32 block ids) raises a TypeError or ValueError that names the
+argument, allocates no cache, takes no block and leaves the prefix index as it was, so the
+``Generator`` stays usable. The cache is allocated before the bookkeeping changes, so an allocation
+that fails anyway leaves it usable too. A call that may pass ``max_position_embeddings`` warns.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import sys
 import time
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -44,6 +48,7 @@ from typing import Callable, Sequence
 import torch
 
 from .. import _checks as checks
+from .._env import available_memory
 from ..models.kv_caches import cache_tensors, grown
 from ..parallel import collectives
 from ..planning.options import PlanOptions, options_from
@@ -77,6 +82,9 @@ class GeneratorSettings:
     num_blocks: int | None
     compile: bool
     prefix_caching: bool
+
+
+INT32_MAX = 2**31 - 1
 
 
 def _next_pow2(n: int) -> int:
@@ -180,6 +188,8 @@ class Generator:
         self.block_size, self.workspace_size = self.options.block_size, self.options.workspace_size
         self._layout = (cp.rank, cp.world_size, cp.interleave) if cp is not None else (0, 1, 1)
         self.compile = compile
+        if num_blocks is not None:
+            self._check_cache_fits(num_blocks, f"num_blocks={num_blocks}")
         self.manager = BlockManager(num_blocks or 1, self.block_size, prefix_caching)
         self.scheduler = Scheduler(self.manager, self._layout, self.settings.num_blocks)
         self.tokens_per_block = self.scheduler.tokens_per_block  # global tokens per block id
@@ -210,21 +220,42 @@ class Generator:
         realloc = first is None or first.dtype != dtype or first.device != weight.device
         return realloc or fingerprint != self._fingerprint, realloc
 
-    def _refresh_cache(self, fingerprint) -> None:
-        """Forget the index if the weights changed; (re)allocate the cache for the model's dtype and device."""
+    def _check_cache_fits(self, num_blocks: int, asked: str) -> None:
+        """A cache of ``num_blocks`` blocks must fit the model's device (and its block ids an int32): what
+        ``asked`` for one is refused by name, before anything changes, instead of failing in the allocation
+        (or growing the bookkeeping to billions of blocks first)."""
+        if num_blocks > INT32_MAX:
+            raise ValueError(f"{asked} needs a cache of {num_blocks} blocks, past the int32 block ids of the block "
+                             f"table ({INT32_MAX})")
+        weight = self.model.lm_head.weight
+        available = available_memory(weight.device)
+        if available is None:
+            return
+        one_block = sum(t.numel() * t.element_size() for t in cache_tensors(self._allocate(1, device="meta")))
+        if num_blocks * one_block > available:
+            raise ValueError(f"{asked} needs a cache of {num_blocks} blocks of {self.block_size} rows "
+                             f"({num_blocks * one_block / 2**30:.3g} GiB), more than the {available / 2**30:.3g} GiB "
+                             f"available on {weight.device}")
+
+    def _prepare_cache(self, fingerprint, extra: int) -> None:
+        """The cache for this call: (re)allocated for the model's dtype and device, or grown by ``extra`` blocks
+        (block ids, and the cached rows, latent and index, stay valid); the new tensors are allocated before
+        anything else changes, so a failed allocation leaves the Generator as it was. Then a prefix index
+        the weights made stale is forgotten."""
         stale, realloc = self._cache_is_stale(fingerprint)
+        caches = self.kv_caches
+        if realloc or extra:
+            caches = self._allocate(self.manager.num_blocks + extra)
+            if not realloc:
+                caches = grown(self.kv_caches, caches)
         if stale:
             self.manager.clear_cache()
             self._fingerprint = fingerprint
-        if realloc:
-            self.kv_caches = self._allocate()
+        self.kv_caches = caches
 
-    def _grow_cache(self) -> None:
-        """The caches to the manager's block count; block ids (and cached rows, latent and index) stay valid."""
-        self.kv_caches = grown(self.kv_caches, self._allocate())
-
-    def _allocate(self):
-        return self.model.allocate_kv_caches(self.manager.num_blocks, self.block_size, self.cache.dtype,
+    def _allocate(self, num_blocks: int, **where):
+        """The model's caches of ``num_blocks`` blocks in this Generator's dtype and formats."""
+        return self.model.allocate_kv_caches(num_blocks, self.block_size, self.cache.dtype, **where,
                                              **self.cache.formats)
 
     # ---- one step ------------------------------------------------------------------------------
@@ -315,6 +346,33 @@ class Generator:
             raise RuntimeError(f"context_parallel: rank(s) {failed} raised during generate, so this rank "
                                f"({self._layout[0]}) stops too (see that rank's error)")
 
+    def _plan_call(self, prompts: list[list[int]], max_new_tokens: int):
+        """Read only: the call's requests, the weights' fingerprint, each prompt's cached prefix blocks, the
+        blocks the call needs and the blocks the cache grows by. Refuses (ValueError naming ``num_blocks`` or
+        ``max_new_tokens``) a call whose cache is past a fixed ``num_blocks``, the device's memory or int32 ids."""
+        scheduler = self.scheduler
+        requests = scheduler.requests(prompts)
+        fingerprint = self._weights_fingerprint()
+        stale, realloc = self._cache_is_stale(fingerprint)
+        matches, need, available = scheduler.blocks_needed(requests, max_new_tokens, stale)
+        extra = scheduler.growth(need, available)
+        if realloc or extra:
+            fixed = self.settings.num_blocks
+            asked = f"max_new_tokens={max_new_tokens} with these prompts" if fixed is None else f"num_blocks={fixed}"
+            self._check_cache_fits(self.manager.num_blocks + extra, asked)
+        return requests, fingerprint, matches, need, extra
+
+    def _warn_past_max_positions(self, prompts: list[list[int]], max_new_tokens: int) -> None:
+        """A call that may feed the model positions past ``max_position_embeddings`` (the rotary tables and
+        YaRN were made for those) runs, with one warning saying so."""
+        limit, longest = self.model.config.max_position_embeddings, max(map(len, prompts))
+        last = longest + max_new_tokens - 2  # the last token fed back: the final one never is
+        if last >= limit:
+            warnings.warn(f"generate: max_new_tokens={max_new_tokens} takes the longest prompt ({longest} "
+                          f"tokens) to position {last}, past the model's max_position_embeddings={limit} (positions "
+                          f"0..{limit - 1}): the tokens there are extrapolated, not what the model was trained for",
+                          stacklevel=_caller_stacklevel())
+
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, eos_token_id=None,
                  callback: Callable[[GenerationStats], None] | None = None) -> list[list[int]]:
@@ -328,26 +386,22 @@ class Generator:
         nothing (module doc)."""
         try:
             prompts, max_new_tokens, stops = self._check_call(prompts, max_new_tokens, eos_token_id, callback)
+            call = self._plan_call(prompts, max_new_tokens) if max_new_tokens else None  # the last refusals
         except (TypeError, ValueError):
             self._check_ranks_agree(None)  # the other ranks must not wait for this one
             raise
         self._check_ranks_agree((prompts, max_new_tokens, sorted(stops)))
         outputs: list[list[int]] = [[] for _ in prompts]
-        if max_new_tokens == 0:
-            self.stats = GenerationStats(prompt_tokens=sum(map(len, prompts)))
-            return outputs
-        scheduler = self.scheduler
-        requests = scheduler.requests(prompts)
-        fingerprint = self._weights_fingerprint()
-        matches, need, available = scheduler.blocks_needed(requests, max_new_tokens,
-                                                           self._cache_is_stale(fingerprint)[0])
-        scheduler.check_capacity(need, available)  # the last refusal: nothing is written before it
         self.stats = stats = GenerationStats(prompt_tokens=sum(map(len, prompts)))
+        if call is None:
+            return outputs
+        self._warn_past_max_positions(prompts, max_new_tokens)
+        scheduler = self.scheduler
+        requests, fingerprint, matches, need, extra = call
         start = time.perf_counter()
         try:
-            self._refresh_cache(fingerprint)
-            if scheduler.reserve(requests, matches, need):
-                self._grow_cache()
+            self._prepare_cache(fingerprint, extra)  # allocates first: nothing has changed if that fails
+            scheduler.reserve(requests, matches, need)  # grows the bookkeeping by the same ``extra`` blocks
             table_width = _next_pow2(math.ceil((max(map(len, prompts)) + max_new_tokens) / self.tokens_per_block))
             # The first step runs every prompt (less its cached prefix), the others a token a sequence.
             self._call_sizes = (max(16, _next_pow2(stats.prompt_tokens)), _next_pow2(len(prompts)))
@@ -384,6 +438,15 @@ class Generator:
             for request in requests:
                 scheduler.release(request)
         return outputs
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` of a warning raised here that points at the first frame outside mla_ops and torch
+    (``torch.no_grad`` wraps ``generate``; ``mla_ops.generate`` calls it)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in ("mla_ops", "torch"):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _check_model(model) -> None:

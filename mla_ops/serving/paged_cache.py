@@ -51,8 +51,8 @@ class BlockManager:
     """Blocks 0 .. num_blocks-1 of a cache: allocation, reference counts, the prefix-cache index."""
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
-        num_blocks = checks.check_positive_int(num_blocks, "num_blocks")
-        self.block_size = checks.check_positive_int(block_size, "block_size")
+        num_blocks = checks.check_int32_size(num_blocks, "num_blocks")  # block ids are int32 in a block table
+        self.block_size = checks.check_int32_size(block_size, "block_size")
         self.prefix_caching = checks.check_bool(prefix_caching, "prefix_caching")
         self.num_blocks = 0
         self._free: deque[int] = deque()

@@ -4,8 +4,8 @@ their blocks, the block table and the slots; no model, no tensors.
 A call's requests reuse the full prompt blocks the prefix cache holds (by content hash), and a
 prompt whose next block another prompt of the same step is computing waits one step and then
 reuses it. Before a call writes anything, ``blocks_needed`` + ``check_capacity`` tell whether it
-fits; ``reserve`` then pins every cached prefix the call reuses (no allocation of the call can evict
-it) and grows the manager where it may.
+fits and ``growth`` by how many blocks the cache grows; ``reserve`` then pins every cached prefix the
+call reuses (no allocation of the call can evict it) and grows the manager by that much.
 
 Across ranks (context parallel, DESIGN §10) a block id names ``block_size * D`` global tokens, so
 every rank makes the same bookkeeping from the global lengths; only the slots differ per rank
@@ -86,6 +86,14 @@ class Scheduler:
         pinned = {block for blocks in matches for block in blocks if self.manager.ref_count(block) == 0}
         return matches, need, self.manager.num_available - len(pinned)
 
+    def growth(self, need: int, available: int) -> int:
+        """The blocks ``reserve`` will add to the manager for a call needing ``need`` blocks with
+        ``available`` ones (``blocks_needed``'s): at least half again, so that growing stays rare."""
+        if need <= available:
+            return 0
+        self.check_capacity(need, available)
+        return max(need - available, self.manager.num_blocks // 2)
+
     def check_capacity(self, need: int, available: int) -> None:
         if self.fixed_num_blocks is not None and need > available:
             raise ValueError(
@@ -102,11 +110,7 @@ class Scheduler:
             request.blocks = list(blocks)
             for block in blocks:
                 self.manager.acquire(block)
-        available = self.manager.num_available
-        if need <= available:
-            return 0
-        self.check_capacity(need, available)
-        extra = max(need - available, self.manager.num_blocks // 2)
+        extra = self.growth(need, self.manager.num_available)
         self.manager.grow(extra)
         return extra
 

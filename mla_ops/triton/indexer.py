@@ -15,7 +15,8 @@ The oracle is ``chunk_scores_reference`` of ``mla_ops/ops/indexer.py``. Each pro
 (token tile, row tile) of the buffer: it finds each row's request by a binary search over
 ``cu_seq_lens`` and its key where it lives (the paged cache for context positions, ``k_index`` for
 the step's new ones), each slot's request over ``query_start_loc``, and folds the H_I heads' dots
-(``relu``, weighted) into an fp32 accumulator; the request/causal mask writes -inf. Every bound is
+(``relu``, weighted) into an fp32 accumulator; a non-finite score becomes NaN (the top-k fold flags
+its token), then the request/causal mask writes -inf. Every bound is
 read on the device (token count, row count), so a tile past them (all of a dead chunk's) only
 writes -inf: the top-k that follows reads the whole buffer.
 
@@ -95,7 +96,9 @@ def _index_scores_kernel(
             dot = tl.dot(q.to(DOT_DTYPE), keys, input_precision=DOT_PRECISION)
             if IS_FP8 or IS_PER_TOKEN:
                 dot = dot * row_scale[None, :]
-            acc += weight.to(tl.float32)[:, None] * tl.maximum(dot, 0.0)
+            # relu that keeps NaN (tl.maximum's default drops it, as fmaxf does): a NaN query or key shows.
+            acc += weight.to(tl.float32)[:, None] * tl.maximum(dot, 0.0, propagate_nan=tl.PropagateNan.ALL)
+        acc = tl.where((acc == acc) & (tl.abs(acc) < float("inf")), acc, float("nan"))  # not finite: NaN
         candidate = (slot_live[:, None] & row_live[None, :] & (slot_request[:, None] == row_request[None, :])
                      & (position[None, :] <= slot_position[:, None]))
         scores = tl.where(candidate, acc, float("-inf"))

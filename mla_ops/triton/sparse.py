@@ -4,7 +4,8 @@ q                [T, N, P+R]   rotated queries          kv_c [T, L], k_pe [T, R]
 kv_cache         [num_blocks, PAGE_SIZE, L+R]   16/32-bit, or float8_e4m3fn with k_scale [1] float32, or
                                fp8_ds_mla's [.., .., 656] uint8 rows (dequantized as read)
 block_table      [B, max_blocks] int32   query_start_loc [B+1] int32   context_lens [B] int32
-sparse           [B] bool      topk_indices [T, K] int32 (positions in the request's sequence; -1 pads)
+sparse           [B] bool      topk_indices [T, K] int32 (positions in the request's sequence; -1 pads; -2:
+                               no finite selection, the token's out and lse are NaN)
 kv_b_proj_weight [N*(P+V), L]  W_UK [N, P, L], W_UV [N, V, L] (``mla_ops._mla.split_kv_b_proj``)
 -> out           [T, N, V]   lse [N, T] float32, natural log; other tokens' rows are left untouched (out=)
 
@@ -134,10 +135,12 @@ def _sparse_item(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    no_finite = tl.zeros([BLOCK_N], dtype=tl.int32)  # a -2 seen: the indexer had no finite scores
     for start_n in range(0, NUM_TOPK, BLOCK_N):  # K is the model's, a constexpr trip count
         slot = start_n + offs_n
         keys = tl.load(topk_ptr + token * stride_topk_t + slot.to(tl.int64) * stride_topk_k,
                        mask=slot < NUM_TOPK, other=-1)
+        no_finite = tl.maximum(no_finite, (keys == -2).to(tl.int32))
         key_ok = (keys >= 0) & (keys <= context + j)  # never a position past the query's own
         if tl.max(key_ok.to(tl.int32), 0) > 0:
             in_cache = key_ok & (keys < context)
@@ -170,10 +173,12 @@ def _sparse_item(
 
     has_keys = l_i > 0
     acc = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # no key: the empty partial, 0
+    nan = tl.where(tl.max(no_finite, 0) > 0, float("nan"), 0.0)  # -2: NaN out and lse (adding 0 changes nothing)
+    acc = acc + nan
     o_ptrs = o_lat_ptr + row.to(tl.int64) * stride_olt + head[:, None] * stride_olh + offs_dv[None, :] * stride_old
     tl.store(o_ptrs, acc.to(o_lat_ptr.dtype.element_ty), mask=head_ok[:, None] & mask_dv[None, :])
     if dv_slice == 0:
-        lse = tl.where(has_keys, (m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0))) * LN2, float("-inf"))
+        lse = tl.where(has_keys, (m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0))) * LN2, float("-inf")) + nan
         tl.store(lse_ptr + head * stride_lh + token * stride_lt, lse.to(lse_ptr.dtype.element_ty), mask=head_ok)
 
 

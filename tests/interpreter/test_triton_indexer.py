@@ -17,7 +17,7 @@ import torch  # noqa: E402
 from mla_ops._checks import k_scale_tensor  # noqa: E402
 from mla_ops.ops.indexer import chunk_scores_reference, index_topk_chunked  # noqa: E402
 from mla_ops.triton.indexer import chunk_scores  # noqa: E402
-from tests.support.indexer import check_topk, indexer_batch  # noqa: E402
+from tests.support.indexer import POISONS, check_poisoned_topk, check_topk, indexer_batch, poison  # noqa: E402
 
 TOPK, WORKSPACE, BUDGET = 6, 16, 32  # M = 2 query tokens per chunk
 CONTEXTS, QUERIES = [21, 0, 3, 9], [3, 7, 2, 1]  # several chunks, a zero context, a dense request
@@ -53,3 +53,25 @@ def test_top_k_on_the_triton_scorer_matches_the_oracle_in_both_plan_forms():
     for max_chunks in (None, 24):
         plan = batch.plan(TOPK, WORKSPACE, BUDGET, max_chunks=max_chunks)
         check_topk(index_topk_chunked(chunk_scores, *op_args(batch, plan)), batch.expected, TOPK)
+
+
+@pytest.mark.parametrize("kind", POISONS)
+def test_non_finite_inputs_mark_the_tokens_they_reach_on_the_triton_scorer(kind):
+    """A candidate's non-finite score is NaN in the Triton scorer too (an inf would rank, a -inf would pass for
+    the mask), so the fold marks the token: a row of -2, the other rows as the oracle's."""
+    batch = indexer_batch(CONTEXTS, QUERIES, TOPK, block_size=4, seed=5)
+    reached = poison(batch, kind, 0)  # request 0: sparse, with context over W
+    for max_chunks in (None, 24):
+        plan = batch.plan(TOPK, WORKSPACE, BUDGET, max_chunks=max_chunks)
+        got = index_topk_chunked(chunk_scores, *op_args(batch, plan))
+        check_poisoned_topk(got, batch, TOPK, plan.sparse.tolist(), reached, 0)
+        s = plan.index_schedule
+        k_scale = k_scale_tensor(batch.k_scale, batch.index_cache)
+        for i in range(s.max_chunks):  # NaN in the same places as the torch scorer's
+            got_scores, want_scores = (torch.full((s.tokens, s.rows), 7.0) for _ in range(2))
+            chunk = (*batch.args, plan.block_table, plan.query_start_loc, plan.context_lens, s.starts[i],
+                     s.cu_seq_lens[i], s.token_start.narrow(0, i, 1), s.token_end.narrow(0, i, 1), k_scale)
+            chunk_scores(*chunk, got_scores)
+            chunk_scores_reference(*chunk, want_scores)
+            assert torch.equal(torch.isnan(got_scores), torch.isnan(want_scores)), i
+            assert torch.equal(torch.isinf(got_scores), torch.isinf(want_scores)), i

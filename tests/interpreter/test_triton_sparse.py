@@ -88,3 +88,23 @@ def test_nothing_sparse_writes_nothing_and_empty_selections():
     got, got_lse = check(batch, torch.float32, topk=torch.full_like(topk, -1))  # the empty partial: 0 / -inf
     rows = ~torch.isnan(got[:, 0, 0])
     assert (got[rows] == 0).all() and (got_lse[:, rows] == float("-inf")).all()
+
+
+def test_a_row_marked_without_a_finite_selection_comes_out_nan():
+    """-2 in a row (index_topk: the token's scores were not finite): NaN out and lse, as the reference; every
+    other token equal to the reference."""
+    batch = context_batch(CONTEXTS, QUERIES, block_size=4, dtype=torch.float32, seed=7, **SMALL)
+    topk = random_topk(CONTEXTS, QUERIES, K, seed=7, sparse=SPARSE)
+    topk[8] = -2  # request 2, the whole row
+    topk[2, K - 1] = -2  # request 1, its last entry (past the first key tile)
+    got, got_lse = batch.sentinels(SMALL["V"])
+    want, want_lse = batch.sentinels(SMALL["V"])
+    sparse_attention(*args_of(batch, topk), got, got_lse)
+    sparse_reference(*args_of(batch, topk), want, want_lse)
+    marked = torch.zeros(got.shape[0], dtype=torch.bool)
+    marked[[2, 8]] = True
+    assert torch.isnan(got[marked]).all() and torch.isnan(got_lse[:, marked]).all()
+    assert torch.isnan(want[marked]).all() and torch.isnan(want_lse[:, marked]).all()
+    torch.testing.assert_close(got[~marked], want[~marked], atol=TOL[torch.float32], rtol=TOL[torch.float32],
+                               equal_nan=True)
+    assert not torch.isnan(got[~marked & ~torch.isnan(want[:, 0, 0])]).any()

@@ -625,3 +625,44 @@ def test_bad_arguments_name_the_argument(case, tmp_path, untouched):
     path = kwargs.pop("path", None) or write(tmp_path / "ckpt")
     message = refused(path, error, names, untouched, **kwargs)
     assert "config.json" not in message or "path" in case
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sizes and names nothing else catches cheaply
+def test_a_config_far_larger_than_its_checkpoint_is_refused_before_allocating(tmp_path, untouched):
+    """``n_routed_experts: 10**9`` beside the tiny checkpoint: refused from the meta model's size (no weight, no
+    list of a billion missing tensors), naming config.json and the largest tensor it would make."""
+    path = write(tmp_path / "ckpt", changed(CONFIG, {"n_routed_experts": 10**9, "num_experts_per_tok": 2}))
+    message = refused(path, ValueError, [os.path.join(path, "config.json"), "1,568,000,019,696 parameters",
+                                         "gate_up_proj", "[1000000000, 32, 32]"], untouched, built_ok=True)
+    assert "25,968 values" in message
+
+
+def test_weights_past_the_devices_memory_are_refused():
+    """``from_pretrained`` checks the model it is about to allocate (on the meta device: a rank's shard under
+    context parallel) against the memory the device has left. A checkpoint that large cannot be written in a
+    test, so the check is called on a meta model whose embedding alone takes twice what the CPU has left."""
+    from mla_ops._env import available_memory
+    from mla_ops.models import checkpoint
+
+    available = available_memory(torch.device("cpu"))
+    assert available, "the test needs to know the memory available"
+    vocab = 2 * available // (4 * CONFIG["hidden_size"]) + 1
+    with torch.device("meta"):
+        huge = mla_ops.MLAForCausalLM(MLAConfig.from_hf(changed(CONFIG, {"vocab_size": vocab})))
+    with pytest.raises(ValueError, match=r"device: the model's weights take .* GiB, more than the .* GiB "
+                                         r"available on cpu"):
+        checkpoint.check_memory(huge, torch.device("cpu"))
+    with torch.device("meta"):
+        checkpoint.check_memory(mla_ops.MLAForCausalLM(MLAConfig.from_hf(CONFIG)), torch.device("cpu"))
+
+
+def test_a_nul_byte_in_a_shard_name_names_the_index_the_entry_and_the_shard(tmp_path, untouched):
+    path = write(tmp_path / "ckpt", shards=two_shards())
+    index = os.path.join(path, checkpoint_files.INDEX)
+    with open(index) as f:
+        weight_map = json.load(f)["weight_map"]
+    entry = next(iter(weight_map))
+    bad = "model-00001\x00-of-00002.safetensors"
+    write_index(path, {"weight_map": dict(weight_map, **{entry: bad})})
+    refused(path, ValueError, [index, f"weight_map[{entry!r}]", repr(bad), "NUL"], untouched)

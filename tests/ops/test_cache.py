@@ -134,6 +134,12 @@ BAD_WRITES = {
     **{f"k_scale {kind} {value}": (lambda a, v=value, k=kind: a.update(k_scale=torch.tensor([v]) if k == "tensor"
                                                                      else v), ValueError, "k_scale must be finite and positive")
        for kind in ("float", "tensor") for value in (0.0, -0.5, math.inf, -math.inf, math.nan)},
+    # Checked as the kernels' float32: 1e-46 is 0 there, 1e39 inf, 1e-40 subnormal.
+    **{f"k_scale float {value}": (lambda a, v=value: a.update(k_scale=v), ValueError,
+                                  "k_scale must be finite and positive, a normal float32")
+       for value in (1e-46, 1e39, 1e-40)},
+    "k_scale subnormal tensor": (lambda a: a.update(k_scale=torch.tensor([1e-40])), ValueError,
+                                 "k_scale must be finite and positive, a normal float32"),
     "kv_c device": (lambda a: a.update(kv_c=a["kv_c"].to("meta")), ValueError, "kv_c"),
     "slot device": (lambda a: a.update(slot_mapping=a["slot_mapping"].to("meta")), ValueError, "slot_mapping"),
 }
@@ -252,6 +258,9 @@ BAD_INDEX_WRITES = {
     "k_scale_index zero": (lambda a: a.update(k_scale_index=0.0), ValueError, "k_scale_index must be finite"),
     "k_scale_index nan tensor": (lambda a: a.update(k_scale_index=torch.tensor([math.nan])), ValueError,
                                  "k_scale_index must be finite"),
+    **{f"k_scale_index float32 {value}": (lambda a, v=value: a.update(k_scale_index=v), ValueError,
+                                          "k_scale_index must be finite and positive, a normal float32")
+       for value in (1e-46, 1e39, 1e-40)},
 }
 
 

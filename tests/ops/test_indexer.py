@@ -16,7 +16,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import mla_ops
 from mla_ops._checks import k_scale_tensor
 from tests.support.gpu import DEVICE, needs_cuda
-from tests.support.indexer import FP8, check_topk, indexer_batch
+from tests.support.indexer import FP8, POISONS, check_poisoned_topk, check_topk, indexer_batch, poison
 
 OPCHECK_UTILS = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
 
@@ -64,6 +64,21 @@ def test_fp8_index_cache_is_dequantized(tensor_scale):
     scale = torch.tensor([0.5]) if tensor_scale else 0.5
     got = mla_ops.index_topk(*batch.args, batch.plan(TOPK, WORKSPACE, BUDGET), k_scale_index=scale)
     check_topk(got, batch.expected, TOPK)
+
+
+@pytest.mark.parametrize("kind", POISONS)
+@pytest.mark.parametrize("request_", [0, 3, 2])  # sparse with a long context, sparse, dense-routed
+@pytest.mark.parametrize("form", ["host", "device"])
+def test_a_non_finite_input_marks_the_tokens_it_reaches_and_the_row_format_holds(kind, request_, form):
+    """A NaN or inf in a token's index query or weights, or in a key it sees: that token's ranking is undefined,
+    so its row is all -2 (sparse_attention makes its output NaN). Never -1 before valid positions, never a
+    finite selection made from NaN scores; the other tokens' rows are unchanged."""
+    batch = indexer_batch(CONTEXTS, QUERIES, TOPK, block_size=4, seed=11)
+    if kind == "cache key nan" and CONTEXTS[request_] == 0:
+        pytest.skip("no context")
+    reached = poison(batch, kind, request_)
+    plan = batch.plan(TOPK, WORKSPACE, BUDGET, max_chunks=60 if form == "device" else None)
+    check_poisoned_topk(mla_ops.index_topk(*batch.args, plan), batch, TOPK, plan.sparse.tolist(), reached, request_)
 
 
 def test_padding_tokens_get_no_candidates():
@@ -165,7 +180,8 @@ def test_bad_input_is_refused_naming_the_argument(name, corrupt, error, match):
         mla_ops.index_topk(*args, plan)
 
 
-@pytest.mark.parametrize("scale", [-1.0, float("nan"), torch.tensor([0.5], dtype=torch.float64)])
+@pytest.mark.parametrize("scale", [-1.0, float("nan"), torch.tensor([0.5], dtype=torch.float64),
+                                   1e-46, 1e39, 1e-40, torch.tensor([1e-40])])  # 0, inf, subnormal in float32
 def test_a_bad_k_scale_index_is_refused(scale):
     batch = indexer_batch([12, 0, 2], [3, 10, 2], TOPK, block_size=4, fp8_scale=0.5, seed=8)
     with pytest.raises(ValueError, match="k_scale_index"):

@@ -118,6 +118,24 @@ def test_opcheck():
                           test_utils=OPCHECK_UTILS[1:])
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_row_marked_without_a_finite_selection_comes_out_nan(dtype):
+    """-2 (index_topk's mark of a token whose scores were not finite), anywhere in a row: NaN out and lse for
+    that token, every other token as before (the torch op; the Triton kernel: tests/interpreter)."""
+    batch = context_batch(CONTEXTS, QUERIES, block_size=4, dtype=dtype, **SMALL)
+    topk = random_topk(CONTEXTS, QUERIES, K, seed=5, sparse=SPARSE)
+    clean_out, clean_lse = sparse_attention(*batch_args(batch, SPARSE, topk))
+    marked = topk.clone()
+    marked[7] = -2  # request 2, a whole row as index_topk writes it
+    marked[1, 3] = -2  # request 1, one entry
+    out, lse = sparse_attention(*batch_args(batch, SPARSE, marked))
+    nan = torch.zeros(out.shape[0], dtype=torch.bool)
+    nan[[1, 7]] = True
+    assert torch.isnan(out[nan]).all() and torch.isnan(lse[:, nan]).all()
+    torch.testing.assert_close(out[~nan], clean_out[~nan], rtol=0, atol=0)
+    torch.testing.assert_close(lse[:, ~nan], clean_lse[:, ~nan], rtol=0, atol=0)
+
+
 def test_public_function_makes_the_empty_partial_for_other_rows():
     batch = context_batch(CONTEXTS, QUERIES, block_size=4, dtype=torch.float64, **SMALL)
     topk = random_topk(CONTEXTS, QUERIES, K, seed=2, sparse=SPARSE)
@@ -140,7 +158,7 @@ BAD = [
     ("topk_indices", lambda a: a[:-1], ValueError, r"topk_indices must be \[T, index_topk\]"),
     ("topk_indices", lambda a: a[0], ValueError, "topk_indices must be 2-D"),
     ("topk_indices", lambda a: torch.where(a == a.max(), 99, a), ValueError, r"topk_indices\[\d+, \d+\] is 99"),
-    ("topk_indices", lambda a: torch.full_like(a, -2), ValueError, r"topk_indices\[0, 0\] is -2"),
+    ("topk_indices", lambda a: torch.full_like(a, -3), ValueError, r"topk_indices\[0, 0\] is -3"),
     ("sparse", lambda s: s.int(), TypeError, "sparse must be bool"),
     ("sparse", lambda s: s[:-1], ValueError, r"sparse \[B\]"),
     ("query_start_loc", lambda q: q.flip(0), ValueError, "query_start_loc must start at 0"),
@@ -156,6 +174,54 @@ def test_bad_input_is_refused_before_anything_is_written(name, edit, error, matc
     with pytest.raises(error, match=match):
         sparse_attention(*_bad(args, name, edit(args[index])), out=out, lse=lse)
     assert torch.isnan(out).all() and torch.isnan(lse).all()
+
+
+def _repeat_a_position(topk, token):
+    """``topk`` with token ``token``'s first valid entry copied over its second (-1 pads stay)."""
+    row = topk[token]
+    first, second = torch.nonzero(row >= 0).squeeze(1)[:2].tolist()
+    topk = topk.clone()
+    topk[token, second] = row[first]
+    return topk, int(row[first])
+
+
+def test_a_repeated_position_in_a_row_is_refused_by_name_before_anything_is_written():
+    """The softmax would count that key twice: a finite wrong number. Repeated -1 padding is fine."""
+    batch = context_batch(CONTEXTS, QUERIES, block_size=4, dtype=torch.float32, **SMALL)
+    topk = random_topk(CONTEXTS, QUERIES, K, seed=0, sparse=SPARSE)
+    token = 7  # request 2 (40 context keys): K valid entries
+    repeated, position = _repeat_a_position(topk, token)
+    out, lse = batch.sentinels(SMALL["V"])
+    with pytest.raises(ValueError, match=rf"topk_indices row {token} \(request 2\) holds position {position} 2 times"):
+        sparse_attention(*batch_args(batch, SPARSE, repeated), out=out, lse=lse)
+    assert torch.isnan(out).all() and torch.isnan(lse).all()
+    dense_token = sum(QUERIES[:4])  # request 4 is dense-routed: its row is ignored, so not checked
+    ignored = topk.clone()
+    ignored[dense_token] = 0
+    sparse_attention(*batch_args(batch, SPARSE, ignored))
+
+
+def test_the_debug_switch_asserts_a_repeated_position_where_values_are_not_read():
+    """Traced (as on a GPU), nothing is read on the host; ``set_debug(True)`` adds a device assert."""
+    import mla_ops
+    from mla_ops.ops.sparse import check_topk_values
+
+    batch = context_batch(CONTEXTS, QUERIES, block_size=4, dtype=torch.float32, **SMALL)
+    repeated, _ = _repeat_a_position(random_topk(CONTEXTS, QUERIES, K, seed=0, sparse=SPARSE), 7)
+    lengths = (batch.query_start_loc, batch.context_lens, torch.tensor(SPARSE))
+
+    def check(topk):
+        check_topk_values(topk, *lengths)
+        return topk + 1
+
+    torch._dynamo.reset()
+    try:
+        mla_ops.set_debug(True)
+        with pytest.raises(RuntimeError, match="must not repeat a position"):
+            torch.compile(check, fullgraph=True, backend="eager")(repeated)
+    finally:
+        mla_ops.set_debug(False)
+        torch._dynamo.reset()
 
 
 def test_dense_rows_are_not_range_checked_and_fp8_needs_k_scale():

@@ -255,6 +255,19 @@ def test_host_plan_sizes_each_chunks_parts_to_its_largest_share(world_of_one):
     assert device.context_parallel.chunk_part_rows is None and device.context_parallel.part_rows == 8  # static
 
 
+@pytest.mark.parametrize("max_chunks", [None, 7])
+@pytest.mark.parametrize("absorb", [0, 2])
+def test_absorbed_context_lens_is_a_b_int32_tensor_with_or_without_absorbed_requests(world_of_one, max_chunks,
+                                                                                      absorb):
+    b = prefill_batch()
+    plan = mla_ops.plan_prefill(b["qsl"], b["ctx"], b["table"], 4, workspace_size=8, absorb_max_query_len=absorb,
+                                max_chunks=max_chunks, context_parallel=mla_ops.ContextParallel())
+    lens = plan.absorbed_context_lens
+    assert isinstance(lens, torch.Tensor) and lens.dtype == torch.int32 and lens.shape == b["ctx"].shape
+    if max_chunks is None:  # the device form routes within its static token slots
+        assert lens.tolist() == ([9, 0, 30, 0] if absorb else [0, 0, 0, 0])  # queries [2, 3, 1, 6]
+
+
 def test_planning_errors_name_the_argument(world_of_one):
     b = prefill_batch()
     plan = lambda **kw: mla_ops.plan_prefill(b["qsl"], b["ctx"], b["table"], 4, **kw)  # noqa: E731
@@ -264,7 +277,7 @@ def test_planning_errors_name_the_argument(world_of_one):
         plan(workspace_size=16, split_alignment=6, context_parallel=mla_ops.ContextParallel(interleave=4))
     with pytest.raises(TypeError, match="context_parallel must be a mla_ops.ContextParallel"):
         plan(context_parallel="world")
-    with pytest.raises(ValueError, match="cannot be combined with policy='whole_requests'"):
+    with pytest.raises(ValueError, match="max_chunks \\(the device form\\) plans only policy='packed', got policy='whole_requests'"):
         plan(max_chunks=2, policy="whole_requests", context_parallel=mla_ops.ContextParallel())
     with pytest.raises(ValueError, match="absorb_max_query_len must be an int >= 0"):
         plan(absorb_max_query_len=-1, context_parallel=mla_ops.ContextParallel())

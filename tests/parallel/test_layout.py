@@ -48,3 +48,8 @@ def test_shard_context_rejects_bad_arguments():
         mla_ops.shard_context(cache, table[:, :1], ctx, rank=0, world_size=1)
     with pytest.raises(TypeError, match="context_lens must be int32"):
         mla_ops.shard_context(cache, table, ctx.long(), rank=0, world_size=1)
+
+
+def test_an_interleave_past_int32_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"interleave must be at most 2\*\*31 - 1"):
+        mla_ops.ContextParallel(interleave=2**31)

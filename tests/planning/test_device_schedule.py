@@ -50,6 +50,8 @@ def test_device_plan_validates():
         mla_ops.plan_context_chunks_device(torch.tensor([3, 4], dtype=torch.int32), 8, 0)
     with pytest.raises(ValueError, match="workspace_size"):
         mla_ops.plan_context_chunks_device(torch.tensor([3, 4], dtype=torch.int32), 0, 2)
+    with pytest.raises(ValueError, match=r"workspace_size must be at most 2\*\*31 - 1"):  # compared in int32
+        mla_ops.plan_context_chunks_device(torch.tensor([3, 4], dtype=torch.int32), 2**31, 2)
 
 
 def test_device_plan_and_up_project_opcheck():

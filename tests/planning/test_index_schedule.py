@@ -93,8 +93,7 @@ def test_routing_takes_sparse_requests_off_the_dense_paths():
     plan = plan_of([(5, 3), (20, 10), (0, 10), (0, 13)], topk=10, workspace=16, budget=64)
     assert plan.sparse.tolist() == [False, True, False, True]
     assert plan.index_topk == 10
-    dense = plan.schedule.num_context_tokens + (0 if plan.absorbed_context_lens is None
-                                                else int(plan.absorbed_context_lens.sum()))
+    dense = plan.schedule.num_context_tokens + int(plan.absorbed_context_lens.sum())
     assert dense == 5  # only the dense request's context is attended by the dense paths
     assert "index_topk=10" in repr(plan)
     device = plan_of([(5, 3), (20, 10), (0, 10), (0, 13)], topk=10, workspace=16, budget=64, max_chunks=8)

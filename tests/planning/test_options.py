@@ -32,10 +32,20 @@ def test_numpy_ints_become_ints():
     (dict(policy="even"), ValueError, "policy"),
     (dict(workspace_size=8, split_alignment=16), ValueError, "workspace_size must hold at least one split_alignment"),
     (dict(max_chunks=0), ValueError, "max_chunks must be a positive int"),
-    (dict(max_chunks=2, policy="whole_requests"), ValueError, "cannot be combined with policy='whole_requests'"),
-    (dict(max_chunks=2, split_alignment=4), ValueError, "cannot be combined"),
+    # Say what is wrong: the policy or the alignment, not the value it requires.
+    (dict(max_chunks=2, policy="whole_requests"), ValueError,
+     r"max_chunks \(the device form\) plans only policy='packed', got policy='whole_requests'"),
+    (dict(max_chunks=2, policy="whole_requests", split_alignment=1), ValueError,
+     r"^max_chunks \(the device form\) plans only policy='packed'[^\n]*$"),  # no word of split_alignment
+    (dict(max_chunks=2, split_alignment=4), ValueError,
+     r"max_chunks \(the device form\) plans only split_alignment=1, got split_alignment=4"),
     (dict(absorb_max_query_len=-1), ValueError, "absorb_max_query_len must be an int >= 0"),
     (dict(max_absorbed_tokens=-1), ValueError, "max_absorbed_tokens must be an int >= 0"),
+    # Every size reaches an int32 tensor (compared with int32 lengths, an int32 offset): 2**31 would wrap.
+    *[(dict({name: 2**31}, **extra), ValueError, rf"{name} must be at most 2\*\*31 - 1 \(it reaches int32")
+      for name, extra in [("block_size", {}), ("workspace_size", {}), ("split_alignment", {}),
+                          ("max_chunks", {}), ("absorb_max_query_len", {}), ("max_absorbed_tokens", {}),
+                          ("index_scores_budget", {}), ("index_topk", {})]],
 ])
 def test_each_option_is_checked(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -54,6 +64,16 @@ def test_plan_prefill_and_mla_prefill_check_through_the_options():
         mla_ops.mla_prefill(q, kv_c, k_pe, cache, table, qsl, ctx, weight, 0.5, workspace_size=8, plan=plan)
     out = mla_ops.mla_prefill(q, kv_c, k_pe, cache, table, qsl, ctx, weight, 0.5, plan=plan)
     assert out.shape == (2, 1, 5)
+
+
+def test_an_index_topk_past_int32_is_refused_by_plan_prefill_before_planning():
+    """2**31 wrapped around in the int32 routing compare: every request sparse, then a 292 GB top-k."""
+    qsl, ctx = torch.tensor([0, 2], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"index_topk must be at most 2\*\*31 - 1"):
+        mla_ops.plan_prefill(qsl, ctx, table, 4, index_topk=2**31)
+    plan = mla_ops.plan_prefill(qsl, ctx, table, 4, index_topk=2**31 - 1)  # the largest: every request dense
+    assert plan.sparse.tolist() == [False]
 
 
 def test_plan_prefill_host_form_on_meta_tensors_points_to_the_device_form():

@@ -30,6 +30,30 @@ def test_route_context_on_host_and_device_agree():
     assert absorbed.tolist() == [0, 37, 0, 0, 90, 0, 64, 0]
 
 
+def absorbed_lens_batch(requests: int):
+    """``(query_start_loc, context_lens, block_table)`` of ``requests`` requests: no context, long and short
+    queries."""
+    context_lens = ([0, 20, 5] * requests)[:requests]
+    query_lens = ([4, 2, 30] * requests)[:requests]
+    qsl = torch.tensor([0, *np.cumsum(query_lens)], dtype=torch.int32)
+    return qsl, torch.tensor(context_lens, dtype=torch.int32), torch.zeros(requests, 2, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("requests", [3, 40])  # Python lists / numpy on the host
+@pytest.mark.parametrize("absorb", [0, 1, 8])  # off / none fits / some routed
+@pytest.mark.parametrize("max_chunks", [None, 8])
+def test_absorbed_context_lens_is_always_a_b_int32_tensor(requests, absorb, max_chunks):
+    """One type for every batch and form: a [B] int32 tensor on the plan's device, zeros where no request is
+    absorbed; whether a layer launches the absorbed path is ``has_absorbed_path``."""
+    qsl, ctx, table = absorbed_lens_batch(requests)
+    plan = mla_ops.plan_prefill(qsl, ctx, table, 16, 64, absorb_max_query_len=absorb, max_chunks=max_chunks)
+    lens = plan.absorbed_context_lens
+    assert isinstance(lens, torch.Tensor) and lens.dtype == torch.int32 and lens.shape == (requests,)
+    expect = route_context(ctx.tolist(), (qsl[1:] - qsl[:-1]).tolist(), absorb, plan.options.absorbed_capacity)[1]
+    assert lens.tolist() == expect
+    assert plan.has_absorbed_path == (max_chunks is not None and absorb > 0 or any(expect))
+
+
 def test_a_plan_holds_the_routing_split():
     batch = make_batch(CONTEXT_LENS, QUERY_LENS, seed=3)
     plan = mla_ops.plan_prefill(batch.query_start_loc, batch.context_lens, batch.block_table,
@@ -63,11 +87,8 @@ def test_capacity_takes_the_first_routed_requests_that_fit(capacity):
     device = mla_ops.plan_prefill(*args, max_chunks=16, absorb_max_query_len=8, max_absorbed_tokens=capacity)
     routed_tokens = sum(q for q, a in zip(QUERY_LENS, expect) if a)
     assert host.absorbed_rows == routed_tokens  # the host form's scratch: exactly the routed tokens
-    def absorbed_lens(plan):  # None: no request takes the path
-        return [0] * 8 if plan.absorbed_context_lens is None else plan.absorbed_context_lens.tolist()
-
-    assert absorbed_lens(host) == expect and (host.absorbed_context_lens is None) == (routed_tokens == 0)
-    assert device.absorbed_rows == capacity and absorbed_lens(device) == expect
+    assert host.absorbed_context_lens.tolist() == expect and host.has_absorbed_path == (routed_tokens > 0)
+    assert device.absorbed_rows == capacity and device.absorbed_context_lens.tolist() == expect
     assert host.schedule.num_context_tokens == sum(CONTEXT_LENS) - sum(expect)
     ref = batch.reference()
     for plan in (host, device):

@@ -157,3 +157,41 @@ def test_a_step_checks_its_index_cache_once_and_each_layer_selects_on_it():
                            k_scale_index=k_scale_index)
     with pytest.raises(ValueError, match="k_scale_index is the scale of a float8 index_cache: pass index_cache"):
         mla_ops.begin_step(plan, latent, slots, k_scale=batch.k_scale, k_scale_index=k_scale_index)
+
+
+@pytest.mark.parametrize("form", ["host", "device"])
+@pytest.mark.parametrize("where", ["q_index", "index_weights", "index_cache"])
+def test_a_non_finite_index_input_gives_nan_in_the_tokens_it_reaches_only(form, where):
+    """A NaN index query, an inf weight, a NaN index key: the tokens whose selection they reach come out NaN
+    (out and lse) through index_topk and run_prefill; every other token equals the clean step."""
+    batch = make_batch(CONTEXTS, QUERIES, seed=3, block_size=4, dtype=torch.float64, N=2, L=16, P=8, R=4, V=8)
+    q_index, weights, k_index, index_cache, _, _ = index_side(batch, seed=4)
+    plan = mla_ops.plan_prefill(batch.query_start_loc, batch.context_lens, batch.block_table, block_size=4,
+                                workspace_size=16, index_topk=TOPK, index_scores_budget=16 * 5,
+                                max_chunks=40 if form == "device" else None)
+
+    def step(q_index, weights, index_cache):
+        topk = mla_ops.index_topk(q_index, weights, k_index, index_cache, plan)
+        return mla_ops.run_prefill(*batch.args()[:4], batch.kv_b_proj_weight, batch.softmax_scale, plan,
+                                   backend="torch", topk_indices=topk, return_lse=True)
+
+    clean_out, clean_lse = step(q_index, weights, index_cache)
+    first = int(batch.query_start_loc[2])  # request 2: sparse, context 70
+    reached = torch.zeros(sum(QUERIES), dtype=torch.bool)
+    if where == "q_index":
+        q_index = q_index.clone()
+        q_index[first + 3, 0, 1] = float("nan")
+        reached[first + 3] = True
+    elif where == "index_weights":
+        weights = weights.clone()
+        weights[first + 3, 1] = float("inf")
+        reached[first + 3] = True
+    else:
+        index_cache = index_cache.clone()
+        index_cache[batch.block_table[2, 1], 2, 0] = float("nan")  # position 6 of request 2: all its tokens see it
+        reached[first:int(batch.query_start_loc[3])] = True
+    out, lse = step(q_index, weights, index_cache)
+    assert torch.isnan(out[reached]).all() and torch.isnan(lse[:, reached]).all()
+    torch.testing.assert_close(out[~reached], clean_out[~reached], rtol=0, atol=0)
+    torch.testing.assert_close(lse[:, ~reached], clean_lse[:, ~reached], rtol=0, atol=0)
+    assert not torch.isnan(out[~reached]).any()

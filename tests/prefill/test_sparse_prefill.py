@@ -133,6 +133,8 @@ BAD = [
     (lambda t: torch.where(t == 16, 17, t), ValueError, r"topk_indices\[\d+, \d+\] is 17: token \d+ of request 1 "
                                                       r"selects positions in -1 \.\. 16"),
     (lambda t: torch.where(t == -1, -3, t), ValueError, r"is -3"),
+    # A repeated position: the softmax would count the key twice.
+    (lambda t: torch.where(t == 16, 9, t), ValueError, r"topk_indices row \d+ \(request \d+\) holds position \d+ 2 times"),
 ]
 
 

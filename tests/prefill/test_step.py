@@ -140,7 +140,11 @@ BAD_STEPS = {
                             "k_scale is required"),
     **{f"fp8 k_scale {value}": (lambda b, p, c, s, v=value: dict(kv_cache=c.to(torch.float8_e4m3fn),
                                                                k_scale=torch.tensor([v])), ValueError,
-                                "k_scale must be finite and positive") for value in (0.0, -1.0, math.inf, math.nan)},
+                                "k_scale must be finite and positive")
+       for value in (0.0, -1.0, math.inf, math.nan, 1e-40)},
+    **{f"fp8 k_scale float {value}": (lambda b, p, c, s, v=value: dict(kv_cache=c.to(torch.float8_e4m3fn), k_scale=v),
+                                      ValueError, "k_scale must be finite and positive, a normal float32")
+       for value in (1e-46, 1e39)},
 }
 
 

@@ -351,3 +351,33 @@ def test_model_refuses_a_step_it_was_not_planned_for(case, match):
 def test_model_step_with_its_own_plan_runs():
     model, _, step = tiny_step()
     assert model(**step).shape == (9, model.config.hidden_size)
+
+
+# ---- dims that shapes alone cannot tell apart ----------------------------------------------------
+
+
+def test_a_q_of_the_wrong_width_is_refused_where_v_is_given():
+    """q [T, N, P+R+1] fits kv_b_proj_weight [N*(P+V), L] as P+1 / V-1: shapes alone accept it. ``v_head_dim``
+    fixes V (and ``out=`` does too), so the width is checked, by name, in every entry point."""
+    a = valid_args()
+    a["q"] = torch.randn(T, N, P + R + 1)
+    wrong_q = rf"q must be \[T, N, P\+R\] with P\+R = {P}\+{R} = {P + R} .*V={V}.*got \[{T}, {N}, {P + R + 1}\]"
+    with pytest.raises(ValueError, match=wrong_q):
+        call({**a, "v_head_dim": V})
+    _, run = planned()
+    run["q"] = a["q"]
+    with pytest.raises(ValueError, match=wrong_q):
+        mla_ops.run_prefill(**run, v_head_dim=V)
+    step = mla_ops.begin_step(run["plan"], run["kv_cache"], backend="torch")
+    layer = (run["q"], run["kv_c"], run["k_pe"], run["kv_cache"], run["kv_b_proj_weight"], run["softmax_scale"])
+    with pytest.raises(ValueError, match=wrong_q):
+        step.run(*layer, v_head_dim=V)
+    with pytest.raises(ValueError, match=rf"out must be \[T, N, V\] = \[{T}, {N}, {V - 1}\]"):  # out says V too
+        step.run(*layer, out=torch.empty(T, N, V))
+    with pytest.raises(TypeError, match="v_head_dim must be an int"):
+        step.run(*layer, v_head_dim=float(V))
+
+
+def test_v_head_dim_of_the_right_value_changes_nothing():
+    a = valid_args()
+    torch.testing.assert_close(call({**a, "v_head_dim": V}), call(a), rtol=0, atol=0)

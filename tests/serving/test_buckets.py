@@ -25,6 +25,13 @@ def test_bucket_lists_are_checked():
         Buckets.build(32, 2, requests=())
     with pytest.raises(ValueError, match="max_tokens must be a positive int"):
         Buckets.build(0, 2)
+    # Token and request counts become int32 lengths: past int32 they would wrap around.
+    with pytest.raises(ValueError, match=r"max_tokens must be at most 2\*\*31 - 1"):
+        Buckets.build(2**31, 2)
+    with pytest.raises(ValueError, match=r"max_requests must be at most 2\*\*31 - 1"):
+        Buckets.build(32, 2**31)
+    with pytest.raises(ValueError, match=r"chunk_buckets must be at most 2\*\*31 - 1"):
+        Buckets.build(32, 2, chunks=(1, 2**31))
 
 
 def test_choose_takes_the_smallest_bucket_and_counts_only_chunked_context():

@@ -264,6 +264,8 @@ def valid_call(model):
     (dict(k_scale=-1.0), ValueError, "k_scale"),
     (dict(k_scale=torch.tensor([0.0])), ValueError, "k_scale must be finite and positive"),
     (dict(k_scale=float("inf")), ValueError, "k_scale must be finite and positive"),
+    (dict(k_scale=1e-46), ValueError, "k_scale must be finite and positive, a normal float32"),
+    (dict(k_scale=1e39), ValueError, "k_scale must be finite and positive, a normal float32"),
     (dict(options=mla_ops.PlanOptions(BLOCK_SIZE, WORKSPACE)), ValueError, "was passed beside options="),
     (dict(options=dict(block_size=BLOCK_SIZE)), TypeError, "options must be a mla_ops.PlanOptions"),
 ])

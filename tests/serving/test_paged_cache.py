@@ -61,3 +61,12 @@ def test_grow_and_clear():
     block = off.allocate()
     off.register(block, b"y")
     assert off.match([b"y"]) == [] and off.num_cached == 0
+
+
+def test_block_ids_and_sizes_fit_int32():
+    """A block id lives in an int32 block table: a cache of 2**31 blocks is refused by name, before any
+    allocation (its free list alone would be 2**31 ints)."""
+    with pytest.raises(ValueError, match=r"num_blocks must be at most 2\*\*31 - 1"):
+        BlockManager(2**31, block_size=16)
+    with pytest.raises(ValueError, match=r"block_size must be at most 2\*\*31 - 1"):
+        BlockManager(4, block_size=2**31)

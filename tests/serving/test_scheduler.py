@@ -104,7 +104,8 @@ def test_a_fixed_cache_refuses_a_call_that_does_not_fit_and_a_growing_one_grows(
     requests = growing.requests([[1] * 9])
     matches, need, available = growing.blocks_needed(requests, 5, stale=False)
     growing.check_capacity(need, available)  # no limit
-    assert growing.reserve(requests, matches, need) == 3 and growing.manager.num_blocks == 4
+    assert growing.growth(need, available) == 3 and growing.manager.num_blocks == 1  # read only: the Generator
+    assert growing.reserve(requests, matches, need) == 3 and growing.manager.num_blocks == 4  # allocates first
 
 
 def test_finished_requests_leave_the_batch_and_free_their_blocks():

@@ -112,3 +112,38 @@ def check_topk(got: torch.Tensor, expected: list[list[int]], topk: int, tokens=N
     for t in range(len(expected)) if tokens is None else tokens:
         want, row = expected[t], rows[t]
         assert sorted(row[: len(want)]) == want and row[len(want):] == [-1] * (topk - len(want)), (t, row, want)
+
+
+POISONS = ("q_index nan", "weight +inf", "weight nan", "cache key nan", "new key nan")
+
+
+def poison(batch: IndexerBatch, kind: str, request: int, j: int = 1) -> set[int]:
+    """Puts one non-finite value (``kind``, one of ``POISONS``) into request ``request``'s indexer inputs, in
+    place: its query token ``j``'s query or weights, its context's first cache key, or new token ``j``'s key.
+    Returns the tokens whose scores it reaches (the token, or, for a key, every token that sees it)."""
+    first, last = batch.query_start_loc[request].item(), batch.query_start_loc[request + 1].item()
+    if kind == "q_index nan":
+        batch.q_index[first + j, 1, 2] = NAN
+        return {first + j}
+    if kind in ("weight +inf", "weight nan"):
+        batch.index_weights[first + j, 0] = float("inf") if kind == "weight +inf" else NAN
+        return {first + j}
+    if kind == "cache key nan":
+        assert batch.context_lens[request] > 0
+        batch.index_cache[batch.block_table[request, 0], 0, 3] = NAN
+        return set(range(first, last))
+    if kind == "new key nan":
+        batch.k_index[first + j, 3] = NAN
+        return set(range(first + j, last))  # causal: the tokens before it never see it
+    raise ValueError(kind)
+
+
+def check_poisoned_topk(got: torch.Tensor, batch: IndexerBatch, topk: int, sparse: list[bool], reached: set[int],
+                        request: int) -> None:
+    """The tokens ``reached`` of a sparse request: a row of -2 (no finite selection); every other row as
+    expected (valid positions first, then -1): a dense-routed request's tokens take every candidate anyway."""
+    rows = got.cpu().tolist()
+    marked = reached if sparse[request] else set()
+    for t in marked:
+        assert rows[t] == [-2] * topk, (t, rows[t])
+    check_topk(got, batch.expected, topk, tokens=[t for t in range(len(rows)) if t not in marked])

@@ -100,7 +100,7 @@ class Probe:
         def begin_prefills(builder, m, metadata):
             step = begin(builder, m, metadata)
             plan = step.plan
-            absorbed = 0 if plan.absorbed_context_lens is None else int((plan.absorbed_context_lens > 0).sum())
+            absorbed = int((plan.absorbed_context_lens > 0).sum())
             probe.plans.append(dict(requests=int(plan.context_lens.numel()), with_context=int((plan.context_lens > 0).sum()),
                                     absorbed=absorbed, chunks=plan.schedule.num_chunks))
             return step

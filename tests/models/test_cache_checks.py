@@ -1,0 +1,190 @@
+"""The caches a model step is handed (``mla_ops.models.kv_caches.check_caches``): checked across every cache
+layer before any layer runs, so a refused step writes nothing.
+
+* a cache of another dtype than the model's (float8_e4m3fn aside) is a TypeError naming the part
+  (``kv_caches``, ``kv_caches.latent``, ``kv_caches.index``), per-layer, stacked or a ``DSACaches``;
+* two cache layers that share memory (the same tensor twice, overlapping views of one buffer, an index cache
+  inside a latent one) are a ValueError naming both: one layer's writes would land in the other's rows.
+  The views of one stacked tensor do not overlap and stay accepted.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+import mla_ops
+from mla_ops import MLAConfig
+from tests.support.batches import caches_equal, clone_caches, model_step, normal_caches
+
+FLOAT8 = torch.float8_e4m3fn
+
+
+def dense_model():
+    torch.manual_seed(0)
+    return mla_ops.MLAForCausalLM(MLAConfig.from_name("tiny")).eval()
+
+
+def sparse_model():
+    torch.manual_seed(0)
+    config = dataclasses.replace(MLAConfig.from_name("tiny"), index_topk=4, index_n_heads=2, index_head_dim=8)
+    return mla_ops.MLAForCausalLM(config).eval()
+
+
+def run_step(model, caches):
+    """One step with contexts [0, 6] and queries [7, 3] (block size 4, 64 blocks) on ``caches``."""
+    c = model.config
+    ids, positions, slots, table, qsl, ctx = model_step(c, [0, 6], [7, 3], seed=1)
+    plan = mla_ops.plan_prefill(qsl, ctx, table, 4, index_topk=c.index_topk)
+    with torch.no_grad():
+        return model(ids, positions, caches, slots, table, plan)
+
+
+def refused_untouched(model, caches, error, match):
+    """The step is refused with ``error`` matching ``match``, and writes none of ``caches``' bytes."""
+    before = clone_caches(caches) if not isinstance(caches, torch.Tensor) else caches.clone()
+    with pytest.raises(error, match=match):
+        run_step(model, caches)
+    same = torch.equal(caches, before) if isinstance(caches, torch.Tensor) else caches_equal(caches, before)
+    assert same, "the refused step wrote a cache"
+
+
+def fresh(model):
+    return normal_caches(model.allocate_kv_caches(64, 4))
+
+
+def as_dtype(caches, dtype):
+    return [t.to(dtype) for t in caches]
+
+
+OTHER_DTYPES = [torch.float16, torch.bfloat16, torch.float64]
+
+
+@pytest.mark.parametrize("dtype", OTHER_DTYPES, ids=str)
+@pytest.mark.parametrize("form", ["per-layer", "stacked"])
+def test_a_dense_cache_of_another_dtype_is_refused_by_name(form, dtype):
+    model = dense_model()
+    caches = as_dtype(fresh(model), dtype)
+    if form == "stacked":
+        caches = torch.stack(caches)
+    refused_untouched(model, caches, TypeError, rf"kv_caches must have the model's dtype \(torch.float32\).*{dtype}")
+
+
+@pytest.mark.parametrize("dtype", OTHER_DTYPES, ids=str)
+@pytest.mark.parametrize("part", ["latent", "index"])
+def test_a_sparse_cache_part_of_another_dtype_is_refused_by_name(part, dtype):
+    model = sparse_model()
+    caches = fresh(model)
+    caches = caches._replace(**{part: as_dtype(getattr(caches, part), dtype)})
+    refused_untouched(model, caches, TypeError, rf"kv_caches.{part} must have the model's dtype .*{dtype}")
+
+
+def test_float8_caches_stay_accepted():
+    """float8_e4m3fn is the one other dtype a cache may have (with its scales, which are required)."""
+    model = sparse_model()
+    caches = fresh(model)
+    caches = mla_ops.DSACaches(as_dtype(caches.latent, FLOAT8), as_dtype(caches.index, FLOAT8))
+    with pytest.raises(ValueError, match="k_scale"):
+        run_step(model, caches)
+    c = model.config
+    ids, positions, slots, table, qsl, ctx = model_step(c, [0, 6], [7, 3], seed=1)
+    plan = mla_ops.plan_prefill(qsl, ctx, table, 4, index_topk=c.index_topk)
+    with torch.no_grad():
+        logits = model(ids, positions, caches, slots, table, plan, k_scale=0.5, k_scale_index=0.5)
+    assert logits.isfinite().all()
+
+
+def overlapping_views(model):
+    """Two layers' caches cut from one buffer, the second starting inside the first."""
+    first = fresh(model)[0]
+    num_blocks, block_size, width = first.shape
+    buffer = torch.randn(num_blocks * block_size * width + block_size * width)
+    view = lambda start: buffer.narrow(0, start, first.numel()).view(first.shape)  # noqa: E731
+    return [view(0), view(block_size * width)]
+
+
+ALIASED_DENSE = {
+    "the same tensor twice": (lambda m: [fresh(m)[0]] * 2, r"kv_caches\[1\] shares memory with kv_caches\[0\]"),
+    "overlapping views of one buffer": (overlapping_views, r"kv_caches\[1\] shares memory with kv_caches\[0\]"),
+}
+
+
+@pytest.mark.parametrize("case", list(ALIASED_DENSE))
+def test_dense_cache_layers_that_share_memory_are_refused(case):
+    make, match = ALIASED_DENSE[case]
+    model = dense_model()
+    refused_untouched(model, make(model), ValueError, match)
+
+
+def index_inside_latent(caches):
+    """Index caches that are views of the latent caches' memory."""
+    index = []
+    for latent, own in zip(caches.latent, caches.index):
+        index.append(latent.view(-1).narrow(0, 0, own.numel()).view(own.shape))
+    return mla_ops.DSACaches(caches.latent, index)
+
+
+ALIASED_SPARSE = {
+    "latent twice": (lambda c: c._replace(latent=[c.latent[0]] * 2),
+                     r"kv_caches.latent\[1\] shares memory with kv_caches.latent\[0\]"),
+    "index twice": (lambda c: c._replace(index=[c.index[1]] * 2),
+                    r"kv_caches.index\[1\] shares memory with kv_caches.index\[0\]"),
+    "index inside latent": (index_inside_latent, r"kv_caches.(index|latent)\[0\] shares memory with "
+                                                 r"kv_caches.(latent|index)\[0\]"),
+}
+
+
+@pytest.mark.parametrize("case", list(ALIASED_SPARSE))
+def test_sparse_cache_layers_that_share_memory_are_refused(case):
+    change, match = ALIASED_SPARSE[case]
+    model = sparse_model()
+    refused_untouched(model, change(fresh(model)), ValueError, match)
+
+
+def test_disjoint_views_of_one_buffer_stay_accepted():
+    """A stacked tensor's layers, and per-layer views of one buffer that do not overlap, run as separate
+    caches would (the same logits)."""
+    model = dense_model()
+    caches = fresh(model)
+    expect = run_step(model, clone_caches(caches))
+    assert torch.equal(run_step(model, torch.stack(caches)), expect)
+    buffer = torch.stack(caches).flatten()
+    views = [layer.view(caches[0].shape) for layer in buffer.chunk(len(caches))]
+    assert torch.equal(run_step(model, views), expect)
+
+
+def test_under_torch_compile_the_same_checks_name_the_caches():
+    """A whole-model ``torch.compile(fullgraph=True)``: fake tensors have no address, so two cache layers are the
+    same tensor or not; both refusals reach the user in our words, at trace time (nothing runs)."""
+    torch._dynamo.reset()
+    model = dense_model()
+    c = model.config
+    ids, positions, slots, table, qsl, ctx = model_step(c, [0, 6], [7, 3], seed=1)
+    options = mla_ops.PlanOptions(block_size=4, workspace_size=16, max_chunks=4)
+
+    def step(caches):
+        return model(ids, positions, caches, slots, table, mla_ops.plan_prefill(qsl, ctx, table, options=options))
+
+    compiled = torch.compile(step, backend="eager", fullgraph=True, dynamic=True)
+    caches = fresh(model)
+    with torch.no_grad():
+        for bad, error, match in (([caches[0], caches[0]], ValueError, r"^kv_caches\[1\] is kv_caches\[0\]"),
+                                  (as_dtype(caches, torch.float16), TypeError,
+                                   r"^kv_caches must have the model's dtype \(torch.float32\)")):
+            before = clone_caches(bad)
+            with pytest.raises(error, match=match):
+                compiled(bad)
+            assert caches_equal(bad, before)
+
+
+def test_meta_caches_are_told_apart_by_storage():
+    """Meta tensors have no addresses (every data_ptr is 0): separate meta caches are separate, views of one
+    meta buffer that overlap are not."""
+    from mla_ops.models.kv_caches import check_caches
+
+    separate = [torch.empty(4, 4, 40, device="meta") for _ in range(2)]
+    check_caches(separate, 2, 40)
+    buffer = torch.empty(5 * 4 * 40, device="meta")
+    overlapping = [buffer.narrow(0, start, 4 * 4 * 40).view(4, 4, 40) for start in (0, 4 * 40)]
+    with pytest.raises(ValueError, match=r"kv_caches\[1\] shares memory with kv_caches\[0\]"):
+        check_caches(overlapping, 2, 40)

@@ -25,8 +25,12 @@ indexer H_I=64 heads of D_I=128, K_I=2048 keys selected per query).
 Requests with ``c + q <= K_I`` select every key: the plan routes them to the dense paths and they skip
 the indexer (``short_requests``); vLLM runs the indexer and the sparse kernel for every prefill of a DSA
 batch, so its cost for them is indexer + sparse attention over all candidates. Bytes assume the caches'
-element size ``--cache-bytes`` (1: float8_e4m3fn with a per-tensor scale, as the library stores them),
-bf16 activations and workspace, float32 scores; they count DRAM traffic, not cache hits.
+layout ``--cache-bytes``: an element size (1: float8_e4m3fn with a per-tensor scale, 576-byte latent and
+128-byte index rows; 2: bf16), or ``vllm``: vLLM's packed production formats (DESIGN §12), a 656-byte
+``fp8_ds_mla`` latent row (512 fp8 + 4 float32 scales + 64 bf16 rope values) and a 132-byte
+``fp8_per_token`` index row (128 fp8 + one float32 scale); ``cache_formats`` in the JSON lists every
+layout's bytes per token. Activations and workspace are bf16, scores float32; bytes count DRAM traffic,
+not cache hits.
 
     python -m benchmarks.dsa_cost --json benchmarks/results/dsa_cost.json --plot benchmarks/results/dsa_cost.png
 """
@@ -59,6 +63,31 @@ class Indexer(NamedTuple):
 V32_INDEXER = Indexer()
 
 
+CACHE_LAYOUTS = (1, 2, "vllm")  # --cache-bytes: element sizes, or vLLM's packed formats
+
+
+def latent_row_bytes(d: Dims, cache_bytes: int | str) -> int:
+    """Bytes of one latent cache row: (L+R) elements, or fp8_ds_mla's L fp8 + L/128 float32 scales + R bf16."""
+    if cache_bytes == "vllm":
+        return d.latent + 4 * (d.latent // 128) + 2 * d.rope
+    return (d.latent + d.rope) * cache_bytes
+
+
+def index_row_bytes(ix: Indexer, cache_bytes: int | str) -> int:
+    """Bytes of one index cache row: D_I elements, or fp8_per_token's D_I fp8 + one float32 scale."""
+    return ix.dim + 4 if cache_bytes == "vllm" else ix.dim * cache_bytes
+
+
+def cache_formats(d: Dims, ix: Indexer) -> dict:
+    """Every cache layout's bytes per token and layer (latent, index), and vLLM's over per-tensor fp8."""
+    layouts = {"bf16": 2, "fp8 (per-tensor k_scale)": 1, "vllm (fp8_ds_mla + fp8_per_token)": "vllm"}
+    out = {name: dict(latent=latent_row_bytes(d, b), index=index_row_bytes(ix, b)) for name, b in layouts.items()}
+    fp8, vllm = out["fp8 (per-tensor k_scale)"], out["vllm (fp8_ds_mla + fp8_per_token)"]
+    out["vllm_over_per_tensor_fp8"] = dict(latent=round(vllm["latent"] / fp8["latent"], 4),
+                                           index=round(vllm["index"] / fp8["index"], 4))
+    return out
+
+
 def candidate_pairs(c: int, q: int) -> int:
     """(query, key) pairs with the key at or before the query: sum over j < q of c + j + 1."""
     return q * c + q * (q + 1) // 2
@@ -81,10 +110,10 @@ def index_pieces(c: int, q: int, rows: int, tokens: int) -> list[tuple[int, int,
     return out
 
 
-def indexer_cost(c: int, q: int, ix: Indexer, rows: int, tokens: int, cache_bytes: int) -> dict:
+def indexer_cost(c: int, q: int, ix: Indexer, rows: int, tokens: int, cache_bytes: int | str) -> dict:
     pairs = candidate_pairs(c, q)
     chunks = index_pieces(c, q, rows, tokens)
-    key_bytes = sum(n * pieces for n, _, pieces in chunks) * ix.dim * cache_bytes
+    key_bytes = sum(n * pieces for n, _, pieces in chunks) * index_row_bytes(ix, cache_bytes)
     query_bytes = q * ix.heads * (ix.dim * ACT_BYTES + 4)  # q_I and float32 weights
     topk_bytes = q * ix.topk * INDEX_BYTES
     logits_bytes = 2 * SCORE_BYTES * sum(n * seeing for n, seeing, _ in chunks)  # written, read by top-k
@@ -98,9 +127,9 @@ def fold_flops(q: int, d: Dims) -> int:
     return q * d.heads * 2 * d.latent * (d.nope + d.value)
 
 
-def absorbed_cost(c: int, q: int, pairs: int, d: Dims, cache_bytes: int, *, by_index: bool, topk: int) -> dict:
+def absorbed_cost(c: int, q: int, pairs: int, d: Dims, cache_bytes: int | str, *, by_index: bool, topk: int) -> dict:
     """Absorbed MQA over ``pairs`` (query, key) pairs; rows read per pair (by index) or once each."""
-    row = (d.latent + d.rope) * cache_bytes
+    row = latent_row_bytes(d, cache_bytes)
     rows_read = pairs if by_index else c + q
     token_bytes = q * d.heads * ((d.latent + d.rope) + d.latent) * ACT_BYTES  # absorbed queries, latent outputs
     index_bytes = q * topk * INDEX_BYTES if by_index else 0
@@ -108,18 +137,18 @@ def absorbed_cost(c: int, q: int, pairs: int, d: Dims, cache_bytes: int, *, by_i
                 bytes=rows_read * row + token_bytes + index_bytes, pairs=pairs)
 
 
-def mha_cost(c: int, q: int, d: Dims, cache_bytes: int) -> dict:
+def mha_cost(c: int, q: int, d: Dims, cache_bytes: int | str) -> dict:
     """The chunk loop and suffix attention: up-project the c + q latent rows, attend every candidate."""
     pairs = candidate_pairs(c, q)
     flops = (c + q) * d.heads * 2 * d.latent * (d.nope + d.value) + pairs * d.heads * 2 * (d.nope + d.rope + d.value)
     row = d.latent + d.rope
-    bytes_ = (c * row * cache_bytes + 2 * c * row * ACT_BYTES  # cache rows; workspace written, read
+    bytes_ = (c * latent_row_bytes(d, cache_bytes) + 2 * c * row * ACT_BYTES  # cache rows; workspace written, read
               + 2 * (c + q) * d.heads * (d.nope + d.value) * ACT_BYTES  # K/V written, read
               + q * d.heads * (d.nope + d.rope + 2 * d.value) * ACT_BYTES)  # queries, partial, output
     return dict(flops=flops, bytes=bytes_, pairs=pairs)
 
 
-def request_cost(c: int, q: int, d: Dims, ix: Indexer, rows: int, tokens: int, cache_bytes: int) -> dict:
+def request_cost(c: int, q: int, d: Dims, ix: Indexer, rows: int, tokens: int, cache_bytes: int | str) -> dict:
     """Every path's cost for one request (module doc)."""
     indexer = indexer_cost(c, q, ix, rows, tokens, cache_bytes)
     sparse = absorbed_cost(c, q, selected_pairs(c, q, ix.topk), d, cache_bytes, by_index=True, topk=ix.topk)
@@ -137,7 +166,7 @@ def request_cost(c: int, q: int, d: Dims, ix: Indexer, rows: int, tokens: int, c
                 indexer_share_of_dsa_bytes=round(indexer["bytes"] / dsa["bytes"], 4))
 
 
-def short_request_saving(c: int, q: int, d: Dims, ix: Indexer, rows: int, tokens: int, cache_bytes: int) -> dict:
+def short_request_saving(c: int, q: int, d: Dims, ix: Indexer, rows: int, tokens: int, cache_bytes: int | str) -> dict:
     """A request with c + q <= K_I: the DSA path as vLLM runs it (indexer + sparse attention over every
     candidate) against the plan's dense route (no indexer, the cheaper dense path)."""
     if c + q > ix.topk:
@@ -157,7 +186,7 @@ def short_request_saving(c: int, q: int, d: Dims, ix: Indexer, rows: int, tokens
 
 def model(contexts: Sequence[int], queries: Sequence[int], short: Sequence[tuple[int, int]], *, dims: Dims = V3,
           indexer: Indexer = V32_INDEXER, workspace_size: int = 65536, scores_budget: int = 1 << 26,
-          cache_bytes: int = 1) -> dict:
+          cache_bytes: int | str = 1) -> dict:
     """The JSON-ready result (module doc)."""
     tokens = max(1, scores_budget // workspace_size)
     rows = [request_cost(c, q, dims, indexer, workspace_size, tokens, cache_bytes) for q in queries for c in contexts]
@@ -166,6 +195,8 @@ def model(contexts: Sequence[int], queries: Sequence[int], short: Sequence[tuple
         "kind": "model: FLOPs and bytes computed from the dims (DESIGN §1, §12); nothing measured",
         "dims": dict(dims.header(), H_I=indexer.heads, D_I=indexer.dim, K_I=indexer.topk),
         "bytes_per_element": dict(caches=cache_bytes, activations=ACT_BYTES, scores=SCORE_BYTES, indices=INDEX_BYTES),
+        "cache_row_bytes": dict(latent=latent_row_bytes(dims, cache_bytes), index=index_row_bytes(indexer, cache_bytes)),
+        "cache_formats": cache_formats(dims, indexer),
         "index_chunks": dict(workspace_size=workspace_size, scores_budget=scores_budget, tokens_per_chunk=tokens),
         "per": "one request, one layer",
         "rows": rows,
@@ -221,8 +252,9 @@ def plot(result: dict, path: str) -> None:
     ax.set_title("Requests with c + q <= K_I: the dense route skips the indexer")
     ax.legend(fontsize=7)
     ax.grid(axis="y", alpha=0.3)
+    rows = result["cache_row_bytes"]
     fig.suptitle(f"DeepSeek-V3.2 dims, one request, one layer; cost model, not measured "
-                 f"(caches {result['bytes_per_element']['caches']} B/element)", fontsize=10)
+                 f"(cache rows {rows['latent']} B latent, {rows['index']} B index)", fontsize=10)
     plotting.save(fig, path, dpi=110)
 
 
@@ -240,12 +272,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
                         help="short requests c:q (c + q <= K_I), comma-separated")
     parser.add_argument("--workspace-size", type=int, default=65536, help="index rows per chunk (W)")
     parser.add_argument("--scores-budget", type=int, default=1 << 26, help="scores per index chunk")
-    parser.add_argument("--cache-bytes", type=int, default=1, choices=(1, 2),
-                        help="bytes per cache element: 1 (fp8), 2 (bf16)")
+    parser.add_argument("--cache-bytes", default="1", choices=[str(v) for v in CACHE_LAYOUTS],
+                        help="the caches: bytes per element, 1 (fp8, per-tensor scale) or 2 (bf16), or vllm "
+                             "(vLLM's packed fp8_ds_mla / fp8_per_token rows)")
     args = parser.parse_args(argv)
     short = [tuple(int(v) for v in pair.split(":")) for pair in args.short.split(",") if pair.strip()]
     result = model(_ints(args.contexts), _ints(args.queries), short, workspace_size=args.workspace_size,
-                   scores_budget=args.scores_budget, cache_bytes=args.cache_bytes)
+                   scores_budget=args.scores_budget,
+                   cache_bytes=args.cache_bytes if args.cache_bytes == "vllm" else int(args.cache_bytes))
     write_json_atomic(args.json, result, one_line=("rows", "short_requests"))
     if args.plot:
         plot(result, args.plot)
@@ -258,6 +292,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
               f"{r['dsa_over_dense_flops']:>7.3f} {r['indexer_share_of_dsa_flops']:>8.1%} "
               f"{r['dsa']['bytes'] / 2**20:>9,.0f} {best['bytes'] / 2**20:>10,.0f} "
               f"{r['indexer']['logits_bytes'] / 2**20:>11,.0f}")
+    print("cache bytes per token and layer (latent, index):")
+    for name, rows in result["cache_formats"].items():
+        print(f"  {name}: {rows['latent']}, {rows['index']}")
     print("short requests (c + q <= K_I), dense route against the DSA path:")
     for s in result["short_requests"]:
         print(f"  c={s['context']:>5,} q={s['query']:>5,}: {s['flops_saved']:6.1%} fewer FLOPs "

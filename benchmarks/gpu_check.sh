@@ -11,12 +11,14 @@
 #
 # Steps and limits in seconds (default / --long): wheels 10, env 20, cuda_kernels 70 (the tests
 # marked cuda, anywhere under tests/, whose names hold neither "graph" nor "reduce_overhead":
-# kernels, FlashMLA, mla_prefill), dsa 40 (the cuda tests of DeepSeek Sparse Attention, in $dsa_files:
-# the indexer, sparse attention, a DSA model's CUDA-graph generation), kernel_bench 50 / 180, absorbed_bench 45 / 175,
+# kernels, FlashMLA, mla_prefill), dsa 60 (the cuda tests of DeepSeek Sparse Attention, in $dsa_files:
+# the indexer, sparse attention, a DSA model's CUDA-graph generation, and vLLM's packed cache formats read in place
+# by the Triton kernels: fp8_ds_mla latent rows, fp8_per_token index keys, their writes byte-equal to the CPU's),
+# kernel_bench 50 / 180, absorbed_bench 45 / 175,
 # device_path_bench 40 (the device path at K = 1, 4, 16 against the host path), cuda_graphs 65
 # (those that do: CUDA graphs, torch.compile, PrefillGraphs), graphs_bench 45 / 120 (PrefillGraphs
 # replay vs eager), cuda_models 0 / 120 (--long only: the cuda tests of MoE, generation and context
-# parallel, named in $model_tests and left out of the two others), summary 15; 400 s in all (855 with --long: two device calls, or a 10-minute one without the model
+# parallel, named in $model_tests and left out of the two others), summary 15; 420 s in all (875 with --long: two device calls, or a 10-minute one without the model
 # tests), and `timeout -k 5` kills a step at most 5 s past its limit. A dry run allows 10x each
 # limit: it checks the code paths, not the speed.
 #
@@ -90,10 +92,11 @@ pytest_flags=(-m cuda -p no:cacheprovider -v -rs)
 pytest_args=("${pytest_flags[@]}" tests --ignore=tests/interpreter)
 model_tests="test_grouped_moe_on_cuda_compiles_and_captures or test_generation_on_cuda_equals_cpu_eager_and_compiled"
 model_tests+=" or test_cuda_latent_attention_kernel or test_cuda_one_rank_equals_single_device"
-dsa_files=(tests/ops/test_indexer.py tests/ops/test_sparse.py tests/serving/test_dsa_serving.py)
+dsa_files=(tests/ops/test_indexer.py tests/ops/test_sparse.py tests/serving/test_dsa_serving.py
+    tests/prefill/test_cache_formats_prefill.py)
 step cuda_kernels 70 "$PY" -m pytest "${pytest_args[@]}" "${dsa_files[@]/#/--ignore=}" \
     -k "not graph and not reduce_overhead and not ($model_tests)"
-step dsa 40 "$PY" -m pytest "${pytest_flags[@]}" "${dsa_files[@]}"
+step dsa 60 "$PY" -m pytest "${pytest_flags[@]}" "${dsa_files[@]}"
 if [ "$long" = 1 ]; then bench_limit=180; graphs_limit=120; else bench_limit=50; graphs_limit=45; fi
 step kernel_bench "$bench_limit" "$PY" -m benchmarks.kernel_bench --json "$out/gpu_kernels.json" "${flags[@]}"
 step absorbed_bench $((bench_limit - 5)) "$PY" -m benchmarks.absorbed_bench --json "$out/gpu_absorbed.json" \

@@ -11,6 +11,10 @@ from typing import NamedTuple
 import torch
 
 
+# vLLM's fp8_ds_mla latent cache (DeepSeek-V3.2, mla_ops/ops/cache_formats.py): fixed dims, uint8 rows
+DS_MLA_LATENT, DS_MLA_ROPE, DS_MLA_TILE = 512, 64, 128
+DS_MLA_ROW_BYTES = DS_MLA_LATENT + 4 * (DS_MLA_LATENT // DS_MLA_TILE) + 2 * DS_MLA_ROPE  # 656
+
 # A ``topk_indices`` entry (DSA): the indexer's scores of this token were not finite (a NaN or inf in its
 # index query, weights or a candidate's key), so no selection exists; the token's attention output is NaN.
 NO_FINITE_SELECTION = -2
@@ -30,9 +34,10 @@ class MLADims(NamedTuple):
 
     @classmethod
     def from_shapes(cls, q: torch.Tensor, kv_cache: torch.Tensor, kv_b_proj_weight: torch.Tensor) -> MLADims:
-        """Read from q [T, N, P+R], kv_cache [..., L+R] and kv_b_proj_weight [N*(P+V), L]."""
+        """Read from q [T, N, P+R], kv_cache [..., L+R] (or fp8_ds_mla's uint8 rows: R = 64) and
+        kv_b_proj_weight [N*(P+V), L]."""
         num_heads, latent = q.shape[1], kv_b_proj_weight.shape[1]
-        rope = kv_cache.shape[-1] - latent
+        rope = DS_MLA_ROPE if kv_cache.dtype == torch.uint8 else kv_cache.shape[-1] - latent
         nope = q.shape[2] - rope
         return cls(num_heads, latent, nope, rope, kv_b_proj_weight.shape[0] // max(num_heads, 1) - nope)
 

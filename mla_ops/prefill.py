@@ -35,6 +35,7 @@ from .chunk_loop import Step, device_context, host_context, suffix_tokens, trunc
 from .ops import backends
 from .ops.backends import BACKENDS
 from .ops.cache import CACHE_DTYPES, check_slot_mapping, write_checked
+from .ops.cache_formats import check_latent_format, latent_width
 from .ops.indexer import check_index_layer, check_index_step, index_topk_checked
 from .ops.sparse import check_topk_indices, check_topk_values
 from .parallel.plan import plan_context_parallel
@@ -130,8 +131,9 @@ class PrefillStep:
     def __init__(self, plan: PrefillPlan, slot_mapping: torch.Tensor | None, k_scale: torch.Tensor | None,
                  truncated: torch.Tensor | None, kernels: backends.Kernels, cache_blocks: tuple[int, int],
                  cache_dtype: torch.dtype, truncated_made: bool, k_scale_index: torch.Tensor | None = None,
-                 suffix_tokens: torch.Tensor | None = None):
+                 suffix_tokens: torch.Tensor | None = None, formats: tuple[str, str] = ("auto", "auto")):
         self.plan, self.slot_mapping, self.k_scale, self.kernels = plan, slot_mapping, k_scale, kernels
+        self.kv_cache_format, self.index_cache_format = formats  # checked against the caches by begin_step
         self.k_scale_index = k_scale_index  # a float8 index cache's, as the kernels take it (begin_step)
         self.truncated = truncated  # [T] bool, chunk_loop.truncated_tokens (where truncated_made)
         self.suffix_tokens = suffix_tokens  # [T'] chunk_loop.suffix_tokens (where truncated_made)
@@ -197,20 +199,21 @@ class PrefillStep:
     def write(self, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor) -> None:
         """A layer's new rows into ``kv_cache`` at the step's slots (nothing without a slot mapping)."""
         if self.slot_mapping is not None:
-            write_checked(kv_c, k_pe, self.slot_mapping, kv_cache, self.k_scale)
+            write_checked(kv_c, k_pe, self.slot_mapping, kv_cache, self.k_scale, self.kv_cache_format)
 
     def select(self, q_index: torch.Tensor, index_weights: torch.Tensor, k_index: torch.Tensor,
                index_cache: torch.Tensor) -> torch.Tensor:
         """One DSA layer's top-k (``mla_ops.index_topk``) on the step its index cache was checked for once
         (``begin_step(..., index_cache=)``): only this layer's tensors are checked here."""
-        check_index_layer(q_index, index_weights, k_index, index_cache, self.plan)
+        check_index_layer(q_index, index_weights, k_index, index_cache, self.plan, self.index_cache_format)
         return index_topk_checked(q_index, index_weights, k_index, index_cache, self.plan, self.k_scale_index)
 
     def write_index(self, k_index: torch.Tensor, index_cache: torch.Tensor) -> None:
         """A DSA layer's new index keys into ``index_cache`` at the step's slots (nothing without a slot
         mapping)."""
         if self.slot_mapping is not None:
-            write_checked(k_index, k_index[:, :0], self.slot_mapping, index_cache, self.k_scale_index)
+            write_checked(k_index, k_index[:, :0], self.slot_mapping, index_cache, self.k_scale_index,
+                          self.index_cache_format)
 
     def _check_topk(self, topk_indices, num_tokens: int) -> None:
         """``topk_indices``: with a DSA plan and only there, ``[T, index_topk]`` int32 on the plan's device,
@@ -243,7 +246,8 @@ class PrefillStep:
         checks.check_tensor(k_pe, "k_pe", 2, "[T, R]", device, "q", dtype=q.dtype)
         checks.check_tensor(kv_cache, "kv_cache", 3, "[num_blocks, block_size, L+R]", device, "q")
         checks.check_tensor(kv_b_proj_weight, "kv_b_proj_weight", 2, "[N*(P+V), L]", device, "q", dtype=q.dtype)
-        if kv_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
+        packed = self.kv_cache_format == "fp8_ds_mla"
+        if not packed and kv_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
             raise TypeError(f"kv_cache must have the dtype of q ({q.dtype}) or float8_e4m3fn, got {kv_cache.dtype}")
         if kv_cache.dtype != self.cache_dtype or tuple(kv_cache.shape[:2]) != self.cache_blocks:
             raise ValueError(
@@ -259,7 +263,10 @@ class PrefillStep:
                 f"q, kv_c and k_pe must have one row per new token: q has {num_tokens}, kv_c "
                 f"{kv_c.shape[0]}, k_pe {k_pe.shape[0]}"
             )
-        if kv_cache.shape[2] != latent_dim + rope_dim:
+        if packed and (latent_dim, rope_dim) != (512, 64):
+            raise ValueError(f"kv_cache_format='fp8_ds_mla' holds L = 512 and R = 64: kv_c must be [T, 512] and "
+                             f"k_pe [T, 64], got widths {latent_dim} and {rope_dim}")
+        if latent_width(kv_cache) != latent_dim + rope_dim:
             raise ValueError(
                 f"kv_cache rows must be L+R = {latent_dim}+{rope_dim} = {latent_dim + rope_dim} wide "
                 f"(kv_c and k_pe widths), got {kv_cache.shape[2]}"
@@ -300,9 +307,9 @@ class PrefillStep:
 
 def _unflatten_step(leaves, context) -> PrefillStep:
     plan, slot_mapping, k_scale, truncated, cache_blocks, sparse_rows, k_scale_index, suffix = leaves
-    kernels, cache_dtype, truncated_made = context
+    kernels, cache_dtype, truncated_made, formats = context
     step = PrefillStep(plan, slot_mapping, k_scale, truncated, kernels, cache_blocks, cache_dtype, truncated_made,
-                       k_scale_index, suffix)
+                       k_scale_index, suffix, formats)
     step.sparse_rows = sparse_rows
     return step
 
@@ -313,14 +320,15 @@ torch.utils._pytree.register_pytree_node(
     PrefillStep,
     lambda s: ((s.plan, s.slot_mapping, s.k_scale, s.truncated, s.cache_blocks, s.sparse_rows, s.k_scale_index,
                 s.suffix_tokens),
-               (s.kernels, s.cache_dtype, s.truncated_made)),
+               (s.kernels, s.cache_dtype, s.truncated_made, (s.kv_cache_format, s.index_cache_format))),
     _unflatten_step, serialized_type_name="mla_ops.PrefillStep")
 
 
 def begin_step(plan: PrefillPlan, kv_cache: torch.Tensor, slot_mapping: torch.Tensor | None = None, *,
                k_scale: float | torch.Tensor | None = None, backend: str = "auto",
                index_cache: torch.Tensor | None = None,
-               k_scale_index: float | torch.Tensor | None = None) -> PrefillStep:
+               k_scale_index: float | torch.Tensor | None = None, kv_cache_format: str = "auto",
+               index_cache_format: str = "auto") -> PrefillStep:
     """Set up a step's attention once for every layer: a ``PrefillStep`` whose ``run`` each layer calls.
 
     ``kv_cache``: one layer's cache ``[num_blocks, block_size, L+R]`` or every layer's stacked
@@ -333,6 +341,10 @@ def begin_step(plan: PrefillPlan, kv_cache: torch.Tensor, slot_mapping: torch.Te
     layer's: every layer's shares its geometry), with ``k_scale_index`` for float8, for the step's
     ``select`` and ``write_index``. Checks, once: the plan's fit with the caches (block size, the block
     ids the contexts use, where readable), the slots (by value where readable), the scales and the backend.
+    ``kv_cache_format`` / ``index_cache_format``: ``"auto"`` (the caches above) or vLLM's packed layouts,
+    ``"fp8_ds_mla"`` (``kv_cache`` [.., num_blocks, block_size, 656] uint8) and ``"fp8_per_token"``
+    (``index_cache`` [num_blocks, block_size, D_I + 4] uint8), which store their own scales
+    (``mla_ops/ops/cache_formats.py``); every kernel but FlashMLA's dequantizes them as it reads.
     """
     if not isinstance(plan, PrefillPlan):
         raise TypeError(f"plan must be a PrefillPlan (mla_ops.plan_prefill), got {type(plan).__name__}")
@@ -344,7 +356,11 @@ def begin_step(plan: PrefillPlan, kv_cache: torch.Tensor, slot_mapping: torch.Te
     device = plan.device
     if kv_cache.device != device:
         raise ValueError(f"plan must be on {kv_cache.device} (the device of kv_cache), got a plan on {device}")
-    if kv_cache.dtype not in CACHE_DTYPES:
+    check_latent_format(kv_cache_format, kv_cache)
+    if kv_cache_format != "auto" and plan.context_parallel is not None:
+        raise ValueError(f"context_parallel does not read {kv_cache_format} caches yet: plan the step on one device "
+                         "(docs/limitations.md)")
+    if kv_cache_format == "auto" and kv_cache.dtype not in CACHE_DTYPES:
         raise TypeError(f"kv_cache must be float16, bfloat16, float32, float64 or float8_e4m3fn, got {kv_cache.dtype}")
     num_blocks, block_size = kv_cache.shape[-3], kv_cache.shape[-2]
     if plan.block_size != block_size:
@@ -358,6 +374,9 @@ def begin_step(plan: PrefillPlan, kv_cache: torch.Tensor, slot_mapping: torch.Te
             "plan's chunks are Python values that would be baked into the graph"
         )
     checks.check_choice(backend, "backend", BACKENDS)
+    if kv_cache_format != "auto" and k_scale is not None:
+        raise ValueError(f"k_scale is for a per-tensor float8_e4m3fn kv_cache: {kv_cache_format} stores its own "
+                         "scales (pass None)")
     checks.check_k_scale(k_scale, kv_cache, device)
     if slot_mapping is not None:
         check_slot_mapping(slot_mapping, kv_cache)
@@ -365,11 +384,16 @@ def begin_step(plan: PrefillPlan, kv_cache: torch.Tensor, slot_mapping: torch.Te
             raise ValueError(f"plan was made for T={plan.num_tokens} tokens (its query_start_loc[-1]), but "
                              f"slot_mapping has {slot_mapping.shape[0]}")
     if index_cache is not None:
-        check_index_step(plan, index_cache, k_scale_index)
+        check_index_step(plan, index_cache, k_scale_index, index_cache_format)
         if index_cache.shape[-3] != num_blocks:  # then the slots checked against kv_cache fit it too
             raise ValueError(f"index_cache must have the {num_blocks} blocks of kv_cache, got {index_cache.shape[-3]}")
     elif k_scale_index is not None:
         raise ValueError("k_scale_index is the scale of a float8 index_cache: pass index_cache too")
+    elif index_cache_format != "auto":
+        raise ValueError(f"index_cache_format={index_cache_format!r} describes an index_cache: pass index_cache too")
+    if kv_cache_format != "auto" and backend == "flashmla":
+        raise ValueError(f"backend='flashmla' does not read {kv_cache_format} caches through mla-ops yet: use "
+                         "backend='auto' (Triton), 'triton' or 'torch'")
     kernels = backends.select(backend, device, plan.absorbed_query_bound)
     num_tokens = plan.num_tokens if slot_mapping is None else slot_mapping.shape[0]
     truncated = None if num_tokens is None else truncated_tokens(plan, num_tokens)
@@ -378,7 +402,8 @@ def begin_step(plan: PrefillPlan, kv_cache: torch.Tensor, slot_mapping: torch.Te
     # the check above fixed, which a nested region cannot be handed.
     index_scale = None if index_cache is None else checks.k_scale_tensor(k_scale_index, index_cache)
     return PrefillStep(plan, slot_mapping, checks.k_scale_tensor(k_scale, kv_cache), truncated, kernels,
-                       (num_blocks, plan.block_size), kv_cache.dtype, num_tokens is not None, index_scale, suffix)
+                       (num_blocks, plan.block_size), kv_cache.dtype, num_tokens is not None, index_scale, suffix,
+                       (kv_cache_format, index_cache_format))
 
 
 def run_prefill(
@@ -395,6 +420,7 @@ def run_prefill(
     *,
     return_lse: bool = False,
     topk_indices: torch.Tensor | None = None,
+    kv_cache_format: str = "auto",
     v_head_dim: int | None = None,
 ):
     """Attention of each request's new tokens over its cached context and, causally, itself.
@@ -421,8 +447,11 @@ def run_prefill(
     Dims: N, L and R are read from q, kv_c and k_pe; P and V from q and kv_b_proj_weight
     (P = q's last dim - R, V = rows / N - P), which any P/V split fits. ``v_head_dim=V`` fixes V, and q's
     last dim is then checked to be P+R: pass it (or ``out=``) where q is not made from the same config.
+
+    ``kv_cache_format="fp8_ds_mla"``: ``kv_cache`` in vLLM's DeepSeek-V3.2 layout ([num_blocks, block_size,
+    656] uint8, a float32 scale per 128 values; L = 512, R = 64; no ``k_scale``), see ``begin_step``.
     """
-    step = begin_step(plan, kv_cache, k_scale=k_scale, backend=backend)
+    step = begin_step(plan, kv_cache, k_scale=k_scale, backend=backend, kv_cache_format=kv_cache_format)
     return step.run(q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, out=out, return_lse=return_lse,
                     topk_indices=topk_indices, v_head_dim=v_head_dim)
 
@@ -447,6 +476,7 @@ def mla_prefill(
     absorb_max_query_len: int | None = None,
     max_absorbed_tokens: int | None = None,
     plan: PrefillPlan | None = None,
+    kv_cache_format: str = "auto",
     v_head_dim: int | None = None,
 ) -> torch.Tensor:
     """``plan_prefill`` + ``run_prefill`` in one call (see both).
@@ -482,4 +512,4 @@ def mla_prefill(
         planning.check_step_tensors(plan, block_table=block_table, query_start_loc=query_start_loc,
                                     context_lens=context_lens)
     return run_prefill(q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, plan, k_scale, backend,
-                       v_head_dim=v_head_dim)
+                       kv_cache_format=kv_cache_format, v_head_dim=v_head_dim)

@@ -43,7 +43,7 @@ from ..parallel.tensor_parallel import check_divisible
 from ..planning.plan import PrefillPlan
 from . import regions
 from .config import MLAConfig
-from .kv_caches import Caches, DSACaches, allocate, check_caches
+from .kv_caches import Caches, DSACaches, allocate, cache_widths, check_caches
 from .layer import Carry, DecoderLayer, LayerCaches, ModelStep, RMSNorm, check_plan_block_table, scaled
 from .longcat import LongcatDecoderLayer
 from .mistral_large4 import softcap
@@ -116,22 +116,28 @@ class MLAModel(nn.Module):
         return self
 
     def allocate_kv_caches(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
-                           device=None) -> Caches:
+                           device=None, *, kv_cache_format: str = "auto", index_cache_format: str = "auto") -> Caches:
         """Zeroed caches: a list of one ``[num_blocks, block_size, L+R]`` tensor per cache layer (one per attention:
         num_hidden_layers, twice that for LongCat-Flash), as engines bind one to each attention layer; dtype and
         device default to the model's (a float8_e4m3fn cache then needs ``k_scale`` in ``forward``). A sparse
         model's: a ``DSACaches`` of that list and its index caches, one ``[num_blocks, block_size, D_I]`` per
         layer with an indexer (float8 needs ``k_scale_index``). KV-sharing layers (``kv_source_layers``) have no
-        latent cache; a NoPE layer's (``no_rope_layers``, R = 0) is the first L columns of its L+R rows."""
+        latent cache; a NoPE layer's (``no_rope_layers``, R = 0) is the first L columns of its L+R rows.
+        ``kv_cache_format="fp8_ds_mla"`` / ``index_cache_format="fp8_per_token"``: vLLM's packed uint8 layouts
+        (656-byte latent rows, D_I + 4-byte index rows; ``mla_ops/ops/cache_formats.py``), ``dtype`` then unused;
+        pass the same formats to ``forward``."""
         c = self.config
         weight = self.embed_tokens.weight
         dtype, device = dtype or weight.dtype, device or weight.device
+        latent_width, index_width = cache_widths(c, kv_cache_format, index_cache_format)
 
-        def zeros(layers: int, width: int):
-            return allocate(layers, num_blocks, block_size, width, dtype, device)
+        def zeros(layers: int, width: int, packed: bool):
+            return allocate(layers, num_blocks, block_size, width, torch.uint8 if packed else dtype, device)
 
-        latent = zeros(self.num_cache_layers, c.kv_lora_rank + c.qk_rope_head_dim)
-        return DSACaches(latent, zeros(c.num_index_layers, c.indexer.index_head_dim)) if c.is_sparse else latent
+        latent = zeros(self.num_cache_layers, latent_width, kv_cache_format != "auto")
+        if not c.is_sparse:
+            return latent
+        return DSACaches(latent, zeros(c.num_index_layers, index_width, index_cache_format != "auto"))
 
     def forward(
         self,
@@ -145,12 +151,15 @@ class MLAModel(nn.Module):
         k_scale: float | torch.Tensor | None = None,
         backend: str = "auto",
         k_scale_index: float | torch.Tensor | None = None,  # a float8 index cache's scale (sparse models)
+        kv_cache_format: str = "auto",  # "fp8_ds_mla": vLLM's packed latent rows (allocate_kv_caches)
+        index_cache_format: str = "auto",  # "fp8_per_token": vLLM's packed index keys (sparse models)
     ) -> torch.Tensor:
         c = self.config
+        latent_width, index_width = cache_widths(c, kv_cache_format, index_cache_format)
         weight = self.embed_tokens.weight
-        kv_caches = check_caches(kv_caches, self.num_cache_layers, c.kv_lora_rank + c.qk_rope_head_dim,
-                                 (c.num_index_layers, c.indexer.index_head_dim) if c.is_sparse else None,
-                                 (weight.dtype, weight.device))
+        kv_caches = check_caches(kv_caches, self.num_cache_layers, latent_width,
+                                 (c.num_index_layers, index_width) if c.is_sparse else None,
+                                 (weight.dtype, weight.device), (kv_cache_format != "auto", index_cache_format != "auto"))
         check_plan_block_table(block_table, plan)
         if plan.index_topk != (c.index_topk or 0):
             raise ValueError(f"plan was made with index_topk={plan.index_topk or None}, but the model selects "
@@ -160,7 +169,8 @@ class MLAModel(nn.Module):
         latent, index = (kv_caches.latent, kv_caches.index[0]) if c.is_sparse else (kv_caches, None)
         step = ModelStep.begin(positions, plan, latent[0], slot_mapping, k_scale, backend,
                                self.embed_tokens.weight.dtype, self.rotary_emb, self.position_scale,
-                               index, k_scale_index, c.scalings.learned_query_scale)  # once, not per layer
+                               index, k_scale_index, c.scalings.learned_query_scale,
+                               (kv_cache_format, index_cache_format))  # once, not per layer
         x = scaled(self.embed_tokens(input_ids), self.embedding_scale)  # [T, H]
         carry, shared = Carry(), {}  # shared: the latest new latent rows of a KV source, per RoPE kind
         for i, (layer, caches) in enumerate(zip(self.layers, self._layer_caches(kv_caches))):
@@ -182,8 +192,9 @@ class MLAModel(nn.Module):
         for i, layer in enumerate(self.layers):
             n = layer.num_kv_caches
             if n:
-                width = c.kv_lora_rank + c.layer_dims(i)[1]  # L for a NoPE layer
-                own[i] = tuple(t[..., :width] if width != t.shape[-1] else t for t in latent[first : first + n])
+                width = c.kv_lora_rank + c.layer_dims(i)[1]  # L for a NoPE layer (never a packed uint8 cache)
+                own[i] = tuple(t[..., :width] if width != t.shape[-1] and t.dtype != torch.uint8 else t
+                               for t in latent[first : first + n])
                 first += n
             source = c.kv_source(i)
             out.append(LayerCaches(own.get(i, ()), None if source == i else own[source][0],
@@ -243,8 +254,9 @@ class MLAForCausalLM(nn.Module):
         return load_pretrained(cls, path, dtype=dtype, device=device, context_parallel=context_parallel)
 
     def allocate_kv_caches(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
-                           device=None) -> Caches:
-        return self.model.allocate_kv_caches(num_blocks, block_size, dtype, device)
+                           device=None, **formats) -> Caches:
+        """``MLAModel.allocate_kv_caches`` (``formats``: its ``kv_cache_format`` / ``index_cache_format``)."""
+        return self.model.allocate_kv_caches(num_blocks, block_size, dtype, device, **formats)
 
     def compile_layers(self, **options) -> MLAForCausalLM:
         """``MLAModel.compile_layers`` of the decoder; returns the model."""
@@ -263,9 +275,12 @@ class MLAForCausalLM(nn.Module):
         k_scale: float | torch.Tensor | None = None,
         backend: str = "auto",
         k_scale_index: float | torch.Tensor | None = None,
+        kv_cache_format: str = "auto",
+        index_cache_format: str = "auto",
     ) -> torch.Tensor:
         hidden = self.model(input_ids, positions, kv_caches, slot_mapping, block_table, plan,
-                            k_scale=k_scale, backend=backend, k_scale_index=k_scale_index)  # [T, H]
+                            k_scale=k_scale, backend=backend, k_scale_index=k_scale_index,
+                            kv_cache_format=kv_cache_format, index_cache_format=index_cache_format)  # [T, H]
         return self.logits(hidden)  # [T, vocab]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,8 @@ from typing import NamedTuple, Sequence, Union
 import torch
 
 from .. import _checks
+from .._mla import DS_MLA_LATENT, DS_MLA_ROPE, DS_MLA_ROW_BYTES
+from ..ops.cache_formats import INDEX_FORMATS, LATENT_FORMATS
 from . import regions
 
 LayerCaches = Sequence[torch.Tensor]  # one [num_blocks, block_size, W] per layer (eager code: or stacked)
@@ -65,6 +67,33 @@ def grown(caches: Caches, bigger: Caches) -> Caches:
     return bigger
 
 
+def cache_widths(config, kv_cache_format: str, index_cache_format: str) -> tuple[int, int]:
+    """``(latent row width, index row width)`` of a model's caches in these formats (DESIGN §12): L+R and D_I (0
+    for a dense model), or vLLM's packed 656 bytes (DeepSeek-V3.2's dims only) and D_I + 4 bytes."""
+    c = config
+    for name, value, choices in (("kv_cache_format", kv_cache_format, LATENT_FORMATS),
+                                 ("index_cache_format", index_cache_format, INDEX_FORMATS)):
+        if value not in choices:
+            raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    latent = c.kv_lora_rank + c.qk_rope_head_dim
+    if kv_cache_format == "fp8_ds_mla":
+        nope_layers = c.layer_kinds.no_rope_layers is not None
+        if (c.kv_lora_rank, c.qk_rope_head_dim) != (DS_MLA_LATENT, DS_MLA_ROPE) or nope_layers:
+            raise ValueError(f"kv_cache_format='fp8_ds_mla' holds kv_lora_rank {DS_MLA_LATENT} and qk_rope_head_dim "
+                             f"{DS_MLA_ROPE} in every layer (DeepSeek-V3.2's), but the model has "
+                             f"{c.kv_lora_rank} and {c.qk_rope_head_dim}{' with NoPE layers' if nope_layers else ''}")
+        latent = DS_MLA_ROW_BYTES
+    if not c.is_sparse:
+        if index_cache_format != "auto":
+            raise ValueError(f"index_cache_format={index_cache_format!r} is for a sparse (index_topk) model's index "
+                             "caches")
+        return latent, 0  # no index cache
+    width = c.indexer.index_head_dim
+    if index_cache_format == "fp8_per_token" and width % 4:
+        raise ValueError(f"index_cache_format='fp8_per_token' needs index_head_dim a multiple of 4, got {width}")
+    return latent, width + (4 if index_cache_format == "fp8_per_token" else 0)
+
+
 def allocate(layers: int, num_blocks: int, block_size: int, width: int, dtype, device) -> LayerCaches:
     """Zeroed caches of ``layers`` layers: a list of one tensor per layer."""
     return [torch.zeros(num_blocks, block_size, width, dtype=dtype, device=device) for _ in range(layers)]
@@ -93,14 +122,16 @@ def _check_layer_caches(caches, name: str, layers: int, width: int) -> tuple[tor
 
 
 def check_caches(caches, num_cache_layers: int, width: int, index: tuple[int, int] | None = None,
-                 model: tuple[torch.dtype, torch.device] | None = None) -> Caches:
+                 model: tuple[torch.dtype, torch.device] | None = None,
+                 packed: tuple[bool, bool] = (False, False)) -> Caches:
     """A model's caches (``allocate_kv_caches``), returned as tuples of per-layer tensors: rows ``width`` (L+R)
     wide; ``index`` None for a dense model (its latent caches), else (index layers, D_I) of a ``DSACaches``
     whose two parts share the block geometry and device. ``model``: the model's (dtype, device), which every
     cache must have (float8_e4m3fn also: its scale is checked with the step). No two cache layers may share
     memory. All of it is checked here, across every cache layer, before any layer runs: a refused step writes
     nothing. (Checking the widths here also keeps them static under ``torch.compile(dynamic=True)``, where a
-    layer's region would meet them symbolic.)"""
+    layer's region would meet them symbolic.) ``packed``: the latent and index caches are in vLLM's packed
+    formats (uint8, ``cache_widths``) rather than the model's dtype."""
     if index is None:
         if isinstance(caches, DSACaches):
             raise TypeError("kv_caches is a DSACaches, but this dense model takes its latent caches alone")
@@ -119,8 +150,8 @@ def check_caches(caches, num_cache_layers: int, width: int, index: tuple[int, in
                              f"{index_caches[0].device}")
         parts = (("kv_caches.latent", latent), ("kv_caches.index", index_caches))
     if model is not None:
-        for name, part in parts:
-            _check_model_dtype(part, name, *model)
+        for (name, part), is_packed in zip(parts, packed):
+            _check_model_dtype(part, name, torch.uint8 if is_packed else model[0], model[1])
     _check_no_shared_memory(parts)
     return latent if index is None else DSACaches(latent, index_caches)
 

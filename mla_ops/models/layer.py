@@ -51,11 +51,12 @@ class ModelStep(NamedTuple):
     @classmethod
     def begin(cls, positions, plan, kv_cache, slot_mapping, k_scale, backend, dtype, rotary: RotaryEmbedding,
               position_scale: PositionScale | None = None, index_cache=None, k_scale_index=None,
-              learned_query_scale: bool = False) -> ModelStep:
+              learned_query_scale: bool = False, formats: tuple[str, str] = ("auto", "auto")) -> ModelStep:
         """``rotary``: the model's frequencies; ``position_scale``: Mistral 4's per-token query factors, or None;
         ``index_cache``: one of a sparse model's index caches (all share its geometry), checked once here."""
         attention = begin_step(plan, kv_cache, slot_mapping, k_scale=k_scale, backend=backend,
-                               index_cache=index_cache, k_scale_index=k_scale_index)
+                               index_cache=index_cache, k_scale_index=k_scale_index, kv_cache_format=formats[0],
+                               index_cache_format=formats[1])
         cos, sin = rotary(positions, dtype)
         q_scale = None if position_scale is None else position_scale(positions, dtype)
         logs = log_positions(positions, dtype) if learned_query_scale else None

@@ -57,6 +57,7 @@ import torch
 
 from .._mla import MLADims, fold_queries, lse_dtype, split_kv_b_proj, unfold_outputs
 from . import cpu_attention
+from .cache_formats import latent_rows
 
 
 def _absorbed(latent_attention, q, kv_cache, block_table, query_start_loc, context_lens, kv_b_proj_weight,
@@ -130,8 +131,8 @@ def latent_attention_reference(q, kv_cache, block_table, query_start_loc, contex
         if c == 0 or t1 == t0:
             continue
         position = torch.arange(c, device=kv_cache.device)
-        x = kv_cache[block_table[r].long()[position // block_size], position % block_size]  # [c, L+R]
-        x = x.float().to(acc) * k_scale.to(acc) if kv_cache.dtype == torch.float8_e4m3fn else x.to(acc)
+        x = latent_rows(kv_cache, block_table[r].long()[position // block_size], position % block_size, k_scale,
+                        acc)  # [c, L+R]
         scores = torch.einsum("mhd,cd->hmc", q[t0:t1].to(acc), x) * softmax_scale  # [H, m, c]
         lse[:, t0:t1] = torch.logsumexp(scores, dim=-1).to(lse.dtype)
         out[t0:t1] = torch.einsum("hmc,cl->mhl", torch.softmax(scores, dim=-1), x[:, :latent]).to(out.dtype)

@@ -32,6 +32,9 @@ import torch
 
 from .._checks import FLOAT_DTYPES, check_scale, check_tensor, k_scale_tensor, values_readable
 from .._env import triton_available
+from .._mla import DS_MLA_LATENT, DS_MLA_ROPE
+from .cache_formats import (check_index_format, check_latent_format, ds_mla_rows, index_width, per_token_quantize,
+                            per_token_views)
 
 CACHE_DTYPES = FLOAT_DTYPES + (torch.float8_e4m3fn,)
 _SLOT_DTYPES = (torch.int64, torch.int32)
@@ -46,13 +49,18 @@ def write_latent_cache_reference(kv_c, k_pe, slot_mapping, k_scale, kv_cache) ->
     target = kv_cache
     if kv_cache.dtype == torch.float8_e4m3fn:  # move bytes: float8 indexing kernels vary by device/version
         rows, target = rows.view(torch.uint8), kv_cache.view(torch.uint8)
+    scatter_rows(rows, slot_mapping, target)
 
+
+def scatter_rows(rows: torch.Tensor, slot_mapping: torch.Tensor, target: torch.Tensor) -> None:
+    """``rows`` [T, width] into ``target`` [num_blocks, block_size, width] at ``slot_mapping`` [T]
+    (negative: padding, written nothing), on the device without a host read."""
     # Padding tokens (slot < 0) are skipped without a host sync or a boolean-mask index: each one
     # repeats the write of the first real token (same slot, same row), so every slot that is
     # written more than once receives identical bytes and the unordered scatter is exact. In a
     # batch with no real token, every write goes to slot 0 and puts back the row it already holds.
     num_tokens = slot_mapping.shape[0]
-    block_size = kv_cache.shape[1]
+    block_size = target.shape[1]
     slot = slot_mapping.long()
     valid = slot >= 0  # [T]
     first = torch.cat([valid, valid.new_ones(1)]).int().argmax()  # first real token, T if none
@@ -94,6 +102,33 @@ torch.library.register_kernel("mla_ops::write_latent_cache", "cuda", _write_late
 _write_latent_cache_op = torch.ops.mla_ops.write_latent_cache.default
 
 
+def write_packed_cache_reference(rows, rope, slot_mapping, cache, cache_format: str) -> None:
+    """A packed format's write (``cache_formats``): ``fp8_ds_mla`` rows ``[rows | rope]`` = ``[kv_c | k_pe]``,
+    or ``fp8_per_token`` keys ``rows`` = ``k_index`` (``rope`` unused), quantized as vLLM does."""
+    if cache_format == "fp8_ds_mla":
+        scatter_rows(ds_mla_rows(rows, rope), slot_mapping, cache)
+        return
+    codes, scale = per_token_quantize(rows)
+    code_view, scale_view = per_token_views(cache)
+    scatter_rows(codes, slot_mapping, code_view)
+    scatter_rows(scale.view(-1, 1).view(torch.uint8), slot_mapping, scale_view)
+
+
+@torch.library.custom_op("mla_ops::write_packed_cache", mutates_args=("cache",))
+def _write_packed_cache(
+    rows: torch.Tensor, rope: torch.Tensor, slot_mapping: torch.Tensor, cache: torch.Tensor, cache_format: str
+) -> None:
+    write_packed_cache_reference(rows, rope, slot_mapping, cache, cache_format)
+
+
+@_write_packed_cache.register_fake
+def _(rows, rope, slot_mapping, cache, cache_format) -> None:
+    return None
+
+
+_write_packed_cache_op = torch.ops.mla_ops.write_packed_cache.default
+
+
 @dataclass(frozen=True)
 class CacheNames:
     """The argument names a write's messages use: the latent cache's call or the index cache's."""
@@ -111,12 +146,20 @@ LATENT = CacheNames("kv_c", "[T, L]", "k_pe", "kv_cache", "[num_blocks, block_si
 INDEX = CacheNames("k_index", "[T, D_I]", None, "index_cache", "[num_blocks, block_size, D_I]", "D_I", "k_scale_index")
 
 
-def check_write(kv_c, k_pe, slot_mapping, kv_cache, k_scale, names: CacheNames = LATENT) -> None:
+def check_write(kv_c, k_pe, slot_mapping, kv_cache, k_scale, names: CacheNames = LATENT,
+                cache_format: str = "auto") -> None:
     """Every check of a cache write (``write_latent_cache``; ``write_index_cache`` with ``names=INDEX``
     and ``k_pe=None``); slots by value where readable (CPU). Messages use ``names``."""
     n = names
     if not isinstance(kv_cache, torch.Tensor):
         raise TypeError(f"{n.cache} must be a torch.Tensor {n.cache_shape}, got {type(kv_cache).__name__}")
+    if n.rope is None:
+        cache_format = check_index_format(cache_format, kv_cache)
+    else:
+        cache_format = check_latent_format(cache_format, kv_cache)
+    if cache_format != "auto":
+        check_packed_write(kv_c, k_pe, slot_mapping, kv_cache, k_scale, n, cache_format)
+        return
     device = kv_cache.device
     check_tensor(kv_cache, n.cache, 3, n.cache_shape, device, n.cache)
     check_tensor(kv_c, n.rows, 2, n.rows_shape, device, n.cache)
@@ -152,6 +195,39 @@ def check_write(kv_c, k_pe, slot_mapping, kv_cache, k_scale, names: CacheNames =
     check_slot_mapping(slot_mapping, kv_cache, n.cache)
 
 
+def check_packed_write(kv_c, k_pe, slot_mapping, cache, k_scale, n: CacheNames, cache_format: str) -> None:
+    """A write into a packed format (``cache_formats``): the widths the format fixes, float rows, no scale
+    (the format stores its own)."""
+    device = cache.device
+    check_tensor(cache, n.cache, 3, n.cache_shape, device, n.cache)
+    check_tensor(kv_c, n.rows, 2, n.rows_shape, device, n.cache)
+    if kv_c.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{n.rows} must be float16, bfloat16, float32 or float64, got {kv_c.dtype}")
+    num_tokens = kv_c.shape[0]
+    if cache_format == "fp8_ds_mla":
+        check_tensor(k_pe, n.rope, 2, "[T, R]", device, n.cache)
+        if k_pe.dtype != kv_c.dtype:
+            raise TypeError(f"{n.rope} must have the dtype of {n.rows} ({kv_c.dtype}), got {k_pe.dtype}")
+        if kv_c.shape[1] != DS_MLA_LATENT or k_pe.shape[1] != DS_MLA_ROPE:
+            raise ValueError(f"kv_cache_format='fp8_ds_mla' stores L = {DS_MLA_LATENT} and R = {DS_MLA_ROPE}: "
+                             f"{n.rows} must be [T, {DS_MLA_LATENT}] and {n.rope} [T, {DS_MLA_ROPE}], got "
+                             f"{list(kv_c.shape)} and {list(k_pe.shape)}")
+        if k_pe.shape[0] != num_tokens:
+            raise ValueError(f"{n.rows} and {n.rope} must have one row per new token: {num_tokens} and "
+                             f"{k_pe.shape[0]}")
+    elif kv_c.shape[1] != index_width(cache):
+        raise ValueError(f"index_cache_format='fp8_per_token' rows are D_I + 4 bytes: {n.rows} is "
+                         f"[T, {kv_c.shape[1]}], so {n.cache} rows must be {kv_c.shape[1] + 4} wide, got "
+                         f"{cache.shape[2]}")
+    if k_scale is not None:
+        raise ValueError(f"{n.scale} is for a per-tensor float8_e4m3fn {n.cache}: {cache_format} stores its own "
+                         "scales (pass None)")
+    check_slot_mapping(slot_mapping, cache, n.cache)
+    if slot_mapping.shape[0] != num_tokens:
+        raise ValueError(f"{n.rows} and slot_mapping must have one row per new token: {n.rows} has {num_tokens}, "
+                         f"slot_mapping {slot_mapping.shape[0]}")
+
+
 def check_slot_mapping(slot_mapping, kv_cache, cache_name: str = "kv_cache") -> None:
     """``slot_mapping`` [T] int64/int32 on the cache's device, its slots inside ``kv_cache``
     (``[..., num_blocks, block_size, width]``) by value where readable (CPU); ``cache_name`` names it."""
@@ -174,16 +250,21 @@ def write_latent_cache(
     slot_mapping: torch.Tensor,
     kv_cache: torch.Tensor,
     k_scale: float | torch.Tensor | None = None,
+    *,
+    kv_cache_format: str = "auto",
 ) -> None:
     """Write ``[kv_c | k_pe]`` of token t into ``kv_cache`` at flat slot ``slot_mapping[t]``, in place.
 
     Tokens with a negative slot (padding) write nothing. A float8_e4m3fn cache needs ``k_scale``
     (a float or a one-element float32 tensor) and stores ``row / k_scale``, saturated to the fp8
     range; other caches store the row cast to their dtype and ignore ``k_scale``. ``k_pe`` may be
-    ``[T, 0]`` (a NoPE layer). Reads no device value on the host, so it is safe under CUDA graphs.
+    ``[T, 0]`` (a NoPE layer). ``kv_cache_format="fp8_ds_mla"``: ``kv_cache`` [num_blocks, block_size, 656]
+    uint8 in vLLM's DeepSeek-V3.2 layout (``kv_c`` [T, 512], ``k_pe`` [T, 64], no ``k_scale``: a scale per
+    128 values is stored in the row; ``mla_ops/ops/cache_formats.py``). Reads no device value on the host,
+    so it is safe under CUDA graphs.
     """
-    check_write(kv_c, k_pe, slot_mapping, kv_cache, k_scale)
-    write_checked(kv_c, k_pe, slot_mapping, kv_cache, k_scale)
+    check_write(kv_c, k_pe, slot_mapping, kv_cache, k_scale, cache_format=kv_cache_format)
+    write_checked(kv_c, k_pe, slot_mapping, kv_cache, k_scale, kv_cache_format)
 
 
 def write_index_cache(
@@ -191,6 +272,8 @@ def write_index_cache(
     slot_mapping: torch.Tensor,
     index_cache: torch.Tensor,
     k_scale_index: float | torch.Tensor | None = None,
+    *,
+    index_cache_format: str = "auto",
 ) -> None:
     """Write DSA's index key ``k_index[t]`` into ``index_cache`` at flat slot ``slot_mapping[t]``, in place.
 
@@ -199,11 +282,16 @@ def write_index_cache(
     nothing), index_cache [num_blocks, block_size, D_I]: bf16/fp16/fp32, or float8_e4m3fn with
     ``k_scale_index`` (a float or a one-element float32 tensor; stores ``k_index / k_scale_index``,
     saturated). The latent cache's op and kernel with a rope part of width 0; safe under CUDA graphs.
+    ``index_cache_format="fp8_per_token"``: ``index_cache`` [num_blocks, block_size, D_I + 4] uint8 in
+    vLLM's indexer layout (one float32 scale per token, block-major; no ``k_scale_index``).
     """
-    check_write(k_index, None, slot_mapping, index_cache, k_scale_index, INDEX)
-    write_checked(k_index, k_index[:, :0], slot_mapping, index_cache, k_scale_index)
+    check_write(k_index, None, slot_mapping, index_cache, k_scale_index, INDEX, index_cache_format)
+    write_checked(k_index, k_index[:, :0], slot_mapping, index_cache, k_scale_index, index_cache_format)
 
 
-def write_checked(kv_c, k_pe, slot_mapping, kv_cache, k_scale) -> None:
+def write_checked(kv_c, k_pe, slot_mapping, kv_cache, k_scale, cache_format: str = "auto") -> None:
     """``write_latent_cache`` after ``check_write`` (for callers that check everything first)."""
+    if cache_format != "auto":
+        _write_packed_cache_op(kv_c, k_pe, slot_mapping, kv_cache, cache_format)
+        return
     _write_latent_cache_op(kv_c, k_pe, slot_mapping, k_scale_tensor(k_scale, kv_cache), kv_cache)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from .._mla import lse_dtype
+from .cache_formats import ds_mla_values
 from .merge import merge_into, merge_states_reference
 
 # Keys per block of the key-block loops: bounds a score matrix at N x n x m x KEY_BLOCK.
@@ -247,6 +248,8 @@ def _context_rows(kv_cache, tables, context_lens, begin: int, end: int, k_scale,
     slots = tables.gather(1, position // block_size) * block_size + position % block_size
     # One gather of whole rows (flatten is a view for any cache whose blocks are evenly strided).
     rows = kv_cache.flatten(0, 1).index_select(0, slots.flatten()).unflatten(0, slots.shape)
+    if kv_cache.dtype == torch.uint8:  # fp8_ds_mla rows
+        return ds_mla_values(rows, acc), valid
     if kv_cache.dtype == torch.float8_e4m3fn:
         rows = rows.float().to(acc) * k_scale.to(acc)
     return rows.to(acc), valid

@@ -1,6 +1,7 @@
 """Gathering a chunk's context rows from the paged latent cache into the workspace.
 
-kv_cache     [num_blocks, block_size, L+R]  bf16/fp16/fp32, or float8_e4m3fn with k_scale
+kv_cache     [num_blocks, block_size, L+R]  bf16/fp16/fp32, or float8_e4m3fn with k_scale, or
+                                            fp8_ds_mla's [.., .., 656] uint8 rows (cache_formats)
 block_table  [n, max_blocks] int32           rows of the chunk's requests, in order
 cu_seq_lens  [n+1] int32                     workspace row offsets of the requests
 starts       [n] int32                       first context position taken from each request
@@ -14,6 +15,8 @@ Workspace row ``cu_seq_lens[i] + j`` receives context token ``p = starts[i] + j`
 from __future__ import annotations
 
 import torch
+
+from .cache_formats import latent_rows
 
 
 def context_row_locations(
@@ -33,9 +36,9 @@ def gather_reference(kv_cache, block_table, cu_seq_lens, starts, k_scale, worksp
     if num_rows == 0:
         return
     block, offset = context_row_locations(block_table, cu_seq_lens, starts, num_rows, kv_cache.shape[1])
-    rows = kv_cache[block, offset]  # no copy of the cache, whatever its strides
-    if kv_cache.dtype == torch.float8_e4m3fn:
-        rows = rows.float() * k_scale.float()
+    # Dequantized in float32 (as the kernels do); float caches keep their values. No copy of the cache.
+    quantized = kv_cache.dtype in (torch.float8_e4m3fn, torch.uint8)
+    rows = latent_rows(kv_cache, block, offset, k_scale, torch.float32 if quantized else kv_cache.dtype)
     workspace.narrow(0, 0, num_rows).copy_(rows)
 
 

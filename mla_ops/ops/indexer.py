@@ -58,6 +58,7 @@ from .._env import triton_available
 from .._mla import NO_FINITE_SELECTION
 from ..planning.index_schedule import sparse_token_loc
 from ..planning.plan import PrefillPlan, current_max_block_id
+from .cache_formats import check_index_format, index_rows, index_width
 
 INDEX_CACHE_DTYPES = FLOAT_DTYPES + (torch.float8_e4m3fn,)
 
@@ -119,11 +120,7 @@ def chunk_keys(index_cache, k_index, block_table, query_start_loc, context_lens,
         col = torch.where(in_context, position // block_size, 0)
         block = torch.where(in_context, block_table[request, col].long(), 0)  # pad columns may hold anything
         offset = torch.where(in_context, position % block_size, 0)
-        if index_cache.dtype == torch.float8_e4m3fn:  # move bytes: float8 indexing kernels vary by device
-            cached = index_cache.view(torch.uint8)[block, offset].view(torch.float8_e4m3fn).to(dtype)
-            cached = cached * k_scale.to(dtype)
-        else:
-            cached = index_cache[block, offset].to(dtype)
+        cached = index_rows(index_cache, block, offset, k_scale, dtype)
         keys = torch.where(in_context.unsqueeze(1), cached, keys)
     return keys
 
@@ -255,13 +252,14 @@ torch.library.register_kernel("mla_ops::index_topk", "cuda", _index_topk_cuda)
 _index_topk_op = torch.ops.mla_ops.index_topk.default
 
 
-def check_index_topk(q_index, index_weights, k_index, index_cache, plan, k_scale_index) -> None:
+def check_index_topk(q_index, index_weights, k_index, index_cache, plan, k_scale_index,
+                     index_cache_format: str = "auto") -> None:
     """Every check of an ``index_topk`` call, on shapes and host values only (before anything runs)."""
-    check_index_step(plan, index_cache, k_scale_index)
-    check_index_layer(q_index, index_weights, k_index, index_cache, plan)
+    check_index_step(plan, index_cache, k_scale_index, index_cache_format)
+    check_index_layer(q_index, index_weights, k_index, index_cache, plan, index_cache_format)
 
 
-def check_index_step(plan, index_cache, k_scale_index) -> None:
+def check_index_step(plan, index_cache, k_scale_index, index_cache_format: str = "auto") -> None:
     """What an index cache must be for a step's plan, the same for every layer: checked once a step
     (``begin_step``, or each ``index_topk`` call). Reads the block table's largest id where readable."""
     if not isinstance(plan, PrefillPlan):
@@ -272,6 +270,7 @@ def check_index_step(plan, index_cache, k_scale_index) -> None:
         raise ValueError("plan is a context-parallel plan: the indexer takes a single-device plan")
     device = plan.device
     check_tensor(index_cache, "index_cache", 3, "[num_blocks, block_size, D_I]", device, "plan (its block table)")
+    check_index_format(index_cache_format, index_cache)
     if index_cache.shape[1] != plan.block_size:
         raise ValueError(f"index_cache has block_size {index_cache.shape[1]}, but plan was made for block_size "
                          f"{plan.block_size} (the index cache shares the latent cache's block table)")
@@ -279,7 +278,11 @@ def check_index_step(plan, index_cache, k_scale_index) -> None:
     if max_block_id >= index_cache.shape[0]:
         raise ValueError(f"plan's block table uses block {max_block_id}, past the {index_cache.shape[0]} blocks "
                          "of index_cache")
-    if index_cache.dtype == torch.float8_e4m3fn:
+    if index_cache_format != "auto":
+        if k_scale_index is not None:
+            raise ValueError(f"k_scale_index is for a per-tensor float8_e4m3fn index_cache: {index_cache_format} "
+                             "stores a scale per token (pass None)")
+    elif index_cache.dtype == torch.float8_e4m3fn:
         if k_scale_index is None:
             raise ValueError("k_scale_index is required for a float8_e4m3fn index_cache "
                              "(dequantized = stored * k_scale_index)")
@@ -288,7 +291,7 @@ def check_index_step(plan, index_cache, k_scale_index) -> None:
         check_scale(k_scale_index, "k_scale_index", device)
 
 
-def check_index_layer(q_index, index_weights, k_index, index_cache, plan) -> None:
+def check_index_layer(q_index, index_weights, k_index, index_cache, plan, index_cache_format: str = "auto") -> None:
     """One layer's indexer tensors against each other, its index cache and the plan: shapes and dtypes."""
     device = plan.device
     check_tensor(q_index, "q_index", 3, "[T, H_I, D_I]", device, "plan (its block table)")
@@ -302,7 +305,10 @@ def check_index_layer(q_index, index_weights, k_index, index_cache, plan) -> Non
         raise TypeError(f"index_weights must be float32 or the dtype of q_index ({dtype}), got {index_weights.dtype}")
     if k_index.dtype != dtype:
         raise TypeError(f"k_index must have the dtype of q_index ({dtype}), got {k_index.dtype}")
-    if index_cache.dtype not in (dtype, torch.float8_e4m3fn):
+    packed = index_cache_format == "fp8_per_token"
+    if packed != (index_cache.dtype == torch.uint8):
+        check_index_format(index_cache_format, index_cache)
+    if not packed and index_cache.dtype not in (dtype, torch.float8_e4m3fn):
         raise TypeError(f"index_cache must have the dtype of q_index ({dtype}) or be float8_e4m3fn, "
                         f"got {index_cache.dtype}")
     num_tokens, heads, width = q_index.shape
@@ -312,8 +318,9 @@ def check_index_layer(q_index, index_weights, k_index, index_cache, plan) -> Non
     if tuple(k_index.shape) != (num_tokens, width):
         raise ValueError(f"k_index must be [T, D_I] = {[num_tokens, width]} (q_index's T and D_I), "
                          f"got {list(k_index.shape)}")
-    if index_cache.shape[2] != width:
-        raise ValueError(f"index_cache rows must be D_I = {width} wide (q_index's D_I), got {index_cache.shape[2]}")
+    if index_width(index_cache) != width:
+        size = f"D_I + 4 = {width + 4} bytes" if packed else f"D_I = {width}"
+        raise ValueError(f"index_cache rows must be {size} wide (q_index's D_I), got {index_cache.shape[2]}")
     if plan.num_tokens is not None and plan.num_tokens != num_tokens:
         raise ValueError(f"plan was made for T={plan.num_tokens} tokens (its query_start_loc[-1]), but q_index "
                          f"has {num_tokens}")
@@ -327,6 +334,7 @@ def index_topk(
     plan: PrefillPlan,
     *,
     k_scale_index: float | torch.Tensor | None = None,
+    index_cache_format: str = "auto",
 ) -> torch.Tensor:
     """The K = ``plan.index_topk`` keys each new token's sparse attention may see (module doc).
 
@@ -336,8 +344,10 @@ def index_topk(
     ``run_prefill`` turns into a NaN output. A float8_e4m3fn
     ``index_cache`` needs ``k_scale_index`` (a float or a one-element float32 tensor). Reads no device
     value on the host; runs under torch.compile with a device-form plan made inside the graph.
+    ``index_cache_format="fp8_per_token"``: ``index_cache`` [num_blocks, block_size, D_I + 4] uint8 in vLLM's
+    indexer layout (``mla_ops/ops/cache_formats.py``; no ``k_scale_index``), dequantized as it is read.
     """
-    check_index_topk(q_index, index_weights, k_index, index_cache, plan, k_scale_index)
+    check_index_topk(q_index, index_weights, k_index, index_cache, plan, k_scale_index, index_cache_format)
     return index_topk_checked(q_index, index_weights, k_index, index_cache, plan,
                               k_scale_tensor(k_scale_index, index_cache))
 

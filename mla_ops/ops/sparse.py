@@ -42,6 +42,7 @@ import torch
 from .. import _checks as checks
 from .._mla import (NO_FINITE_SELECTION, MLADims, fold_queries, lse_dtype, split_kv_b_proj, token_requests,
                    unfold_outputs)
+from .cache_formats import latent_rows
 
 # Gathered rows (tokens x K) per block of the reference: at L+R = 576 fp32, 72 MiB.
 REFERENCE_ROWS = 1 << 15
@@ -71,12 +72,11 @@ def sparse_reference(q, kv_c, k_pe, kv_cache, block_table, query_start_loc, cont
         in_cache = key_ok & (s < context)
         # Each selected row read once, from where it lives (host-read masks: the CPU / oracle path);
         # the unselected stay 0 (the cache may hold NaN there: 0 * NaN is NaN).
-        rows = q.new_zeros(*s.shape, kv_cache.shape[2], dtype=acc)  # [n, K, L+R]
+        rows = q.new_zeros(*s.shape, new_rows.shape[1], dtype=acc)  # [n, K, L+R]
         cached = in_cache.nonzero(as_tuple=True)
         pos = s[cached]
         block = block_table.long()[r[cached[0]], pos // block_size]
-        cache_rows = kv_cache[block, pos % block_size].to(acc)
-        rows[cached] = cache_rows * k_scale.to(acc) if kv_cache.dtype == torch.float8_e4m3fn else cache_rows
+        rows[cached] = latent_rows(kv_cache, block, pos % block_size, k_scale, acc)
         fresh = (key_ok & ~in_cache).nonzero(as_tuple=True)
         rows[fresh] = new_rows[query_start_loc.long()[r[fresh[0]]] + s[fresh] - context[fresh[0], 0]].to(acc)
         q_t = q[t]

@@ -111,6 +111,45 @@ def _settings(options, num_blocks, compile, prefix_caching, **loose) -> Generato
     return GeneratorSettings(options, num_blocks, compile, prefix_caching)
 
 
+@dataclass(frozen=True)
+class CacheSettings:
+    """A ``Generator``'s caches: the dtype it allocates them in, and what the model's steps take with them."""
+
+    dtype: torch.dtype | None  # None: the model's
+    formats: dict  # allocate_kv_caches' kv_cache_format / index_cache_format
+    model_kwargs: dict  # the scales and formats every step passes the model (and PrefillGraphs)
+
+
+def _cache_settings(model, cache_dtype, k_scale, k_scale_index, kv_cache_format, index_cache_format) -> CacheSettings:
+    """Checked once, at construction: formats the model's dims hold, scales where a float8 cache needs them."""
+    from ..models.kv_caches import cache_widths
+    from ..ops.cache import CACHE_DTYPES
+
+    cache_widths(model.config, kv_cache_format, index_cache_format)  # refuses formats the model cannot hold
+    if cache_dtype is not None and cache_dtype not in CACHE_DTYPES:
+        raise TypeError(f"cache_dtype must be None or one of {CACHE_DTYPES}, got {cache_dtype!r}")
+    device = model.lm_head.weight.device
+    fp8 = cache_dtype == torch.float8_e4m3fn
+    for name, scale, packed, applies in (("k_scale", k_scale, kv_cache_format != "auto", True),
+                                         ("k_scale_index", k_scale_index, index_cache_format != "auto",
+                                          model.config.is_sparse)):
+        if scale is not None:
+            if not applies:
+                raise ValueError(f"{name} is the scale of a sparse (index_topk) model's index cache; this model has none")
+            if packed:
+                raise ValueError(f"{name} is for a per-tensor float8_e4m3fn cache: the packed format stores its "
+                                 "own scales (pass None)")
+            checks.check_scale(scale, name, device)
+        elif fp8 and applies and not packed:
+            raise ValueError(f"cache_dtype=torch.float8_e4m3fn needs {name} (dequantized = stored * {name})")
+    model_kwargs = {name: value for name, value in (("k_scale", k_scale), ("k_scale_index", k_scale_index),
+                                                   ("kv_cache_format", kv_cache_format),
+                                                   ("index_cache_format", index_cache_format))
+                    if value is not None and value != "auto"}
+    return CacheSettings(cache_dtype, dict(kv_cache_format=kv_cache_format, index_cache_format=index_cache_format),
+                         model_kwargs)
+
+
 class Generator:
     """A model, its paged latent cache and the prefix-cache index, kept across ``generate`` calls.
 
@@ -124,14 +163,20 @@ class Generator:
     one. num_blocks: cache blocks (None: as many as each call needs, the cache growing when a call
     needs more). compile=True: steps run through ``PrefillGraphs`` (module doc), planned on the
     device: the packed policy with ``split_alignment=1`` only. prefix_caching=False recomputes every
-    prompt in full.
+    prompt in full. The caches (``model.allocate_kv_caches``): ``cache_dtype`` (None: the model's; float8_e4m3fn
+    needs ``k_scale``, and a sparse model's index cache ``k_scale_index``: dequantized = stored * scale), or
+    vLLM's packed layouts ``kv_cache_format="fp8_ds_mla"`` / ``index_cache_format="fp8_per_token"`` (DESIGN
+    §12), which keep their own scales.
     """
 
     def __init__(self, model, *, options: PlanOptions | None = None, block_size: int = 16,
                  num_blocks: int | None = None, workspace_size: int = 65536,
                  absorb_max_query_len: int | None = None, max_absorbed_tokens: int | None = None,
-                 compile: bool = False, prefix_caching: bool = True):
+                 compile: bool = False, prefix_caching: bool = True, cache_dtype: torch.dtype | None = None,
+                 k_scale: float | torch.Tensor | None = None, k_scale_index: float | torch.Tensor | None = None,
+                 kv_cache_format: str = "auto", index_cache_format: str = "auto"):
         _check_model(model)
+        self.cache = _cache_settings(model, cache_dtype, k_scale, k_scale_index, kv_cache_format, index_cache_format)
         self.settings = _settings(
             options, num_blocks, compile, prefix_caching, block_size=block_size, workspace_size=workspace_size,
             absorb_max_query_len=absorb_max_query_len, max_absorbed_tokens=max_absorbed_tokens)
@@ -171,7 +216,8 @@ class Generator:
         """(the prefix index is stale, the cache tensor must be reallocated): read only."""
         weight = self.model.lm_head.weight
         first = None if self.kv_caches is None else cache_tensors(self.kv_caches)[0]
-        realloc = first is None or first.dtype != weight.dtype or first.device != weight.device
+        dtype = torch.uint8 if self.cache.formats["kv_cache_format"] != "auto" else self.cache.dtype or weight.dtype
+        realloc = first is None or first.dtype != dtype or first.device != weight.device
         return realloc or fingerprint != self._fingerprint, realloc
 
     def _check_cache_fits(self, num_blocks: int, asked: str) -> None:
@@ -185,8 +231,7 @@ class Generator:
         available = available_memory(weight.device)
         if available is None:
             return
-        one_block = sum(t.numel() * t.element_size() for t in cache_tensors(
-            self.model.allocate_kv_caches(1, self.block_size, device="meta")))
+        one_block = sum(t.numel() * t.element_size() for t in cache_tensors(self._allocate(1, device="meta")))
         if num_blocks * one_block > available:
             raise ValueError(f"{asked} needs a cache of {num_blocks} blocks of {self.block_size} rows "
                              f"({num_blocks * one_block / 2**30:.3g} GiB), more than the {available / 2**30:.3g} GiB "
@@ -200,13 +245,18 @@ class Generator:
         stale, realloc = self._cache_is_stale(fingerprint)
         caches = self.kv_caches
         if realloc or extra:
-            caches = self.model.allocate_kv_caches(self.manager.num_blocks + extra, self.block_size)
+            caches = self._allocate(self.manager.num_blocks + extra)
             if not realloc:
                 caches = grown(self.kv_caches, caches)
         if stale:
             self.manager.clear_cache()
             self._fingerprint = fingerprint
         self.kv_caches = caches
+
+    def _allocate(self, num_blocks: int, **where):
+        """The model's caches of ``num_blocks`` blocks in this Generator's dtype and formats."""
+        return self.model.allocate_kv_caches(num_blocks, self.block_size, self.cache.dtype, **where,
+                                             **self.cache.formats)
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -225,7 +275,7 @@ class Generator:
             hidden = self._graphs(table.shape[1])(input_ids, positions, self.kv_caches, slots, table, qsl, ctx)
         else:
             plan = plan_with_options(qsl, ctx, table, self.options, self.context_parallel)  # host plan, all layers
-            hidden = self.model.model(input_ids, positions, self.kv_caches, slots, table, plan)
+            hidden = self.model.model(input_ids, positions, self.kv_caches, slots, table, plan, **self.cache.model_kwargs)
         last = (qsl[1:] - 1).to(hidden.device)
         return self.model.logits(hidden.index_select(0, last)).argmax(-1).tolist()
 
@@ -243,7 +293,8 @@ class Generator:
             mode = "cuda_graph" if cache_tensors(self.kv_caches)[0].device.type == "cuda" else "compile"
             self._runner = PrefillGraphs(  # the device plan's K comes from the buckets
                 self.model.model, max_tokens=sizes[0], max_requests=sizes[1],
-                max_blocks_per_request=max_blocks_per_request, mode=mode, options=self.options)
+                max_blocks_per_request=max_blocks_per_request, mode=mode, options=self.options,
+                **self.cache.model_kwargs)
             self._runner_caches = self.kv_caches
         return self._runner
 

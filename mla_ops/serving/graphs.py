@@ -48,6 +48,7 @@ from .._env import own_code
 from ..models.config import MLAConfig
 from ..models.kv_caches import cache_tensors
 from ..ops.backends import BACKENDS
+from ..ops.cache_formats import INDEX_FORMATS, LATENT_FORMATS
 from ..parallel.layout import local_context_lens
 from ..planning.options import PlanOptions, options_from
 from ..planning.plan import check_inputs
@@ -68,7 +69,8 @@ class PrefillGraphs:
     ``max_chunks``, which each bucket sets), or the loose ``block_size``, ``workspace_size``,
     ``absorb_max_query_len`` and ``max_absorbed_tokens`` (the routing), which build one.
     ``request_buckets``, ``k_scale`` and ``backend`` (passed to the model) and ``compile_backend``
-    (``torch.compile``'s, mode ``"compile"``) are extensions.
+    (``torch.compile``'s, mode ``"compile"``) are extensions; so are a sparse model's ``k_scale_index`` and the
+    caches' ``kv_cache_format`` / ``index_cache_format`` (DESIGN §12), passed to the model where set.
 
     ``stats``: ``graphs`` (buckets captured / compiled / set up), ``replays`` (steps run through
     a bucket), ``eager`` (steps beyond the buckets, run eagerly), ``static_bytes`` (the static
@@ -95,6 +97,9 @@ class PrefillGraphs:
         backend: str = "auto",
         compile_backend="inductor",
         options: PlanOptions | None = None,
+        k_scale_index: float | torch.Tensor | None = None,
+        kv_cache_format: str = "auto",
+        index_cache_format: str = "auto",
     ):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -131,6 +136,16 @@ class PrefillGraphs:
         # Regional compilation: the model's layers compiled once, the step around them run as is.
         self.regional = mode == "compile" and callable(getattr(model, "compile_layers", None))
         self.k_scale = self._device_k_scale(k_scale)
+        # What the model takes beside the step's tensors: the loose extensions only where set, so a model
+        # without an index cache or packed caches needs no keywords for them.
+        self.model_kwargs = dict(k_scale=self.k_scale, backend=backend)
+        if k_scale_index is not None:
+            self.model_kwargs["k_scale_index"] = self._device_k_scale(k_scale_index, "k_scale_index")
+        for name, value, choices in (("kv_cache_format", kv_cache_format, LATENT_FORMATS),
+                                     ("index_cache_format", index_cache_format, INDEX_FORMATS)):
+            checks.check_choice(value, name, choices)
+            if value != "auto":
+                self.model_kwargs[name] = value
 
         # Static inputs, sized once for the largest bucket. Request rows: the slots, then the
         # padding request. ``_lengths`` holds a bucket's query_start_loc [S+2] then context_lens
@@ -288,7 +303,7 @@ class PrefillGraphs:
             # Planned here, on the device: a replay re-plans from the refilled length buffers.
             plan = plan_with_options(query_start_loc, context_lens, block_table, options, runner.context_parallel)
             return runner.model(input_ids, positions, kv_caches, slot_mapping, block_table, plan,
-                                k_scale=runner.k_scale, backend=runner.backend)
+                                **runner.model_kwargs)
 
         return own_code(prefill_step, name)
 
@@ -342,15 +357,15 @@ class PrefillGraphs:
                                  dataclasses.replace(self.options, max_chunks=None, max_absorbed_tokens=None),
                                  self.context_parallel)
         return self.model(input_ids.to(self.device), positions.to(self.device), kv_caches,
-                          slot_mapping.to(self.device), block_table, plan, k_scale=self.k_scale, backend=self.backend)
+                          slot_mapping.to(self.device), block_table, plan, **self.model_kwargs)
 
     # ---- checks ----------------------------------------------------------------------------
 
-    def _device_k_scale(self, k_scale):
+    def _device_k_scale(self, k_scale, name: str = "k_scale"):
         """Checked once; a float scale becomes a device tensor once: no host-to-device copy inside a capture."""
         if k_scale is None:
             return None
-        checks.check_scale(k_scale, "k_scale", self.device)
+        checks.check_scale(k_scale, name, self.device)
         if isinstance(k_scale, torch.Tensor):
             return k_scale
         return torch.tensor([float(k_scale)], dtype=torch.float32, device=self.device)

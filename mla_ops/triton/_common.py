@@ -79,6 +79,56 @@ def e4m3fn_to_float32(bits):
     return tl.where(bits >= 0x80, -value, value)
 
 
+# vLLM's packed caches (mla_ops/ops/cache_formats.py), read from their bytes: fp8_ds_mla rows hold 512
+# e4m3 codes, 4 float32 scales (one per 128 codes) at byte 512, 64 bf16 rope values at byte 528.
+DS_MLA_LATENT = tl.constexpr(512)
+DS_MLA_TILE = tl.constexpr(128)
+DS_MLA_SCALES_AT = tl.constexpr(512)
+DS_MLA_ROPE_AT = tl.constexpr(528)
+
+
+@triton.jit
+def load_float32_bytes(ptrs, mask):
+    """float32 values from 4 little-endian bytes at uint8 ``ptrs`` (0.0 where masked): byte loads need no
+    alignment and run the same in the interpreter."""
+    b0 = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
+    b1 = tl.load(ptrs + 1, mask=mask, other=0).to(tl.int32)
+    b2 = tl.load(ptrs + 2, mask=mask, other=0).to(tl.int32)
+    b3 = tl.load(ptrs + 3, mask=mask, other=0).to(tl.int32)
+    return (b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def load_bfloat16_bytes(ptrs, mask):
+    """bf16 values (as exact float32) from 2 little-endian bytes at uint8 ``ptrs`` (0.0 where masked)."""
+    b0 = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
+    b1 = tl.load(ptrs + 1, mask=mask, other=0).to(tl.int32)
+    return ((b0 | (b1 << 8)) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def ds_mla_latent(row_ptrs, cols, mask):
+    """float32 ``kv_c`` at latent columns ``cols`` (< 512) of fp8_ds_mla rows starting at uint8 ``row_ptrs``:
+    code * its tile's scale, the float32 product every reader uses (0.0 where masked)."""
+    codes = tl.load(row_ptrs + cols, mask=mask, other=0).to(tl.int32)
+    scale = load_float32_bytes(row_ptrs + DS_MLA_SCALES_AT + 4 * (cols // DS_MLA_TILE), mask)
+    return e4m3fn_to_float32(codes) * scale
+
+
+@triton.jit
+def ds_mla_rope(row_ptrs, cols, mask):
+    """float32 ``k_pe`` at rope columns ``cols`` (0 .. 63) of fp8_ds_mla rows at uint8 ``row_ptrs``."""
+    return load_bfloat16_bytes(row_ptrs + DS_MLA_ROPE_AT + 2 * cols, mask)
+
+
+@triton.jit
+def ds_mla_row(row_ptrs, cols, mask):
+    """float32 ``[kv_c | k_pe]`` at columns ``cols`` (0 .. 575) of fp8_ds_mla rows (0.0 where masked)."""
+    latent = cols < DS_MLA_LATENT
+    return tl.where(latent, ds_mla_latent(row_ptrs, cols, mask & latent),
+                    ds_mla_rope(row_ptrs, cols - DS_MLA_LATENT, mask & (cols >= DS_MLA_LATENT)))
+
+
 @contextlib.contextmanager
 def device_guard(tensor: torch.Tensor):
     """Run a launch where ``tensor`` lives; yields True under Triton's CPU interpreter, False on CUDA.

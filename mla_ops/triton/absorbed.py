@@ -3,7 +3,8 @@
 q                [T, N, P+R]   rotated queries            kv_cache [num_blocks, PAGE_SIZE, L+R]
 kv_b_proj_weight [N*(P+V), L]  W_UK [N, P, L], W_UV [N, V, L] (``mla_ops._mla.split_kv_b_proj``)
 block_table      [B, max_blocks] int32   query_start_loc [B+1] int32   context_lens [B] int32
-k_scale          [1] float32 or None (float8_e4m3fn caches: dequantized = stored * k_scale)
+k_scale          [1] float32 or None (float8_e4m3fn caches: dequantized = stored * k_scale); fp8_ds_mla
+                 caches ([.., .., 656] uint8, their own scales) are dequantized as each key tile is read
 -> out           [T, N, V]   lse [N, T] float32, natural log; rows of requests without context
                              are left untouched (out=)
 
@@ -50,8 +51,8 @@ import triton.language as tl
 from .. import _mla
 from .._mla import MLADims, split_kv_b_proj
 from ._common import (
-    LN2, LOG2E, device_guard, dot_dtype, dot_precision, e4m3fn_to_float32, find_request, online_softmax_step,
-    persistent_grid, persistent_programs,
+    LN2, LOG2E, device_guard, dot_dtype, dot_precision, ds_mla_latent, ds_mla_rope, e4m3fn_to_float32, find_request,
+    online_softmax_step, persistent_grid, persistent_programs,
 )
 from .rows_gemm import rows_gemm
 
@@ -69,8 +70,10 @@ def _absorbed_key_tile(
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     MASK_KEYS: tl.constexpr,  # key tiles may run past num_keys
     IS_FP8: tl.constexpr,
+    IS_DS_MLA: tl.constexpr,  # fp8_ds_mla byte rows (column offsets are byte offsets), dequantized here
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HEAD_L: tl.constexpr,
 ):
     """Fold the latent key tile ``start_n .. start_n + BLOCK_N`` into the running softmax."""
     keys = start_n + offs_n  # [BLOCK_N] context positions in the request
@@ -81,7 +84,16 @@ def _absorbed_key_tile(
     else:
         block = tl.load(table_row_ptr + page)
     row = block.to(tl.int64) * stride_cache_block + (keys % PAGE_SIZE).to(tl.int64) * stride_cache_token
-    if MASK_KEYS:
+    if IS_DS_MLA:
+        if MASK_KEYS:
+            k_lat = ds_mla_latent(cache_ptr + row[None, :], col_l, mask_l & key_ok[None, :])
+            k_pe = ds_mla_rope(cache_ptr + row[None, :], col_r - HEAD_L, mask_r & key_ok[None, :])
+            v = ds_mla_latent(cache_ptr + row[:, None], col_dv, key_ok[:, None] & mask_dv)
+        else:
+            k_lat = ds_mla_latent(cache_ptr + row[None, :], col_l, mask_l)  # [BLOCK_L, BLOCK_N]
+            k_pe = ds_mla_rope(cache_ptr + row[None, :], col_r - HEAD_L, mask_r)  # [BLOCK_R, BLOCK_N]
+            v = ds_mla_latent(cache_ptr + row[:, None], col_dv, mask_dv)  # [BLOCK_N, BLOCK_DV]
+    elif MASK_KEYS:
         k_lat = tl.load(cache_ptr + row[None, :] + col_l, mask=mask_l & key_ok[None, :], other=0)
         k_pe = tl.load(cache_ptr + row[None, :] + col_r, mask=mask_r & key_ok[None, :], other=0)
         v = tl.load(cache_ptr + row[:, None] + col_dv, mask=key_ok[:, None] & mask_dv, other=0)
@@ -117,6 +129,7 @@ def _absorbed_inner(
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     MASK_KEYS: tl.constexpr,  # key tiles may run past num_keys
     IS_FP8: tl.constexpr,
+    IS_DS_MLA: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
@@ -135,7 +148,7 @@ def _absorbed_inner(
             acc, l_i, m_i = _absorbed_key_tile(
                 acc, l_i, m_i, q_lat, q_pe, cache_ptr, table_row_ptr, stride_table_col, stride_cache_block,
                 stride_cache_token, col_l, col_r, col_dv, mask_l, mask_r, mask_dv, start_n, offs_n, num_keys, qk_scale,
-                BLOCK_N, PAGE_SIZE, MASK_KEYS, IS_FP8, DOT_DTYPE, DOT_PRECISION,
+                BLOCK_N, PAGE_SIZE, MASK_KEYS, IS_FP8, IS_DS_MLA, DOT_DTYPE, DOT_PRECISION, HEAD_L,
             )
             start_n += BLOCK_N
     else:
@@ -143,7 +156,7 @@ def _absorbed_inner(
             acc, l_i, m_i = _absorbed_key_tile(
                 acc, l_i, m_i, q_lat, q_pe, cache_ptr, table_row_ptr, stride_table_col, stride_cache_block,
                 stride_cache_token, col_l, col_r, col_dv, mask_l, mask_r, mask_dv, start_n, offs_n, num_keys, qk_scale,
-                BLOCK_N, PAGE_SIZE, MASK_KEYS, IS_FP8, DOT_DTYPE, DOT_PRECISION,
+                BLOCK_N, PAGE_SIZE, MASK_KEYS, IS_FP8, IS_DS_MLA, DOT_DTYPE, DOT_PRECISION, HEAD_L,
             )
     return acc, l_i, m_i
 
@@ -166,6 +179,7 @@ def _absorbed_tile(
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     IS_FP8: tl.constexpr,
+    IS_DS_MLA: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
@@ -211,13 +225,13 @@ def _absorbed_tile(
             acc, l_i, m_i, q_lat, q_pe, cache_ptr, table_row_ptr,
             stride_table_col, stride_cache_block, stride_cache_token, stride_cache_col,
             offs_l, offs_r, offs_dv, 0, full, num_keys, qk_scale * k_scale,
-            HEAD_L, HEAD_R, BLOCK_N, PAGE_SIZE, False, IS_FP8, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
+            HEAD_L, HEAD_R, BLOCK_N, PAGE_SIZE, False, IS_FP8, IS_DS_MLA, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
         )
         acc, l_i, m_i = _absorbed_inner(
             acc, l_i, m_i, q_lat, q_pe, cache_ptr, table_row_ptr,
             stride_table_col, stride_cache_block, stride_cache_token, stride_cache_col,
             offs_l, offs_r, offs_dv, full, num_keys, num_keys, qk_scale * k_scale,
-            HEAD_L, HEAD_R, BLOCK_N, PAGE_SIZE, True, IS_FP8, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
+            HEAD_L, HEAD_R, BLOCK_N, PAGE_SIZE, True, IS_FP8, IS_DS_MLA, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
         )
 
         acc = acc / l_i[:, None]
@@ -256,6 +270,7 @@ def _absorbed_fwd(
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     IS_FP8: tl.constexpr,
+    IS_DS_MLA: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
@@ -277,7 +292,7 @@ def _absorbed_fwd(
                 stride_cache_block, stride_cache_token, stride_cache_col, stride_table_row, stride_table_col,
                 stride_qsl, stride_lat, stride_ctx, stride_olt, stride_olh, stride_old, stride_lh, stride_lt,
                 HEAD_L, HEAD_R, BLOCK_L, BLOCK_R, BLOCK_DV, BLOCK_M, BLOCK_H, BLOCK_N,
-                PAGE_SIZE, IS_FP8, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
+                PAGE_SIZE, IS_FP8, IS_DS_MLA, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
             )
             item += tl.num_programs(0)
 
@@ -342,7 +357,7 @@ def latent_attention(q_lat, q_pe, kv_cache, block_table, query_start_loc, contex
             HEAD_L=latent, HEAD_R=rope,
             BLOCK_L=max(16, triton.next_power_of_2(latent)), BLOCK_R=max(16, triton.next_power_of_2(rope)),
             BLOCK_DV=block_dv, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_N=block_n,
-            PAGE_SIZE=kv_cache.shape[1], IS_FP8=is_fp8,
+            PAGE_SIZE=kv_cache.shape[1], IS_FP8=is_fp8, IS_DS_MLA=kv_cache.dtype == torch.uint8,
             DOT_DTYPE=dtype, DOT_PRECISION=dot_precision(dtype), INTERPRETED=interpreted,
             num_warps=num_warps, num_stages=num_stages,
         )

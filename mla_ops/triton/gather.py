@@ -1,6 +1,7 @@
 """Triton kernel: gather a chunk's context rows from the paged latent cache into the workspace.
 
-kv_cache     [num_blocks, block_size, L+R]  fp32/fp16/bf16, or float8_e4m3fn with k_scale
+kv_cache     [num_blocks, block_size, L+R]  fp32/fp16/bf16, or float8_e4m3fn with k_scale, or
+                                            fp8_ds_mla's [.., .., 656] uint8 rows (dequantized here)
 block_table  [n, max_blocks] int32           rows of the chunk's requests, in order
 cu_seq_lens  [n+1] int32 (device)            workspace row offsets of the requests
 starts       [n] int32                       first context position taken from each request
@@ -26,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import device_guard, e4m3fn_to_float32, find_request, persistent_grid, persistent_programs
+from ._common import device_guard, ds_mla_row, e4m3fn_to_float32, find_request, persistent_grid, persistent_programs
 
 
 @triton.jit
@@ -35,7 +36,7 @@ def _gather_tile(
     row_tile, col_tile, num_rows, num_requests, block_size, width,
     stride_cache_block, stride_cache_token, stride_cache_col, stride_table_row, stride_table_col,
     stride_cu, stride_starts, stride_ws_row, stride_ws_col,
-    IS_FP8: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+    IS_FP8: tl.constexpr, IS_DS_MLA: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
 ):
     """Copy the (row tile, column tile) block of the chunk into the workspace."""
     rows = row_tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -50,7 +51,9 @@ def _gather_tile(
     cols = col_tile * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     mask = row_mask[:, None] & (cols < width)[None, :]
     src = cache_ptr + src_row[:, None] + cols.to(tl.int64)[None, :] * stride_cache_col
-    if IS_FP8:
+    if IS_DS_MLA:  # packed rows (byte columns): dequantized here
+        values = ds_mla_row(cache_ptr + src_row[:, None], cols[None, :], mask)
+    elif IS_FP8:
         values = e4m3fn_to_float32(tl.load(src, mask=mask, other=0).to(tl.int32))
         values = values * tl.load(k_scale_ptr).to(tl.float32)
     else:
@@ -81,6 +84,7 @@ def _gather_context_kernel(
     stride_ws_row,
     stride_ws_col,
     IS_FP8: tl.constexpr,
+    IS_DS_MLA: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
 ):
@@ -95,7 +99,7 @@ def _gather_context_kernel(
             tile // col_tiles, tile % col_tiles, num_rows, num_requests, block_size, width,
             stride_cache_block, stride_cache_token, stride_cache_col, stride_table_row, stride_table_col,
             stride_cu, stride_starts, stride_ws_row, stride_ws_col,
-            IS_FP8, BLOCK_ROWS, BLOCK_COLS,
+            IS_FP8, IS_DS_MLA, BLOCK_ROWS, BLOCK_COLS,
         )
         tile += tl.num_programs(0)
 
@@ -147,6 +151,7 @@ def gather_context(kv_cache, block_table, cu_seq_lens, starts, k_scale, workspac
             starts.stride(0),
             *workspace.stride(),
             IS_FP8=is_fp8,
+            IS_DS_MLA=kv_cache.dtype == torch.uint8,
             BLOCK_ROWS=BLOCK_ROWS,
             BLOCK_COLS=block_cols,
             num_warps=NUM_WARPS,

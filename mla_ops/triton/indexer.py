@@ -3,7 +3,8 @@
 q_index        [T, H_I, D_I]  fp16/bf16/fp32 (bf16 upcast to fp32 under the interpreter)
 index_weights  [T, H_I]       float32 or the queries' dtype
 k_index        [T, D_I]       the step's new index keys, dtype of q_index
-index_cache    [num_blocks, block_size, D_I]  dtype of q_index, or float8_e4m3fn with k_scale
+index_cache    [num_blocks, block_size, D_I]  dtype of q_index, or float8_e4m3fn with k_scale, or
+                              fp8_per_token's [.., .., D_I + 4] uint8 (block-major codes then scales)
 block_table    [>= B, max_blocks] int32;  query_start_loc [B+1], context_lens [B] int32
 starts [B], cu_seq_lens [B+1]   the chunk's rows: request r's positions ``starts[r] ..`` at rows ``cu_seq_lens[r] ..``
 slot_token     [M] int64       each slot's token (``ops.indexer.slot_tokens``; T or more: a dead slot)
@@ -20,8 +21,9 @@ read on the device (token count, row count), so a tile past them (all of a dead 
 writes -inf: the top-k that follows reads the whole buffer.
 
 fp8 rows are decoded from their bits (``e4m3fn_to_float32``); the raw e4m3 values are exact in
-fp16/bf16, so they enter ``tl.dot`` undequantized and ``k_scale`` multiplies the context rows'
-fp32 dots (a positive scale commutes with relu).
+fp16/bf16, so they enter ``tl.dot`` undequantized and ``k_scale`` (or an fp8_per_token row's own
+scale, read from its block's scale bytes) multiplies the context rows' fp32 dots (a positive scale
+commutes with relu).
 """
 
 from __future__ import annotations
@@ -30,18 +32,19 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import device_guard, dot_dtype, dot_precision, e4m3fn_to_float32, find_request
+from ._common import device_guard, dot_dtype, dot_precision, e4m3fn_to_float32, find_request, load_float32_bytes
 
 
 @triton.jit
 def _index_scores_kernel(
     q_ptr, w_ptr, k_index_ptr, cache_ptr, block_table_ptr, qsl_ptr, ctx_ptr, starts_ptr, cu_ptr,
     slot_token_ptr, k_scale_ptr, scores_ptr,
-    num_tokens, num_requests, block_size, head_dim, num_slots, num_rows_cap,
+    num_tokens, num_requests, block_size, head_dim, num_slots, num_rows_cap, scales_at,
     stride_qt, stride_qh, stride_qd, stride_wt, stride_wh, stride_kt, stride_kd,
     stride_cache_block, stride_cache_token, stride_cache_col, stride_table_row, stride_table_col,
     stride_qsl, stride_ctx, stride_starts, stride_cu, stride_slot, stride_sm, stride_sw,
-    NUM_HEADS: tl.constexpr, IS_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_HEADS: tl.constexpr, IS_FP8: tl.constexpr, IS_PER_TOKEN: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     row_tiles = tl.cdiv(num_rows_cap, BLOCK_N)
@@ -70,13 +73,16 @@ def _index_scores_kernel(
         # Keys as [BLOCK_D, BLOCK_N]: the dot's right operand.
         cached = tl.load(cache_ptr + cache_row[None, :] + offs_d.to(tl.int64)[:, None] * stride_cache_col,
                          mask=d_mask[:, None] & in_context[None, :], other=0)
-        if IS_FP8:
+        if IS_FP8 or IS_PER_TOKEN:
             cached = e4m3fn_to_float32(cached.to(tl.int32))
         new = tl.load(k_index_ptr + new_token.to(tl.int64)[None, :] * stride_kt + offs_d.to(tl.int64)[:, None] * stride_kd,
                       mask=d_mask[:, None] & is_new[None, :], other=0)
         keys = tl.where(in_context[None, :], cached.to(DOT_DTYPE), new.to(DOT_DTYPE))
         if IS_FP8:
             row_scale = tl.where(in_context, tl.load(k_scale_ptr).to(tl.float32), 1.0)
+        if IS_PER_TOKEN:  # a block's scales follow its codes: token i's at byte scales_at + 4 i
+            scale_at = block.to(tl.int64) * stride_cache_block + scales_at + 4 * (position % block_size).to(tl.int64)
+            row_scale = tl.where(in_context, load_float32_bytes(cache_ptr + scale_at, in_context), 1.0)
         # Slots: token, request, position.
         token = tl.load(slot_token_ptr + offs_m * stride_slot, mask=offs_m < num_slots, other=num_tokens)
         slot_live = token < num_tokens
@@ -89,7 +95,7 @@ def _index_scores_kernel(
             q = tl.load(q_rows + h * stride_qh, mask=slot_live[:, None] & d_mask[None, :], other=0)
             weight = tl.load(w_ptr + token.to(tl.int64) * stride_wt + h * stride_wh, mask=slot_live, other=0)
             dot = tl.dot(q.to(DOT_DTYPE), keys, input_precision=DOT_PRECISION)
-            if IS_FP8:
+            if IS_FP8 or IS_PER_TOKEN:
                 dot = dot * row_scale[None, :]
             # relu that keeps NaN (tl.maximum's default drops it, as fmaxf does): a NaN query or key shows.
             acc += weight.to(tl.float32)[:, None] * tl.maximum(dot, 0.0, propagate_nan=tl.PropagateNan.ALL)
@@ -122,19 +128,22 @@ def chunk_scores(q_index, index_weights, k_index, index_cache, block_table, quer
             scores.fill_(float("-inf"))
             return
         is_fp8 = index_cache.dtype == torch.float8_e4m3fn
+        per_token = index_cache.dtype == torch.uint8  # fp8_per_token: block-major codes, then scales
         cache = index_cache.view(torch.uint8) if is_fp8 else index_cache
+        cache_strides = (cache.stride(0), head_dim, 1) if per_token else cache.stride()
         grid = (triton.cdiv(num_slots, BLOCK_M) * triton.cdiv(rows, BLOCK_N),)
         _index_scores_kernel[grid](
             q_index, index_weights, k_index, cache, block_table, query_start_loc, context_lens, starts, cu_seq_lens,
             slot_token,
             k_scale if is_fp8 else scores,  # a never-read placeholder pointer otherwise
             scores,
-            num_tokens, num_requests, index_cache.shape[1], head_dim, num_slots, rows,
-            *q_index.stride(), *index_weights.stride(), *k_index.stride(), *cache.stride(), *block_table.stride(),
+            num_tokens, num_requests, index_cache.shape[1], head_dim, num_slots, rows, index_cache.shape[1] * head_dim,
+            *q_index.stride(), *index_weights.stride(), *k_index.stride(), *cache_strides, *block_table.stride(),
             query_start_loc.stride(0), context_lens.stride(0), starts.stride(0), cu_seq_lens.stride(0),
             slot_token.stride(0),
             *scores.stride(),
-            NUM_HEADS=num_heads, IS_FP8=is_fp8, DOT_DTYPE=dtype, DOT_PRECISION=dot_precision(dtype),
+            NUM_HEADS=num_heads, IS_FP8=is_fp8, IS_PER_TOKEN=per_token, DOT_DTYPE=dtype,
+            DOT_PRECISION=dot_precision(dtype),
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
             num_warps=NUM_WARPS,
         )

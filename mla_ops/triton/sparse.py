@@ -1,7 +1,8 @@
 """Triton kernel: sparse attention (DSA) over each query's selected latent rows, read where they are.
 
 q                [T, N, P+R]   rotated queries          kv_c [T, L], k_pe [T, R]: the step's new rows
-kv_cache         [num_blocks, PAGE_SIZE, L+R]   16/32-bit, or float8_e4m3fn with k_scale [1] float32
+kv_cache         [num_blocks, PAGE_SIZE, L+R]   16/32-bit, or float8_e4m3fn with k_scale [1] float32, or
+                               fp8_ds_mla's [.., .., 656] uint8 rows (dequantized as read)
 block_table      [B, max_blocks] int32   query_start_loc [B+1] int32   context_lens [B] int32
 sparse           [B] bool      topk_indices [T, K] int32 (positions in the request's sequence; -1 pads; -2:
                                no finite selection, the token's out and lse are NaN)
@@ -37,8 +38,8 @@ import triton.language as tl
 from .. import _mla
 from .._mla import MLADims, split_kv_b_proj
 from ._common import (
-    LN2, LOG2E, device_guard, dot_dtype, dot_precision, e4m3fn_to_float32, find_request, persistent_grid,
-    persistent_programs,
+    LN2, LOG2E, device_guard, dot_dtype, dot_precision, ds_mla_latent, ds_mla_rope, e4m3fn_to_float32, find_request,
+    persistent_grid, persistent_programs,
 )
 from .rows_gemm import rows_gemm
 
@@ -48,6 +49,7 @@ def _select_rows(
     cache_ptr, new_ptr, table_row_ptr, rows_new, in_cache, in_new, keys, cols, col_ok,
     stride_table_col, stride_cache_block, stride_cache_token, stride_cache_col, stride_new_col,
     PAGE_SIZE: tl.constexpr, IS_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, KEYS_FIRST: tl.constexpr,
+    DS_MLA_PART: tl.constexpr,  # 0: a plain cache; fp8_ds_mla rows: 1 the latent columns, 2 the rope ones
 ):
     """Columns ``cols`` of the selected rows: ``[BLOCK_N, C]`` (or ``[C, BLOCK_N]`` with KEYS_FIRST
     False), each from the cache (``in_cache``), the new rows (``in_new``) or 0, in DOT_DTYPE."""
@@ -55,15 +57,21 @@ def _select_rows(
     row = block.to(tl.int64) * stride_cache_block + (keys % PAGE_SIZE).to(tl.int64) * stride_cache_token
     col = cols.to(tl.int64)
     if KEYS_FIRST:
-        cached = tl.load(cache_ptr + row[:, None] + col[None, :] * stride_cache_col,
-                         mask=in_cache[:, None] & col_ok[None, :], other=0)
+        row_at, col_at = row[:, None], col[None, :]
+        cache_mask = in_cache[:, None] & col_ok[None, :]
         new = tl.load(new_ptr + rows_new[:, None] + col[None, :] * stride_new_col,
                       mask=in_new[:, None] & col_ok[None, :], other=0)
     else:
-        cached = tl.load(cache_ptr + row[None, :] + col[:, None] * stride_cache_col,
-                         mask=in_cache[None, :] & col_ok[:, None], other=0)
+        row_at, col_at = row[None, :], col[:, None]
+        cache_mask = in_cache[None, :] & col_ok[:, None]
         new = tl.load(new_ptr + rows_new[None, :] + col[:, None] * stride_new_col,
                       mask=in_new[None, :] & col_ok[:, None], other=0)
+    if DS_MLA_PART == 1:  # dequantized here (float32)
+        cached = ds_mla_latent(cache_ptr + row_at, col_at, cache_mask)
+    elif DS_MLA_PART == 2:
+        cached = ds_mla_rope(cache_ptr + row_at, col_at, cache_mask)
+    else:
+        cached = tl.load(cache_ptr + row_at + col_at * stride_cache_col, mask=cache_mask, other=0)
     if IS_FP8:
         cached = e4m3fn_to_float32(cached.to(tl.int32))
     if KEYS_FIRST:
@@ -90,7 +98,7 @@ def _sparse_item(
     HEAD_L: tl.constexpr, HEAD_R: tl.constexpr, NUM_TOPK: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, IS_FP8: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, IS_FP8: tl.constexpr, IS_DS_MLA: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One (packed token row, head group, value slice) item over the token's selected keys."""
@@ -118,6 +126,10 @@ def _sparse_item(
     if IS_FP8:
         k_scale = tl.load(k_scale_ptr).to(tl.float32)
     table_row_ptr = block_table_ptr + request.to(tl.int64) * stride_table_row
+    if IS_DS_MLA:  # byte rows: the rope part is found by ds_mla_rope
+        rope_ptr = cache_ptr
+    else:
+        rope_ptr = cache_ptr + HEAD_L * stride_cache_col
     new_base = q_begin.to(tl.int64) - context  # new row of position s: q_begin + s - c_r
     offs_n = tl.arange(0, BLOCK_N)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -136,14 +148,14 @@ def _sparse_item(
             new_rows = new_base + keys  # [BLOCK_N]
             k_lat = _select_rows(cache_ptr, kv_c_ptr, table_row_ptr, new_rows * stride_kvc_t, in_cache, in_new, keys,
                                  offs_l, mask_l, stride_table_col, stride_cache_block, stride_cache_token,
-                                 stride_cache_col, stride_kvc_d, PAGE_SIZE, IS_FP8, DOT_DTYPE, False)
-            k_rope = _select_rows(cache_ptr + HEAD_L * stride_cache_col, k_pe_ptr, table_row_ptr,
+                                 stride_cache_col, stride_kvc_d, PAGE_SIZE, IS_FP8, DOT_DTYPE, False, IS_DS_MLA * 1)
+            k_rope = _select_rows(rope_ptr, k_pe_ptr, table_row_ptr,
                                   new_rows * stride_kpe_t, in_cache, in_new, keys, offs_r, mask_r, stride_table_col,
                                   stride_cache_block, stride_cache_token, stride_cache_col, stride_kpe_d, PAGE_SIZE,
-                                  IS_FP8, DOT_DTYPE, False)
+                                  IS_FP8, DOT_DTYPE, False, IS_DS_MLA * 2)
             v = _select_rows(cache_ptr, kv_c_ptr, table_row_ptr, new_rows * stride_kvc_t, in_cache, in_new, keys,
                              offs_dv, mask_dv, stride_table_col, stride_cache_block, stride_cache_token,
-                             stride_cache_col, stride_kvc_d, PAGE_SIZE, IS_FP8, DOT_DTYPE, True)
+                             stride_cache_col, stride_kvc_d, PAGE_SIZE, IS_FP8, DOT_DTYPE, True, IS_DS_MLA * 1)
             qk = tl.dot(q_lat, k_lat, input_precision=DOT_PRECISION)
             qk = tl.dot(q_pe, k_rope, qk, input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
             column_scale = tl.where(in_cache, k_scale, 1.0)  # fp8 cache rows enter undequantized
@@ -194,7 +206,7 @@ def _sparse_fwd(
     HEAD_L: tl.constexpr, HEAD_R: tl.constexpr, NUM_TOPK: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, IS_FP8: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, IS_FP8: tl.constexpr, IS_DS_MLA: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Persistent: stride over the (packed token, head group, value slice) items of the sparse tokens;
@@ -214,7 +226,7 @@ def _sparse_fwd(
             stride_qsl, stride_loc, stride_ctx, stride_topk_t, stride_topk_k,
             stride_olt, stride_olh, stride_old, stride_lh, stride_lt,
             HEAD_L, HEAD_R, NUM_TOPK, BLOCK_L, BLOCK_R, BLOCK_DV, BLOCK_H, BLOCK_N,
-            PAGE_SIZE, IS_FP8, DOT_DTYPE, DOT_PRECISION,
+            PAGE_SIZE, IS_FP8, IS_DS_MLA, DOT_DTYPE, DOT_PRECISION,
         )
         item += tl.num_programs(0)
 
@@ -274,7 +286,7 @@ def sparse_attention(q, kv_c, k_pe, kv_cache, block_table, query_start_loc, cont
             HEAD_L=latent, HEAD_R=rope, NUM_TOPK=num_topk,
             BLOCK_L=max(16, triton.next_power_of_2(latent)), BLOCK_R=max(16, triton.next_power_of_2(rope)),
             BLOCK_DV=block_dv, BLOCK_H=block_h, BLOCK_N=block_n,
-            PAGE_SIZE=kv_cache.shape[1], IS_FP8=is_fp8,
+            PAGE_SIZE=kv_cache.shape[1], IS_FP8=is_fp8, IS_DS_MLA=kv_cache.dtype == torch.uint8,
             DOT_DTYPE=dtype, DOT_PRECISION=dot_precision(dtype),
             num_warps=num_warps, num_stages=num_stages,
         )

@@ -65,3 +65,28 @@ def test_dsa_cost_cli(tmp_path):
     assert large["sparse_attention"]["flops"] == small["sparse_attention"]["flops"]  # K_I keys a query either way
     assert [s["dense_routed"] for s in result["short_requests"]] == ["mha", "absorbed"]
     assert png.stat().st_size > 10_000
+
+
+def test_vllms_packed_formats_bytes():
+    """fp8_ds_mla: 512 fp8 + 4 float32 scales + 64 bf16 = 656 B a latent row; fp8_per_token: 128 + 4 = 132 B."""
+    assert dsa_cost.latent_row_bytes(dsa_cost.V3, "vllm") == 656
+    assert dsa_cost.index_row_bytes(dsa_cost.V32_INDEXER, "vllm") == 132
+    formats = dsa_cost.cache_formats(dsa_cost.V3, dsa_cost.V32_INDEXER)
+    assert formats["fp8 (per-tensor k_scale)"] == dict(latent=576, index=128)
+    assert formats["bf16"] == dict(latent=1152, index=256)
+    assert formats["vllm_over_per_tensor_fp8"] == dict(latent=round(656 / 576, 4), index=round(132 / 128, 4))
+    c, q = 8192, 1024
+    fp8 = dsa_cost.request_cost(c, q, dsa_cost.V3, dsa_cost.V32_INDEXER, 65536, 1024, 1)
+    vllm = dsa_cost.request_cost(c, q, dsa_cost.V3, dsa_cost.V32_INDEXER, 65536, 1024, "vllm")
+    assert vllm["indexer"]["key_bytes"] == (c + q) * 132
+    assert vllm["sparse_attention"]["bytes"] - fp8["sparse_attention"]["bytes"] == q * 2048 * (656 - 576)
+    assert vllm["dense_mha"]["bytes"] - fp8["dense_mha"]["bytes"] == c * (656 - 576)
+    assert vllm["dense_mha"]["flops"] == fp8["dense_mha"]["flops"]
+
+
+def test_dsa_cost_cli_with_vllms_formats(tmp_path):
+    out = tmp_path / "dsa.json"
+    result = dsa_cost.main(["--json", str(out), "--contexts", "8192", "--queries", "1024", "--short", "0:2048",
+                            "--cache-bytes", "vllm"])
+    assert result["cache_row_bytes"] == dict(latent=656, index=132)
+    assert json.loads(out.read_text()) == result

@@ -184,6 +184,15 @@ def test_one_rank_equals_single_device(world_of_one, absorb_max_query_len, max_c
     torch.testing.assert_close(out, expect, rtol=0, atol=1e-12)
 
 
+def test_a_packed_cache_format_is_refused_by_name(world_of_one):
+    b = prefill_batch()
+    plan = mla_ops.plan_prefill(b["qsl"], b["ctx"], b["table"], 4, workspace_size=8,
+                                context_parallel=mla_ops.ContextParallel())
+    packed = torch.zeros(b["cache"].shape[0], 4, 656, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="context_parallel does not read fp8_ds_mla caches"):
+        mla_ops.begin_step(plan, packed, kv_cache_format="fp8_ds_mla")
+
+
 @pytest.mark.parametrize("max_chunks", [None, 8])
 def test_fp8_rows_travel_as_fp8(world_of_one, max_chunks):
     """An fp8 cache's rows are all-gathered as its bytes (uint8, 1 byte an element: ``local_part``)

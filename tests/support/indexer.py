@@ -58,7 +58,10 @@ def _scores(q, w, keys):
 
 
 def indexer_batch(context_lens, query_lens, topk, *, block_size, heads=4, width=16, dtype=torch.float32,
-                  weights_dtype=torch.float32, fp8_scale=None, pad_tokens=0, seed=0, gap=1e-3) -> IndexerBatch:
+                  weights_dtype=torch.float32, fp8_scale=None, pad_tokens=0, seed=0, gap=1e-3,
+                  stored=None) -> IndexerBatch:
+    """``stored``: the cache's values as a packed format reads them back (a function of the float cache),
+    which the oracle then scores."""
     g = torch.Generator().manual_seed(seed)
     num_tokens = sum(query_lens)
     num_blocks, table = paged_block_table([-(-c // block_size) for c in context_lens], g, spare_blocks=2,
@@ -68,7 +71,7 @@ def indexer_batch(context_lens, query_lens, topk, *, block_size, heads=4, width=
         for p in range(c):
             cache[table[r, p // block_size], p % block_size] = torch.randn(width, generator=g)
     cache = cache.to(FP8 if fp8_scale else dtype)
-    keys_cache = cache.double() * (fp8_scale or 1.0)  # what the op reads, dequantized
+    keys_cache = cache.double() * (fp8_scale or 1.0) if stored is None else stored(cache).double()  # what is read
     total = num_tokens + pad_tokens
     q = torch.randn(total, heads, width, generator=g).to(dtype)
     w = torch.randn(total, heads, generator=g).to(weights_dtype)

@@ -73,10 +73,14 @@ def test_non_finite_inputs_mark_the_tokens_they_reach_on_the_triton_scorer(kind)
         check_poisoned_topk(got, batch, TOPK, plan.sparse.tolist(), reached, 0)
         s = plan.index_schedule
         k_scale = k_scale_tensor(batch.k_scale, batch.index_cache)
+        token_loc = sparse_token_loc(plan.query_start_loc, plan.sparse)
         for i in range(s.max_chunks):  # NaN in the same places as the torch scorer's
-            got_scores, want_scores = (torch.full((s.tokens, s.rows), 7.0) for _ in range(2))
+            m, w = s.piece_shapes[i] if s.piece_shapes else (s.tokens, s.rows)
+            got_scores, want_scores = (torch.full((m, w), 7.0) for _ in range(2))
+            t = slot_tokens(plan.query_start_loc, token_loc, s.token_start.narrow(0, i, 1), s.token_end.narrow(0, i, 1),
+                            m, plan.num_tokens)
             chunk = (*batch.args, plan.block_table, plan.query_start_loc, plan.context_lens, s.starts[i],
-                     s.cu_seq_lens[i], s.token_start.narrow(0, i, 1), s.token_end.narrow(0, i, 1), k_scale)
+                     s.cu_seq_lens[i], t, k_scale)
             chunk_scores(*chunk, got_scores)
             chunk_scores_reference(*chunk, want_scores)
             assert torch.equal(torch.isnan(got_scores), torch.isnan(want_scores)), i

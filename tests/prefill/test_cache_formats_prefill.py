@@ -294,4 +294,5 @@ def test_opcheck_of_the_reading_ops_on_packed_caches():
     torch.library.opcheck(torch.ops.mla_ops.index_topk.default,
                           (*index.args[:3], pack_per_token(index.index_cache.float()), plan.block_table,
                            plan.query_start_loc, plan.context_lens, plan.sparse, s.starts, s.cu_seq_lens,
-                           s.token_start, s.token_end, None, plan.index_topk, s.rows, s.tokens), test_utils=utils)
+                           s.token_start, s.token_end, None, plan.index_topk, s.rows, s.tokens,
+                           [m for m, _ in s.piece_shapes], [w for _, w in s.piece_shapes]), test_utils=utils)

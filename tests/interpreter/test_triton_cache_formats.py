@@ -48,7 +48,8 @@ def test_gather_dequantizes_fp8_ds_mla_rows(block_size):
 
 
 def test_index_scores_read_fp8_per_token_keys():
-    from mla_ops.ops.indexer import chunk_scores_reference, index_topk_chunked
+    from mla_ops.ops.indexer import chunk_scores_reference, index_topk_chunked, slot_tokens
+    from mla_ops.planning.index_schedule import sparse_token_loc
     from mla_ops.triton.indexer import chunk_scores
     from tests.support.indexer import check_topk, indexer_batch
 
@@ -59,10 +60,14 @@ def test_index_scores_read_fp8_per_token_keys():
     args = (batch.q_index, batch.index_weights, batch.k_index, packed)
     plan = batch.plan(topk, 16, 32)
     s = plan.index_schedule
+    token_loc = sparse_token_loc(plan.query_start_loc, plan.sparse)
     for i in range(s.max_chunks):
-        got, want = (torch.full((s.tokens, s.rows), 7.0) for _ in range(2))
-        chunk = (*args, plan.block_table, plan.query_start_loc, plan.context_lens, s.starts[i], s.cu_seq_lens[i],
-                 s.token_start.narrow(0, i, 1), s.token_end.narrow(0, i, 1), None)
+        m, w = s.piece_shapes[i]  # the host form's tile of piece i
+        got, want = (torch.full((m, w), 7.0) for _ in range(2))
+        t = slot_tokens(plan.query_start_loc, token_loc, s.token_start.narrow(0, i, 1), s.token_end.narrow(0, i, 1), m,
+                        plan.num_tokens)
+        chunk = (*args, plan.block_table, plan.query_start_loc, plan.context_lens, s.starts[i], s.cu_seq_lens[i], t,
+                 None)
         chunk_scores(*chunk, got)
         chunk_scores_reference(*chunk, want)
         assert torch.equal(torch.isinf(got), torch.isinf(want)), i
@@ -72,7 +77,8 @@ def test_index_scores_read_fp8_per_token_keys():
         s = plan.index_schedule
         top = index_topk_chunked(chunk_scores, *args, plan.block_table, plan.query_start_loc, plan.context_lens,
                                  plan.sparse, s.starts, s.cu_seq_lens, s.token_start, s.token_end, None,
-                                 plan.index_topk, s.rows, s.tokens)
+                                 plan.index_topk, s.rows, s.tokens, [m for m, _ in s.piece_shapes],
+                                 [w for _, w in s.piece_shapes])
         check_topk(top, batch.expected, topk)
 
 

@@ -140,7 +140,7 @@ class LayerCensus(TorchDispatchMode):
 
 
 # DeepSeek Sparse Attention on the tiny preset: requests with more than 16 keys take the sparse path.
-DSA = dict(index_topk=16, index_n_heads=4, index_head_dim=16)
+DSA = dict(indexer=dict(index_topk=16, index_n_heads=4, index_head_dim=16))
 
 
 def census(batch: int, device_plan: bool, fp8: bool, layers: int = 3, seed: int = 0, backend: str = "torch",

@@ -37,7 +37,7 @@ from .ops.backends import BACKENDS
 from .ops.cache import CACHE_DTYPES, check_slot_mapping, write_checked
 from .ops.cache_formats import check_latent_format, latent_width
 from .ops.indexer import check_index_layer, check_index_step, index_topk_checked
-from .ops.sparse import check_topk_indices, check_topk_values
+from .ops.sparse import check_topk_indices, check_topk_values, topk_rows
 from .parallel.plan import plan_context_parallel
 from .parallel.run import run_context_parallel
 from .planning import plan as planning
@@ -143,6 +143,7 @@ class PrefillStep:
         # DSA: the requests whose tokens the sparse op writes. Requests the device plan truncated keep
         # the NaN that mark_truncated gave the merged result.
         self.sparse_rows = None
+        self._topk_rows = None  # eager only: ops.sparse.topk_rows of the step (begin_step, or its first DSA layer)
         if plan.index_topk:
             self.sparse_rows = plan.sparse if plan.truncated is None else plan.sparse & ~plan.truncated
 
@@ -229,7 +230,12 @@ class PrefillStep:
                              f"topk_indices [T, {plan.index_topk}] int32, the keys each query attends "
                              "(mla_ops.index_topk)")
         check_topk_indices(topk_indices, num_tokens, plan.index_topk, plan.device, "plan")
-        check_topk_values(topk_indices, plan.query_start_loc, plan.context_lens, plan.sparse)
+        rows = None
+        if checks.values_readable(topk_indices):  # eager: the step's rows made once, for every layer
+            if self._topk_rows is None or self._topk_rows[0].shape[0] != num_tokens:
+                self._topk_rows = topk_rows(plan.query_start_loc, plan.context_lens, plan.sparse, num_tokens)
+            rows = self._topk_rows
+        check_topk_values(topk_indices, plan.query_start_loc, plan.context_lens, plan.sparse, rows)
 
     def _check_layer(self, q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, out, return_lse,
                      v_head_dim=None) -> MLADims:
@@ -401,9 +407,12 @@ def begin_step(plan: PrefillPlan, kv_cache: torch.Tensor, slot_mapping: torch.Te
     # The plan's block size (an int), not the cache's size it equals: under torch.compile that one is a symbol
     # the check above fixed, which a nested region cannot be handed.
     index_scale = None if index_cache is None else checks.k_scale_tensor(k_scale_index, index_cache)
-    return PrefillStep(plan, slot_mapping, checks.k_scale_tensor(k_scale, kv_cache), truncated, kernels,
+    step = PrefillStep(plan, slot_mapping, checks.k_scale_tensor(k_scale, kv_cache), truncated, kernels,
                        (num_blocks, plan.block_size), kv_cache.dtype, num_tokens is not None, index_scale, suffix,
                        (kv_cache_format, index_cache_format))
+    if plan.index_topk and num_tokens is not None and checks.values_readable(plan.query_start_loc):
+        step._topk_rows = topk_rows(plan.query_start_loc, plan.context_lens, plan.sparse, num_tokens)
+    return step
 
 
 def run_prefill(

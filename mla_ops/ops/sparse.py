@@ -131,19 +131,26 @@ def check_topk_indices(topk_indices, num_tokens: int, index_topk: int | None, de
         raise ValueError(f"topk_indices must be [T, index_topk] = {want}, got {list(topk_indices.shape)}")
 
 
-def check_topk_values(topk_indices, query_start_loc, context_lens, sparse) -> None:
+def topk_rows(query_start_loc, context_lens, sparse, num_tokens: int):
+    """What ``check_topk_values`` checks a step's rows against, the same for every layer: per token its
+    request, ``c_r + q_r``, and whether its row is checked (a live token of a sparse request) [T, 1]."""
+    request, _, valid = token_requests(query_start_loc, num_tokens)
+    seq = (context_lens + (query_start_loc[1:] - query_start_loc[:-1])).index_select(0, request)  # [T]: c_r + q_r
+    return request, seq, (valid & sparse.index_select(0, request))[:, None]
+
+
+def check_topk_values(topk_indices, query_start_loc, context_lens, sparse, rows=None) -> None:
     """Where readable (CPU): every entry of a sparse request's token lies in ``-2 .. c_r + q_r - 1``
     (positions in its request's sequence) and no position repeats in a row (the softmax would count
     that key twice); other tokens' rows are ignored, so not checked. Elsewhere, under the debug switch
-    (``mla_ops.set_debug``), the same checks as device-side asserts."""
+    (``mla_ops.set_debug``), the same checks as device-side asserts. ``rows``: ``topk_rows`` of the step,
+    where a step made them once for all its layers."""
     if topk_indices.numel() == 0 or context_lens.shape[0] == 0:
         return
     readable = checks.values_readable(topk_indices, query_start_loc, context_lens, sparse)
     if not (readable or checks.debug_enabled()):
         return
-    request, _, valid = token_requests(query_start_loc, topk_indices.shape[0])
-    seq = (context_lens + (query_start_loc[1:] - query_start_loc[:-1])).index_select(0, request)  # [T]: c_r + q_r
-    checked = (valid & sparse.index_select(0, request))[:, None]
+    request, seq, checked = rows or topk_rows(query_start_loc, context_lens, sparse, topk_indices.shape[0])
     bad = ((topk_indices < NO_FINITE_SELECTION) | (topk_indices >= seq[:, None])) & checked
     ordered = topk_indices.sort(dim=1).values  # a repeat is two equal neighbours
     repeated = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)) & checked

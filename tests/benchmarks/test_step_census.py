@@ -34,3 +34,5 @@ def test_a_sparse_step_runs_the_suffix_attention_over_its_dense_routed_tokens_on
     assert 0 < row["dense_routed_tokens"] < row["tokens"]
     assert row["suffix_tokens_per_layer"] == [row["dense_routed_tokens"]] * 2
     assert len(set(row["ops_per_layer"])) == 1
+    # the top-k rows' check reads the step's token map, made once (begin_step), not per layer
+    assert row["step_only_ops"] == {} and row["step_only_per_layer"] == [0] * 2

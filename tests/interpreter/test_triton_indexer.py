@@ -112,6 +112,15 @@ def test_fused_top_k_matches_the_oracle_in_both_plan_forms(topk, workspace, budg
         check_topk(index_topk_fused(*op_args(batch, plan)), batch.expected, topk)
 
 
+def test_fused_top_k_merges_row_tiles_into_a_wider_running_top_k():
+    """K = 100: a running width of 128 keys (K_PAD) against 64-row tiles, of which only the K best are read."""
+    topk = 100
+    batch = indexer_batch([230, 0, 3, 120], [3, 7, 2, 4], topk, block_size=8, heads=HEADS, width=WIDTH, seed=12)
+    for max_chunks in (None, 12):
+        plan = batch.plan(topk, 128, 1024, max_chunks=max_chunks)
+        check_topk(index_topk_fused(*op_args(batch, plan)), batch.expected, topk)
+
+
 @pytest.mark.parametrize("dtype, fp8", [(torch.float16, False), (torch.bfloat16, False), (torch.float16, True),
                                         (torch.bfloat16, True)])
 def test_fused_top_k_reads_16_bit_and_fp8_caches(dtype, fp8):

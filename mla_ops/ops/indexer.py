@@ -31,20 +31,22 @@ A dense-routed request takes every candidate whatever the scores (exact: its sel
 Scores are never held whole: the plan's index chunks (``mla_ops/planning/index_schedule.py``) each
 gather at most W keys (from the cache for context positions, from ``k_index`` for new ones, fp8
 dequantized) and score their query tokens (the sparse requests' only: ``slot_tokens`` maps a piece's
-sparse tokens to the step's) against them into one [M, W] buffer (heads one at a time: a per-head product
-is [M, W] too); each token keeps the top ``min(K, W)`` of its row and folds
+sparse tokens to the step's) against them (the torch fold: into one [M, W] buffer, heads one at a time, a
+per-head product is [M, W] too); each token keeps the top ``min(K, W)`` of its row and folds
 them into the running top-k ``(score, position)`` [T, K]. The fold is associative, ``(-inf, -1)``
 its identity (as the LSE merge's ``0 / -inf``), so the chunk order is free. Every chunk is read by
 tensor index (no host read of a device value), so the device form's C static chunks run without a
 sync and chunks past the count (``token_start == token_end``) fold nothing.
 
 Precision: scores in float32 from the inputs upcast (float64 for float64 queries: the reference is
-exact there). Ties in score are broken by ``torch.topk`` (any of the tied keys may be picked).
+exact there). Ties in score: the torch fold leaves them to ``torch.topk`` (any of the tied keys may be
+picked), the fused kernel keeps the lower position.
 
-Implementations: on CPU the torch scorer below (the oracle); on CUDA the Triton scorer of
-``mla_ops/triton/indexer.py`` (one launch per chunk: fused key gather, fp8 decode, per-head dots,
-relu, weighted sum and mask), falling back to the torch scorer where Triton is not installed or for
-float64. The top-k fold is torch on either.
+Implementations: on CPU the torch scorer and ``torch.topk`` fold below (the oracle); on CUDA the fused
+Triton kernel of ``mla_ops/triton/indexer.py`` (``index_topk_fused``: one launch per piece gathers the keys,
+decodes fp8, scores and folds each tile into the running top-k as sortable int64 keys, with no scores
+buffer; a piece's dead slots exit at once), falling back to the torch fold where Triton is not installed or
+for float64.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Triton kernel: one lightning-indexer chunk's masked scores (DSA, DESIGN §12).
+"""Triton kernels of the lightning indexer (DSA, DESIGN §12): one piece's scores folded into the running
+top-k (``fold_piece_topk``, the op's CUDA path), and the same scores written out (``chunk_scores``).
 
 q_index        [T, H_I, D_I]  fp16/bf16/fp32 (bf16 upcast to fp32 under the interpreter)
 index_weights  [T, H_I]       float32 or the queries' dtype
@@ -9,16 +10,27 @@ block_table    [>= B, max_blocks] int32;  query_start_loc [B+1], context_lens [B
 starts [B], cu_seq_lens [B+1]   the chunk's rows: request r's positions ``starts[r] ..`` at rows ``cu_seq_lens[r] ..``
 slot_token     [M] int64       each slot's token (``ops.indexer.slot_tokens``; T or more: a dead slot)
 k_scale        [1] float32 or None   fp8 caches: dequantized = stored * k_scale
-scores         [M, W] float32 (out=)  slot m, row w: ``I(slot_token[m], row w)``, -inf off the candidates
+best           [T, K_PAD] int64 (in place)  each token's running top K_PAD keys, sorted descending
+not_finite     [T] int32 (in place)  set to 1 for a token with a non-finite candidate score
+scores         [M, W] float32 (out=, ``chunk_scores``)  slot m, row w: ``I(slot_token[m], row w)``, -inf off
+                              the candidates
 
-The oracle is ``chunk_scores_reference`` of ``mla_ops/ops/indexer.py``. Each program computes one
-(token tile, row tile) of the buffer: it finds each row's request by a binary search over
-``cu_seq_lens`` and its key where it lives (the paged cache for context positions, ``k_index`` for
-the step's new ones), each slot's request over ``query_start_loc``, and folds the H_I heads' dots
-(``relu``, weighted) into an fp32 accumulator; a non-finite score becomes NaN (the top-k fold flags
-its token), then the request/causal mask writes -inf. Every bound is
-read on the device (token count, row count), so a tile past them (all of a dead chunk's) only
-writes -inf: the top-k that follows reads the whole buffer.
+The oracle is ``ops/indexer.py``: ``chunk_scores_reference`` and its ``torch.topk`` fold. A tile's scores
+(``_tile_scores``, shared by both kernels): each row's request by a binary search over ``cu_seq_lens`` and
+its key where it lives (the paged cache for context positions, ``k_index`` for the step's new ones), each
+slot's request over ``query_start_loc``, the H_I heads' dots (``relu``, weighted) in an fp32 accumulator; a
+non-finite score becomes NaN (its token is flagged), then the request/causal mask writes -inf. Every bound is
+read on the device (token count, row count).
+
+The fused kernel: a program owns BLOCK_M slots (a token is in one slot of a piece, so no two programs share
+a row of ``best``) and walks the piece's rows in BLOCK_N tiles. Each score becomes one int64 key that sorts
+as (score, then lower position first): the float32 bits made order-preserving in the high half,
+``LAST_POSITION - position`` in the low half; -inf and NaN give EMPTY_KEY, below every candidate. A tile
+whose keys all fall below every slot's K_PAD-th best is skipped; otherwise the tile, sorted ascending and
+padded in front with EMPTY_KEY to K_PAD, meets the running keys (descending) in an elementwise max, which
+holds the top K_PAD of the union (a bitonic merge), and one ``tl.sort`` restores the order. K_PAD is a
+power of two >= K, so the first K keys are the top-k. A tile of dead slots (live slots come first: all of a
+device-form slot past the step's pieces) exits after one load.
 
 fp8 rows are decoded from their bits (``e4m3fn_to_float32``); the raw e4m3 values are exact in
 fp16/bf16, so they enter ``tl.dot`` undequantized and ``k_scale`` (or an fp8_per_token row's own
@@ -144,7 +156,9 @@ NUM_WARPS = 4
 
 def chunk_scores(q_index, index_weights, k_index, index_cache, block_table, query_start_loc, context_lens,
                  starts, cu_seq_lens, slot_token, k_scale, scores) -> None:
-    """Same contract as ``chunk_scores_reference`` (module doc); float32 ``scores`` only."""
+    """Same contract as ``chunk_scores_reference`` (module doc); float32 ``scores`` only. The op does not use it
+    (``fold_piece_topk`` holds no scores): it shows the shared tile scorer equal to the torch one, value by
+    value, NaN and -inf in place, in the interpreter tests."""
     num_slots, rows = scores.shape
     num_tokens, num_heads, head_dim = q_index.shape
     num_requests = context_lens.shape[0]

@@ -12,7 +12,7 @@
 # Steps and limits in seconds (default / --long): wheels 10, env 20, cuda_kernels 70 (the tests
 # marked cuda, anywhere under tests/, whose names hold neither "graph" nor "reduce_overhead":
 # kernels, FlashMLA, mla_prefill), dsa 60 (the cuda tests of DeepSeek Sparse Attention, in $dsa_files:
-# the indexer, sparse attention, a DSA model's CUDA-graph generation, and vLLM's packed cache formats read in place
+# the indexer's fused score + top-k kernel (at K = 2048 too), sparse attention, a DSA model's CUDA-graph generation, and vLLM's packed cache formats read in place
 # by the Triton kernels: fp8_ds_mla latent rows, fp8_per_token index keys, their writes byte-equal to the CPU's),
 # kernel_bench 50 / 180, absorbed_bench 45 / 175,
 # device_path_bench 40 (the device path at K = 1, 4, 16 against the host path), cuda_graphs 65

@@ -31,20 +31,22 @@ A dense-routed request takes every candidate whatever the scores (exact: its sel
 Scores are never held whole: the plan's index chunks (``mla_ops/planning/index_schedule.py``) each
 gather at most W keys (from the cache for context positions, from ``k_index`` for new ones, fp8
 dequantized) and score their query tokens (the sparse requests' only: ``slot_tokens`` maps a piece's
-sparse tokens to the step's) against them into one [M, W] buffer (heads one at a time: a per-head product
-is [M, W] too); each token keeps the top ``min(K, W)`` of its row and folds
+sparse tokens to the step's) against them (the torch fold: into one [M, W] buffer, heads one at a time, a
+per-head product is [M, W] too); each token keeps the top ``min(K, W)`` of its row and folds
 them into the running top-k ``(score, position)`` [T, K]. The fold is associative, ``(-inf, -1)``
 its identity (as the LSE merge's ``0 / -inf``), so the chunk order is free. Every chunk is read by
 tensor index (no host read of a device value), so the device form's C static chunks run without a
 sync and chunks past the count (``token_start == token_end``) fold nothing.
 
 Precision: scores in float32 from the inputs upcast (float64 for float64 queries: the reference is
-exact there). Ties in score are broken by ``torch.topk`` (any of the tied keys may be picked).
+exact there). Ties in score: the torch fold leaves them to ``torch.topk`` (any of the tied keys may be
+picked), the fused kernel keeps the lower position.
 
-Implementations: on CPU the torch scorer below (the oracle); on CUDA the Triton scorer of
-``mla_ops/triton/indexer.py`` (one launch per chunk: fused key gather, fp8 decode, per-head dots,
-relu, weighted sum and mask), falling back to the torch scorer where Triton is not installed or for
-float64. The top-k fold is torch on either.
+Implementations: on CPU the torch scorer and ``torch.topk`` fold below (the oracle); on CUDA the fused
+Triton kernel of ``mla_ops/triton/indexer.py`` (``index_topk_fused``: one launch per piece gathers the keys,
+decodes fp8, scores and folds each tile into the running top-k as sortable int64 keys, with no scores
+buffer; a piece's dead slots exit at once), falling back to the torch fold where Triton is not installed or
+for float64.
 """
 
 from __future__ import annotations
@@ -150,32 +152,58 @@ def chunk_scores_reference(q_index, index_weights, k_index, index_cache, block_t
 ChunkScorer = Callable[..., None]  # chunk_scores_reference's signature
 
 
+def index_pieces(query_start_loc, sparse, token_start, token_end, num_pieces: int, rows: int, tokens: int,
+                 piece_tokens: list[int], piece_rows: list[int], num_tokens: int):
+    """The op's pieces in order: ``(i, slot_token [M] (slot_tokens), M, W)``, piece i's scores tile
+    ``[piece_tokens[i], piece_rows[i]]`` (the host form's), or ``[tokens, rows]`` where the lists are empty (the
+    device form's ``num_pieces``); a piece never has more tokens than the step."""
+    shapes = [(min(m, num_tokens), w) for m, w in zip(piece_tokens, piece_rows)] or \
+        [(min(tokens, num_tokens), rows)] * num_pieces
+    token_loc = sparse_token_loc(query_start_loc, sparse)
+    for i, (slots, width) in enumerate(shapes):
+        yield i, slot_tokens(query_start_loc, token_loc, token_start.narrow(0, i, 1), token_end.narrow(0, i, 1),
+                             slots, num_tokens), slots, width
+
+
+def selected_rows(found, not_finite, query_start_loc, context_lens, sparse, out) -> torch.Tensor:
+    """Fills ``out`` [T, K] int32 from the sparse tokens' folded ``found`` [T, K] positions (-1 past the
+    candidates) and ``not_finite`` [T] bool: a row of -2 for a flagged token, every candidate ``0 .. c_r + j``
+    for a dense-routed request's, -1 for padding (the module doc)."""
+    num_tokens, topk = out.shape
+    device = out.device
+    token = torch.arange(num_tokens, device=device)
+    live = token < query_start_loc[-1]
+    request = _request_of(query_start_loc, token)
+    position = context_lens.long().index_select(0, request) + token - query_start_loc.long().index_select(0, request)
+    candidate = torch.arange(topk, device=device)
+    dense = torch.where(candidate.unsqueeze(0) <= position.unsqueeze(1), candidate, -1)
+    chosen = torch.where(not_finite.unsqueeze(1), NO_FINITE_SELECTION, found)
+    chosen = torch.where(sparse.index_select(0, request).unsqueeze(1), chosen, dense)
+    out.copy_(torch.where(live.unsqueeze(1), chosen, -1))
+    return out
+
+
 def index_topk_chunked(score_chunk: ChunkScorer, q_index, index_weights, k_index, index_cache, block_table,
                        query_start_loc, context_lens, sparse, starts, cu_seq_lens, token_start, token_end, k_scale,
                        topk: int, rows: int, tokens: int, piece_tokens: list[int],
                        piece_rows: list[int]) -> torch.Tensor:
-    """The op (module doc) with ``score_chunk`` scoring each chunk (the torch or the Triton scorer). Piece i's
-    scores tile is ``[piece_tokens[i], piece_rows[i]]`` (the host form's), or ``[tokens, rows]`` where the
-    lists are empty (the device form's)."""
+    """The op (module doc) with ``score_chunk`` scoring each piece (``index_pieces``) into a scores tile that
+    ``torch.topk`` folds into the running top-k."""
     num_tokens, num_requests = q_index.shape[0], context_lens.shape[0]
     device = q_index.device
     out = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=device)
     if num_tokens == 0 or num_requests == 0:
         return out
     dtype = score_dtype(q_index.dtype)
-    # A chunk never has more tokens than the step.
-    shapes = [(min(m, num_tokens), w) for m, w in zip(piece_tokens, piece_rows)] or \
-        [(min(tokens, num_tokens), rows)] * starts.shape[0]
-    token_loc = sparse_token_loc(query_start_loc, sparse)
+    pieces = list(index_pieces(query_start_loc, sparse, token_start, token_end, starts.shape[0], rows, tokens,
+                               piece_tokens, piece_rows, num_tokens))
     # Running top-k; row T is a scratch row that dead token slots read and write (no masked scatter).
     best = torch.full((num_tokens + 1, topk), float("-inf"), dtype=dtype, device=device)
     best_pos = torch.full((num_tokens + 1, topk), -1, dtype=torch.int64, device=device)
     not_finite = torch.zeros(num_tokens + 1, dtype=torch.bool, device=device)  # a NaN score seen (module doc)
-    tiles = torch.empty(max((m * w for m, w in shapes), default=0), dtype=dtype, device=device)
-    for i, (slots, width) in enumerate(shapes):
+    tiles = torch.empty(max((m * w for _, _, m, w in pieces), default=0), dtype=dtype, device=device)
+    for i, t, slots, width in pieces:
         scores = tiles.narrow(0, 0, slots * width).view(slots, width)
-        t = slot_tokens(query_start_loc, token_loc, token_start.narrow(0, i, 1), token_end.narrow(0, i, 1), slots,
-                        num_tokens)
         score_chunk(q_index, index_weights, k_index, index_cache, block_table, query_start_loc, context_lens,
                     starts[i], cu_seq_lens[i], t, k_scale, scores)
         _, position, _ = chunk_rows(starts[i], cu_seq_lens[i], width)
@@ -187,17 +215,28 @@ def index_topk_chunked(score_chunk: ChunkScorer, q_index, index_weights, k_index
         value, index = merged.topk(topk, dim=1)
         best.index_copy_(0, t, value)
         best_pos.index_copy_(0, t, merged_pos.gather(1, index))
-    # Dense-routed requests take every candidate 0 .. c_r + j; padding tokens none.
-    token = torch.arange(num_tokens, device=device)
-    live = token < query_start_loc[-1]
-    request = _request_of(query_start_loc, token)
-    position = context_lens.long().index_select(0, request) + token - query_start_loc.long().index_select(0, request)
-    candidate = torch.arange(topk, device=device)
-    dense = torch.where(candidate.unsqueeze(0) <= position.unsqueeze(1), candidate, -1)
-    chosen = torch.where(not_finite[:num_tokens].unsqueeze(1), NO_FINITE_SELECTION, best_pos[:num_tokens])
-    chosen = torch.where(sparse.index_select(0, request).unsqueeze(1), chosen, dense)
-    out.copy_(torch.where(live.unsqueeze(1), chosen, -1))
-    return out
+    return selected_rows(best_pos[:num_tokens], not_finite[:num_tokens], query_start_loc, context_lens, sparse, out)
+
+
+def index_topk_fused(q_index, index_weights, k_index, index_cache, block_table, query_start_loc, context_lens,
+                     sparse, starts, cu_seq_lens, token_start, token_end, k_scale, topk: int, rows: int, tokens: int,
+                     piece_tokens: list[int], piece_rows: list[int]) -> torch.Tensor:
+    """The op (module doc) on the fused Triton kernel (``mla_ops/triton/indexer.py``): each piece scored and
+    folded into the running top-k keys in one launch, no scores buffer; float16/bfloat16/float32 queries."""
+    from ..triton.indexer import fold_piece_topk, key_positions, running_keys
+
+    num_tokens, num_requests = q_index.shape[0], context_lens.shape[0]
+    device = q_index.device
+    out = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=device)
+    if num_tokens == 0 or num_requests == 0:
+        return out
+    best = running_keys(num_tokens, topk, device)
+    not_finite = torch.zeros(num_tokens, dtype=torch.int32, device=device)
+    for i, t, _, _ in index_pieces(query_start_loc, sparse, token_start, token_end, starts.shape[0], rows, tokens,
+                                   piece_tokens, piece_rows, num_tokens):
+        fold_piece_topk(q_index, index_weights, k_index, index_cache, block_table, query_start_loc, context_lens,
+                        starts[i], cu_seq_lens[i], t, k_scale, best, not_finite)
+    return selected_rows(key_positions(best, topk), not_finite.bool(), query_start_loc, context_lens, sparse, out)
 
 
 def index_topk_reference(*args) -> torch.Tensor:
@@ -238,13 +277,10 @@ def _(q_index, index_weights, k_index, index_cache, block_table, query_start_loc
 
 
 def _index_topk_cuda(q_index, *args) -> torch.Tensor:
-    """The op's CUDA kernel: the Triton scorer (imported on first use), else the torch one (float64, no
-    Triton)."""
+    """The op's CUDA kernel: the fused Triton score + top-k, else the torch fold (float64, no Triton)."""
     if not triton_available() or q_index.dtype == torch.float64:
         return index_topk_reference(q_index, *args)
-    from ..triton.indexer import chunk_scores
-
-    return index_topk_chunked(chunk_scores, q_index, *args)
+    return index_topk_fused(q_index, *args)
 
 
 torch.library.register_kernel("mla_ops::index_topk", "cuda", _index_topk_cuda)

@@ -193,10 +193,24 @@ def test_a_bad_k_scale_index_is_refused(scale):
 @needs_cuda
 @pytest.mark.parametrize("fp8", [False, True])
 def test_bf16_on_the_gpu_matches_the_oracle(fp8):
-    """The Triton scorer on CUDA (bf16 dots, fp32 accumulation), both plan forms."""
+    """The fused Triton score + top-k on CUDA (bf16 dots, fp32 accumulation), both plan forms."""
     batch = indexer_batch(CONTEXTS, QUERIES, TOPK, block_size=16, heads=8, width=64, dtype=torch.bfloat16,
                           fp8_scale=0.5 if fp8 else None, seed=9).to(DEVICE)
     for max_chunks in (None, 60):
         plan = batch.plan(TOPK, WORKSPACE, BUDGET, max_chunks=max_chunks)
         got = mla_ops.index_topk(*batch.args, plan, k_scale_index=batch.k_scale)
         check_topk(got, batch.expected, TOPK)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_fused_top_k_at_a_production_budget_on_the_gpu():
+    """K = 2048 (V3.2's): a running width of 2048 keys per token against 64-row tiles, H_I = 64, D_I = 128;
+    a long sparse request split into pieces, a dense-routed one, opcheck on the CUDA kernel."""
+    topk = 2048
+    batch = indexer_batch([2300, 0, 1500], [24, 16, 600], topk, block_size=64, heads=64, width=128,
+                          dtype=torch.bfloat16, seed=11, gap=1e-4).to(DEVICE)
+    for max_chunks in (None, 40):
+        plan = batch.plan(topk, 1024, 2**16, max_chunks=max_chunks)
+        check_topk(mla_ops.index_topk(*batch.args, plan), batch.expected, topk)
+    torch.library.opcheck(torch.ops.mla_ops.index_topk.default, op_args(batch, plan), test_utils=OPCHECK_UTILS)

@@ -48,10 +48,9 @@ def test_gather_dequantizes_fp8_ds_mla_rows(block_size):
 
 
 def test_index_scores_read_fp8_per_token_keys():
-    from mla_ops.ops.indexer import chunk_scores_reference, index_topk_chunked, slot_tokens
-    from mla_ops.planning.index_schedule import sparse_token_loc
+    from mla_ops.ops.indexer import chunk_scores_reference, index_topk_chunked
     from mla_ops.triton.indexer import chunk_scores
-    from tests.support.indexer import check_topk, indexer_batch
+    from tests.support.indexer import check_topk, indexer_batch, plan_chunks
 
     topk, block = 6, 4
     batch = indexer_batch([21, 0, 3, 9], [3, 7, 2, 1], topk, block_size=block, width=20, dtype=torch.float16,
@@ -59,15 +58,8 @@ def test_index_scores_read_fp8_per_token_keys():
     packed = pack_per_token(batch.index_cache.float())
     args = (batch.q_index, batch.index_weights, batch.k_index, packed)
     plan = batch.plan(topk, 16, 32)
-    s = plan.index_schedule
-    token_loc = sparse_token_loc(plan.query_start_loc, plan.sparse)
-    for i in range(s.max_chunks):
-        m, w = s.piece_shapes[i]  # the host form's tile of piece i
+    for i, m, w, chunk in plan_chunks(args, plan, None):
         got, want = (torch.full((m, w), 7.0) for _ in range(2))
-        t = slot_tokens(plan.query_start_loc, token_loc, s.token_start.narrow(0, i, 1), s.token_end.narrow(0, i, 1), m,
-                        plan.num_tokens)
-        chunk = (*args, plan.block_table, plan.query_start_loc, plan.context_lens, s.starts[i], s.cu_seq_lens[i], t,
-                 None)
         chunk_scores(*chunk, got)
         chunk_scores_reference(*chunk, want)
         assert torch.equal(torch.isinf(got), torch.isinf(want)), i

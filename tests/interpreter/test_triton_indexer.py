@@ -22,7 +22,8 @@ from mla_ops.ops.indexer import (chunk_scores_reference, index_topk_chunked, ind
 from mla_ops.planning.index_schedule import sparse_token_loc  # noqa: E402
 from mla_ops.triton.indexer import chunk_scores, fold_piece_topk, key_positions, running_keys  # noqa: E402
 from tests.interpreter.test_triton_cache_formats import pack_per_token, per_token_round_trip  # noqa: E402
-from tests.support.indexer import POISONS, check_poisoned_topk, check_topk, indexer_batch, poison  # noqa: E402
+from tests.support.indexer import (POISONS, check_poisoned_topk, check_topk, indexer_batch, plan_chunks,  # noqa: E402
+                                   poison)
 
 TOPK, WORKSPACE, BUDGET = 6, 16, 32  # M = 2 query tokens per chunk
 CONTEXTS, QUERIES = [21, 0, 3, 9], [3, 7, 2, 1]  # several chunks, a zero context, a dense request
@@ -43,15 +44,8 @@ def test_chunk_scores_match_the_torch_scorer(dtype, block_size, fp8):
     k_scale = k_scale_tensor(batch.k_scale, batch.index_cache)
     for max_chunks in (None, 24):  # the host form's tiles sized per piece; the device form's [M, W], dead slots
         plan = batch.plan(TOPK, WORKSPACE, BUDGET, max_chunks=max_chunks)
-        s = plan.index_schedule
-        token_loc = sparse_token_loc(plan.query_start_loc, plan.sparse)
-        for i in range(s.max_chunks):
-            m, w = s.piece_shapes[i] if s.piece_shapes else (s.tokens, s.rows)
+        for i, m, w, chunk in plan_chunks(batch.args, plan, k_scale):
             got, want = (torch.full((m, w), 7.0) for _ in range(2))
-            t = slot_tokens(plan.query_start_loc, token_loc, s.token_start.narrow(0, i, 1), s.token_end.narrow(0, i, 1),
-                            m, plan.num_tokens)
-            chunk = (*batch.args, plan.block_table, plan.query_start_loc, plan.context_lens, s.starts[i],
-                     s.cu_seq_lens[i], t, k_scale)
             chunk_scores(*chunk, got)
             chunk_scores_reference(*chunk, want)
             assert torch.equal(torch.isinf(got), torch.isinf(want)), i
@@ -75,16 +69,9 @@ def test_non_finite_inputs_mark_the_tokens_they_reach_on_the_triton_scorer(kind)
         plan = batch.plan(TOPK, WORKSPACE, BUDGET, max_chunks=max_chunks)
         got = index_topk_chunked(chunk_scores, *op_args(batch, plan))
         check_poisoned_topk(got, batch, TOPK, plan.sparse.tolist(), reached, 0)
-        s = plan.index_schedule
         k_scale = k_scale_tensor(batch.k_scale, batch.index_cache)
-        token_loc = sparse_token_loc(plan.query_start_loc, plan.sparse)
-        for i in range(s.max_chunks):  # NaN in the same places as the torch scorer's
-            m, w = s.piece_shapes[i] if s.piece_shapes else (s.tokens, s.rows)
+        for i, m, w, chunk in plan_chunks(batch.args, plan, k_scale):  # NaN where the torch scorer has NaN
             got_scores, want_scores = (torch.full((m, w), 7.0) for _ in range(2))
-            t = slot_tokens(plan.query_start_loc, token_loc, s.token_start.narrow(0, i, 1), s.token_end.narrow(0, i, 1),
-                            m, plan.num_tokens)
-            chunk = (*batch.args, plan.block_table, plan.query_start_loc, plan.context_lens, s.starts[i],
-                     s.cu_seq_lens[i], t, k_scale)
             chunk_scores(*chunk, got_scores)
             chunk_scores_reference(*chunk, want_scores)
             assert torch.equal(torch.isnan(got_scores), torch.isnan(want_scores)), i

@@ -147,3 +147,16 @@ def check_poisoned_topk(got: torch.Tensor, batch: IndexerBatch, topk: int, spars
     for t in marked:
         assert rows[t] == [-2] * topk, (t, rows[t])
     check_topk(got, batch.expected, topk, tokens=[t for t in range(len(rows)) if t not in marked])
+
+
+def plan_chunks(args, plan, k_scale):
+    """Per piece of ``plan`` (``ops.indexer.index_pieces``): ``(i, M, W, chunk)``, ``chunk`` the scorers' arguments
+    before their ``scores`` [M, W] (``args``: q_index, index_weights, k_index, index_cache)."""
+    from mla_ops.ops.indexer import index_pieces
+
+    s = plan.index_schedule
+    for i, slot_token, m, w in index_pieces(plan.query_start_loc, plan.sparse, s.token_start, s.token_end,
+                                            s.max_chunks, s.rows, s.tokens, [m for m, _ in s.piece_shapes],
+                                            [w for _, w in s.piece_shapes], args[0].shape[0]):
+        yield i, m, w, (*args, plan.block_table, plan.query_start_loc, plan.context_lens, s.starts[i],
+                        s.cu_seq_lens[i], slot_token, k_scale)

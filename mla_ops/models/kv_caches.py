@@ -173,11 +173,7 @@ def _check_no_shared_memory(parts) -> None:
     whose memory spans overlap in one storage are refused (the views of one stacked tensor are disjoint);
     under torch.compile, whose fake tensors have no addresses, the same tensor twice."""
     named = [(f"{name}[{i}]", t) for name, part in parts for i, t in enumerate(part)]
-    if torch.compiler.is_compiling():
-        for j, (name, t) in enumerate(named):
-            for other, u in named[:j]:
-                if t is u:
-                    _checks.raise_value_error(f"{name} is {other}: every cache layer needs a tensor of its own")
+    if regions.checked_distinct_when_traced(named):
         return
     spans = []  # (where, first byte, end byte, name): addresses on a device, or offsets in a storage without any
     for name, t in named:

@@ -177,6 +177,13 @@ def check_str(value, name: str, choices: tuple[str, ...] | None = None) -> str:
     return value
 
 
+def check_object(value, name: str) -> dict:
+    """A config.json entry that must be an object (a dict)."""
+    if not isinstance(value, dict):
+        raise TypeError(f"{name} must be an object, got {value!r} ({type(value).__name__})")
+    return value
+
+
 def model_dtype(value, name: str = "dtype") -> torch.dtype | None:
     """A model dtype (``torch.bfloat16``, ``"bfloat16"``, ``"torch.bfloat16"``) as a torch.dtype; None stays
     None. Only ``FLOAT_DTYPES``: anything else is an error naming ``name``."""

@@ -46,6 +46,7 @@ from . import checkpoint_files
 from .checkpoint_files import checkpoint_files as tensor_files, open_safetensors, read_json_object
 from .checkpoint_names import LAYER, SCALE, Source, check_layers, map_tensors, quant_block
 from .config import MLAConfig
+from .hf_config import from_hf_dict
 from .indexer import Indexer, convert_interleaved
 from .rope import RotaryEmbedding
 from .moe import MoEGate
@@ -114,7 +115,7 @@ def load_pretrained(cls, path, dtype: torch.dtype | None = None, device=None, *,
     device = torch.device("cpu") if device is None else _checks.check_device(device, "device")
     config_file = os.path.join(path, "config.json")
     raw = read_json_object(config_file)
-    config = MLAConfig._from_hf_dict(raw, config_file)
+    config = from_hf_dict(raw, config_file)
     try:
         block = quant_block(unwrap(raw)[0])  # a wrapper's text model's
     except (TypeError, ValueError) as e:

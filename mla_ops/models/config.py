@@ -19,8 +19,9 @@ value of the wrong type, a ValueError for one out of range.
   ``learned_rope_frequencies``.
 * ``scoring_func`` / ``topk_method`` / ``decoder_layer``: strings (known values); ``dtype``: None or one of float16,
   bfloat16, float32, float64 (``"torch.bfloat16"`` too); ``rope_scaling``: None, a ``YarnScaling``, a
-  ``LongRopeScaling`` (its ``short_factor`` of R/2 entries) or config.json's dict; ``wrapper``: None or
-  a multimodal wrapper's model type (``models.wrappers``).
+  ``LongRopeScaling`` (its ``short_factor`` of R/2 entries; both ``mla_ops.models.scalings``) or config.json's
+  dict; ``wrapper``: None or a string, the multimodal wrapper's model type ``from_hf`` found (checked against
+  the registry where the checkpoint's names are read, ``models.wrappers``: this record sits below the readers).
 
 The optional parts are small records, each field named as its config.json key (``grouped`` gathers flat
 keys into them; ``from_hf`` does): ``indexer`` (``IndexerConfig``, None: dense MLA), ``scalings``
@@ -43,6 +44,9 @@ experts (``zero_expert_num``) need ``n_group`` 1; ``mla_scale_q_lora`` (which ne
 
 ``from_hf`` of a file or directory puts the file's path in front of every message; a file that is not
 JSON, or not a JSON object, is one ValueError naming it.
+
+This module is the floor of ``models/``: it imports only the scaling records (``scalings``) and the routing
+default's formula; the readers of config.json (``hf_config``, ``families``) and every part stand on it.
 """
 
 from __future__ import annotations
@@ -54,11 +58,7 @@ from typing import Optional
 from .. import _checks
 from ..planning.options import PlanOptions
 from ..planning.routing import default_threshold
-from .hf_config import check_yarn, mla_config_kwargs, read_config, yarn_from_dict
-from .longrope import LongRopeScaling
-from .query_scale import QueryScale
-from .rope import YarnScaling
-from .wrappers import WRAPPER_TYPES, text_config_key
+from .scalings import LongRopeScaling, QueryScale, YarnScaling, check_yarn, read_rope_scaling
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc", "group_top2")
@@ -229,9 +229,9 @@ class MLAConfig:
         _checks.check_str(self.decoder_layer, "decoder_layer", DECODER_LAYERS)
         _checks.model_dtype(self.dtype, "dtype")
         if self.wrapper is not None:
-            _checks.check_str(self.wrapper, "wrapper", WRAPPER_TYPES)
+            _checks.check_str(self.wrapper, "wrapper")  # a known one: where its names are read (models.wrappers)
         if isinstance(self.rope_scaling, dict):
-            self.rope_scaling = yarn_from_dict(self.rope_scaling, self.max_position_embeddings)
+            self.rope_scaling = read_rope_scaling(self.rope_scaling, self.max_position_embeddings)
         elif isinstance(self.rope_scaling, YarnScaling):
             check_yarn(self.rope_scaling, "rope_scaling")
         elif self.rope_scaling is not None and not isinstance(self.rope_scaling, LongRopeScaling):
@@ -408,20 +408,10 @@ class MLAConfig:
 
     @classmethod
     def from_hf(cls, config) -> MLAConfig:
-        """From a Hugging Face config: a dict, a config.json path, or a checkpoint directory."""
-        return cls._from_hf_dict(*read_config(config))
-
-    @classmethod
-    def _from_hf_dict(cls, config: dict, source: str | None) -> MLAConfig:
-        """``from_hf`` of a dict; ``source``: the file it was read from, put in front of any error (and for
-        a multimodal wrapper the key of its text model's config)."""
-        where = [w for w in (source, text_config_key(config)) if w]
-        if not where:
-            return cls(**grouped(mla_config_kwargs(config)))
-        try:
-            return cls(**grouped(mla_config_kwargs(config)))
-        except (TypeError, ValueError) as e:
-            raise (ValueError if isinstance(e, ValueError) else TypeError)(f"{': '.join(where)}: {e}") from e
+        """From a Hugging Face config: a dict, a config.json path, or a checkpoint directory (read by
+        ``mla_ops.models.hf_config``)."""
+        from .hf_config import from_hf  # the reader stands above the record it makes
+        return from_hf(config)
 
 
 def _int_list(value, name: str, num_layers: int) -> tuple[int, ...]:

@@ -46,8 +46,7 @@ from .config import MLAConfig
 from .kv_caches import Caches, DSACaches, allocate, cache_widths, check_caches
 from .layer import Carry, DecoderLayer, LayerCaches, ModelStep, RMSNorm, check_plan_block_table, scaled
 from .longcat import LongcatDecoderLayer
-from .mistral_large4 import softcap
-from .moe import linear
+from .parts import linear, softcap
 from .query_scale import PositionScale
 from .rope import RotaryEmbedding
 

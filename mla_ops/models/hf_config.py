@@ -1,4 +1,4 @@
-"""config.json (a Hugging Face config) -> ``MLAConfig`` keyword arguments.
+"""config.json (a Hugging Face config) -> ``MLAConfig``: ``from_hf`` (``MLAConfig.from_hf``'s reader).
 
 Both forms that exist are read: the released one (``rope_theta`` + ``rope_scaling``, ``torch_dtype``,
 ``scoring_func``, ``topk_method``) and the one transformers 5 writes (``rope_parameters`` holding
@@ -10,8 +10,8 @@ out, renamed keys, the keys only some families have) is its record in ``families
 A key that is absent or null takes its default (required keys have none and are reported missing).
 The values are checked by ``MLAConfig`` (same names) and the rest here, each error naming the key:
 config.json's ``attention_bias`` / ``mlp_bias`` must be false, ``hidden_act`` "silu", ``dtype`` (or
-``torch_dtype``) None or a float dtype's name; ``rope_scaling`` (or ``rope_parameters``) an object,
-for YaRN ``factor`` > 0, ``original_max_position_embeddings`` >= 1, ``beta_fast`` / ``beta_slow`` > 0,
+``torch_dtype``) None or a float dtype's name; ``rope_scaling`` (or ``rope_parameters``) an object
+(read by ``scalings.read_rope_scaling``), for YaRN ``factor`` > 0, ``original_max_position_embeddings`` >= 1, ``beta_fast`` / ``beta_slow`` > 0,
 ``mscale`` / ``mscale_all_dim`` real, ``attention_factor`` > 0, ``truncate`` a boolean.
 """
 
@@ -22,10 +22,27 @@ import os
 
 from .. import _checks
 from .checkpoint_files import read_json_object
+from .config import MLAConfig, grouped
 from .families import FAMILIES, UNNAMED, V2_GATE
-from .longrope import LongRopeScaling
-from .rope import YarnScaling
-from .wrappers import unwrap
+from .scalings import read_rope_scaling
+from .wrappers import text_config_key, unwrap
+
+
+def from_hf(config) -> MLAConfig:
+    """From a Hugging Face config: a dict, a config.json path, or a checkpoint directory."""
+    return from_hf_dict(*read_config(config))
+
+
+def from_hf_dict(config: dict, source: str | None) -> MLAConfig:
+    """``from_hf`` of a dict; ``source``: the file it was read from, put in front of any error (and for
+    a multimodal wrapper the key of its text model's config)."""
+    where = [w for w in (source, text_config_key(config)) if w]
+    if not where:
+        return MLAConfig(**grouped(mla_config_kwargs(config)))
+    try:
+        return MLAConfig(**grouped(mla_config_kwargs(config)))
+    except (TypeError, ValueError) as e:
+        raise (ValueError if isinstance(e, ValueError) else TypeError)(f"{': '.join(where)}: {e}") from e
 
 
 def read_config(config) -> tuple[dict, str | None]:
@@ -38,50 +55,6 @@ def read_config(config) -> tuple[dict, str | None]:
     if not isinstance(config, dict):
         raise TypeError(f"config must be a dict, a config.json path or a directory, got {type(config).__name__}")
     return config, None
-
-
-def check_yarn(y: YarnScaling, key: str) -> None:
-    _checks.check_real(y.factor, f"{key}.factor")
-    _checks.check_int(y.original_max_position_embeddings, f"{key}.original_max_position_embeddings", 1)
-    _checks.check_real(y.beta_fast, f"{key}.beta_fast")
-    _checks.check_real(y.beta_slow, f"{key}.beta_slow")
-    _checks.check_real(y.mscale, f"{key}.mscale", None, optional=True)
-    _checks.check_real(y.mscale_all_dim, f"{key}.mscale_all_dim", None, optional=True)
-    _checks.check_real(y.attention_factor, f"{key}.attention_factor", optional=True)
-    _checks.check_bool(y.truncate, f"{key}.truncate")
-
-
-def _object(value, key: str) -> dict:
-    if not isinstance(value, dict):
-        raise TypeError(f"{key} must be an object, got {value!r} ({type(value).__name__})")
-    return value
-
-
-def yarn_from_dict(scaling, max_position_embeddings: int,
-                   key: str = "rope_scaling") -> YarnScaling | LongRopeScaling | None:
-    """config.json's ``rope_scaling`` (or ``rope_parameters``) checked and read: YaRN, LongRoPE
-    (``mla_ops.models.longrope``), or None for plain RoPE. A null entry takes its default."""
-    _object(scaling, key)
-    for name in ("rope_type", "type"):
-        if scaling.get(name) is not None:
-            _checks.check_str(scaling[name], f"{key}.{name}")
-    clean = {k: v for k, v in scaling.items() if v is not None}
-    kind = clean.get("rope_type", clean.get("type", "default"))
-    if kind == "longrope":
-        return LongRopeScaling.from_dict(clean, max_position_embeddings, key)
-    if kind == "yarn":
-        for name, positive in (("factor", True), ("beta_fast", True), ("beta_slow", True),
-                               ("attention_factor", True), ("mscale", None), ("mscale_all_dim", None)):
-            if name in clean:
-                clean[name] = _checks.check_real(clean[name], f"{key}.{name}", positive)
-        if "original_max_position_embeddings" in clean:
-            _checks.check_int(clean["original_max_position_embeddings"], f"{key}.original_max_position_embeddings", 1)
-        if "truncate" in clean:
-            _checks.check_bool(clean["truncate"], f"{key}.truncate")
-    y = YarnScaling.from_dict(clean, max_position_embeddings)  # an unknown type: a ValueError naming it
-    if y is not None:
-        check_yarn(y, key)
-    return y
 
 
 class _Keys:
@@ -145,17 +118,17 @@ def _text_model_kwargs(c: dict) -> dict:
 def _rope(keys: _Keys) -> dict:
     """rope_theta, max_position_embeddings and the scaling: transformers 5 puts rope_theta and the
     scaling into rope_parameters; releases keep them apart."""
-    rope = _object(keys.get("rope_parameters", {}), "rope_parameters")
+    rope = _checks.check_object(keys.get("rope_parameters", {}), "rope_parameters")
     if rope.get("rope_theta") is not None:
         rope_theta = _checks.check_real(rope["rope_theta"], "rope_parameters.rope_theta")
     else:
         rope_theta = _checks.check_real(keys.get("rope_theta", 10000.0), "rope_theta")
-    scaling_key, scaling = "rope_scaling", _object(keys.get("rope_scaling", {}), "rope_scaling")
+    scaling_key, scaling = "rope_scaling", _checks.check_object(keys.get("rope_scaling", {}), "rope_scaling")
     if not scaling:
         scaling_key, scaling = "rope_parameters", rope
     max_positions = _checks.check_int(keys.get("max_position_embeddings", 4096), "max_position_embeddings", 1)
     return dict(rope_theta=rope_theta, max_position_embeddings=max_positions,
-                rope_scaling=yarn_from_dict(scaling, max_positions, scaling_key) if scaling else None)
+                rope_scaling=read_rope_scaling(scaling, max_positions, scaling_key) if scaling else None)
 
 
 def _experts(keys: _Keys, model_type: str | None, gate) -> dict:

@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 from .config import MLAConfig
-from .mistral_large4 import LogPositionScale
-from .moe import linear
-from .rope import acc_dtype, apply_rotary_emb, deinterleave_index
+from .parts import acc_dtype, linear
+from .query_scale import LogPositionScale
+from .rope import apply_rotary_emb, deinterleave_index
 
 K_NORM_EPS = 1e-6  # transformers' and DeepSeek's indexer LayerNorm
 

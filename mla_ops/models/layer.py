@@ -31,10 +31,10 @@ from ..planning.plan import PrefillPlan, check_step_tensors
 from ..prefill import PrefillStep, begin_step
 from .config import MLAConfig
 from .indexer import Indexer
-from .mistral_large4 import LogPositionScale, log_positions
-from .moe import FeedForward, MoE, linear
-from .query_scale import PositionScale
-from .rope import RotaryEmbedding, acc_dtype, apply_rotary_emb
+from .moe import FeedForward, MoE
+from .parts import acc_dtype, linear
+from .query_scale import LogPositionScale, PositionScale, log_positions
+from .rope import RotaryEmbedding, apply_rotary_emb
 
 
 class ModelStep(NamedTuple):

@@ -18,7 +18,7 @@ R / (P + R) transformers writes), since the rope rows are the R of ``q_b_proj`` 
 from __future__ import annotations
 
 from .. import _checks
-from .query_scale import QueryScale
+from .scalings import QueryScale
 
 
 def config_kwargs(c: dict) -> dict:

@@ -9,7 +9,7 @@ Each a named part of ``mla_ops.models`` (DESIGN §11), turned on by ``MLAConfig`
 * no q-LoRA (a plain ``q_proj``); the indexer's queries come from a LayerNorm of the layer input
   (``indexer.q_input_norm``, ``MLAConfig.indexer_q_norm``), its RoPE interleaved as GLM-5's (permuted at load);
   ``indexer_types`` full / shared as GLM-5's;
-* ``LogPositionScale`` (``learned_query_scale``): the query heads of the attention and of the indexer times
+* ``query_scale.LogPositionScale`` (``learned_query_scale``): the query heads of the attention and of the indexer times
   ``s[h] * log(position + 1) + b[h]``, learned (transformers' ``softmax_scaling``, the release's
   ``ssmax_scaling.s`` / ``.b``);
 * learned RoPE frequencies (``learned_rope_frequencies``): YaRN's inverse frequencies times ``exp(alpha)``,
@@ -19,7 +19,7 @@ Each a named part of ``mla_ops.models`` (DESIGN §11), turned on by ``MLAConfig`
 * KV sharing (``kv_source_layers[i]`` < i): the layer has no ``kv_a_proj_with_mqa`` / ``kv_a_layernorm``, writes
   no latent cache and attends its source layer's (with its own ``kv_b_proj``, queries and indexer);
 * the gate: softmax scores in float32, Mistral 4's group top-2 (its record in ``families.FAMILIES``);
-* the logits soft-capped: ``c * tanh(logits / c)``, ``final_logit_softcapping`` (30).
+* the logits soft-capped: ``c * tanh(logits / c)``, ``final_logit_softcapping`` (30; ``parts.softcap``).
 
 Checkpoint names: transformers' ``save_pretrained`` writes the release's own (Mistral's native names:
 ``layers.{i}.attention.wq``, ``wkv_a_with_mqa``, ``wkv_b``, ``wo``, ``feed_forward.w1``, ``experts.{e}.w1``,
@@ -31,29 +31,6 @@ release's multi-token-prediction head (``mtp_dspark.*``) are skipped.
 from __future__ import annotations
 
 import re
-
-import torch
-from torch import nn
-
-
-
-class LogPositionScale(nn.Module):
-    """A learned per-head query factor ``scale[h] * log(position + 1) + bias[h]`` (transformers'
-    ``MistralLarge4TextSoftmaxScaling``). ``log_positions`` [T] (``ModelStep.log_positions``), q [T, heads, D]."""
-
-    def __init__(self, num_heads: int):
-        super().__init__()
-        self.scale = nn.Parameter(torch.zeros(num_heads))  # 0 * log + 1: no scaling until loaded
-        self.bias = nn.Parameter(torch.ones(num_heads))
-
-    def forward(self, q: torch.Tensor, log_positions: torch.Tensor) -> torch.Tensor:
-        factor = self.scale[None, :] * log_positions.to(q.dtype)[:, None] + self.bias[None, :]  # [T, heads]
-        return q * factor[:, :, None]
-
-
-def log_positions(positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[T] ``log(position + 1)`` for integer positions [T] (float32 as transformers', float64 for float64)."""
-    return (positions.to(torch.promote_types(dtype, torch.float32)) + 1).log()
 
 
 def config_kwargs(c: dict) -> dict:
@@ -86,11 +63,6 @@ def defaults(c: dict) -> dict:
     if c.get("rope_interleave") is False:
         raise ValueError("config.json sets rope_interleave=false: Mistral Large 4 always interleaves its RoPE rows")
     return {**c, "rope_interleave": True}
-
-
-def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """``cap * tanh(logits / cap)``; nothing for None."""
-    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 # The release's (and transformers' save_pretrained's) names -> the decoder's, applied in order.

@@ -42,13 +42,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .parts import linear
+
 IMPLS = ("auto", "dense", "grouped")
-
-
-def linear(in_features: int, out_features: int, std: float) -> nn.Linear:
-    layer = nn.Linear(in_features, out_features, bias=False)
-    nn.init.normal_(layer.weight, std=std)
-    return layer
 
 
 class FeedForward(nn.Module):

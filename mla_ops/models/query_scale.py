@@ -1,37 +1,27 @@
-"""A position-dependent query scale (Mistral 4's, transformers' ``get_llama_4_attn_scale``).
+"""Position-dependent query scales: a per-token factor of the whole query ``[q_nope | q_pe]``, so it cannot go into
+the softmax scale (one host float for all tokens); the model multiplies q by it before the attention op, which
+makes it the same for the chunk loop and the absorbed path. Each is computed from the step's positions once per
+step (``ModelStep.begin``), like the rotary tables.
 
-positions [T]  ->  scales [T]   q of token t times 1 + beta * log(1 + floor(positions[t] / original))
+* ``PositionScale``, Mistral 4's (transformers' ``get_llama_4_attn_scale``; its record ``scalings.QueryScale``):
 
-``original`` is ``original_max_position_embeddings`` (YaRN's): the scale is 1 inside the original context and
-grows by steps of it past there. It is a per-token factor of the whole query ``[q_nope | q_pe]``, so it cannot
-go into the softmax scale (one host float for all tokens); the model multiplies q by it before the attention
-op, which makes it the same for the chunk loop and the absorbed path. The model's ``PositionScale`` computes it
-once per step (``ModelStep.begin``), like the rotary tables.
+  positions [T]  ->  scales [T]   q of token t times 1 + beta * log(1 + floor(positions[t] / original))
+
+  ``original`` is ``original_max_position_embeddings`` (YaRN's): the scale is 1 inside the original context and
+  grows by steps of it past there.
+* ``LogPositionScale``, Mistral Large 4's (``Scalings.learned_query_scale``): learned per head,
+  ``scale[h] * log(position + 1) + bias[h]``, in the attention and the indexer; ``log_positions`` is its
+  per-step input.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from torch import nn
 
-from .. import _checks
-from .rope import acc_dtype
-
-
-@dataclass(frozen=True)
-class QueryScale:
-    """``rope_parameters.llama_4_scaling_beta`` and ``original_max_position_embeddings`` of config.json."""
-
-    beta: float
-    original_max_position_embeddings: int
-
-    def __post_init__(self):
-        object.__setattr__(self, "beta", _checks.check_real(self.beta, "query_scale.beta", positive=False))
-        object.__setattr__(self, "original_max_position_embeddings", _checks.check_int(
-            self.original_max_position_embeddings, "query_scale.original_max_position_embeddings", 1))
+from .parts import acc_dtype
+from .scalings import QueryScale
 
 
 class PositionScale(nn.Module):
@@ -44,3 +34,22 @@ class PositionScale(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         blocks = torch.div(positions.long(), self.original, rounding_mode="floor")
         return 1 + self.beta * torch.log(1 + blocks.to(acc_dtype(dtype)))
+
+
+class LogPositionScale(nn.Module):
+    """A learned per-head query factor ``scale[h] * log(position + 1) + bias[h]`` (transformers'
+    ``MistralLarge4TextSoftmaxScaling``). ``log_positions`` [T] (``ModelStep.log_positions``), q [T, heads, D]."""
+
+    def __init__(self, num_heads: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.zeros(num_heads))  # 0 * log + 1: no scaling until loaded
+        self.bias = nn.Parameter(torch.ones(num_heads))
+
+    def forward(self, q: torch.Tensor, log_positions: torch.Tensor) -> torch.Tensor:
+        factor = self.scale[None, :] * log_positions.to(q.dtype)[:, None] + self.bias[None, :]  # [T, heads]
+        return q * factor[:, :, None]
+
+
+def log_positions(positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[T] ``log(position + 1)`` for integer positions [T] (float32 as transformers', float64 for float64)."""
+    return (positions.to(torch.promote_types(dtype, torch.float32)) + 1).log()

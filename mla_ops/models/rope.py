@@ -1,5 +1,5 @@
-"""Rotary position embeddings of DeepSeek's MLA: plain RoPE and YaRN, in the halves layout (LongRoPE,
-MiniCPM3's: ``mla_ops.models.longrope``).
+"""Rotary position embeddings of DeepSeek's MLA: plain RoPE, YaRN and LongRoPE (MiniCPM3's), in the halves
+layout; their records (``YarnScaling``, ``LongRopeScaling``) are ``mla_ops.models.scalings``'.
 
 positions [T]  ->  cos, sin [T, R]   each of the R/2 frequencies twice: [f_0 .. f_{R/2-1} | f_0 .. f_{R/2-1}]
 
@@ -23,73 +23,13 @@ DeepSeek's checkpoints lay out the R rope rows of each head in interleaved pairs
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from torch import nn
 
-from .longrope import LongRopeScaling
-
-
-@dataclass(frozen=True)
-class YarnScaling:
-    """``rope_scaling`` of type ``"yarn"`` (the field names of DeepSeek's config.json)."""
-
-    factor: float
-    original_max_position_embeddings: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    attention_factor: float | None = None  # cos/sin multiplier; None: derived from factor and the mscales
-    truncate: bool = True  # round the correction range outwards to whole dimensions
-
-    @classmethod
-    def from_dict(cls, scaling: dict, max_position_embeddings: int) -> YarnScaling | None:
-        """From config.json's ``rope_scaling`` or transformers' ``rope_parameters``; None for plain RoPE."""
-        kind = scaling.get("rope_type", scaling.get("type", "default"))
-        if kind in (None, "default"):
-            return None
-        if kind != "yarn":
-            raise ValueError(f"rope_scaling type {kind!r} is not supported (DeepSeek models use 'yarn' or none)")
-        original = scaling.get("original_max_position_embeddings") or max_position_embeddings
-        factor = scaling.get("factor")
-        if factor is None:  # transformers' rule: the ratio of the two lengths
-            factor = max_position_embeddings / original
-        return cls(
-            factor=float(factor), original_max_position_embeddings=int(original),
-            beta_fast=float(scaling.get("beta_fast") or 32), beta_slow=float(scaling.get("beta_slow") or 1),
-            mscale=scaling.get("mscale"), mscale_all_dim=scaling.get("mscale_all_dim"),
-            attention_factor=scaling.get("attention_factor"), truncate=bool(scaling.get("truncate", True)),
-        )
-
-    def cos_sin_factor(self) -> float:
-        if self.attention_factor is not None:
-            return float(self.attention_factor)
-        if self.mscale and self.mscale_all_dim:
-            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
-        return yarn_mscale(self.factor)
-
-    def softmax_scale_factor(self) -> float:
-        if not self.mscale_all_dim:
-            return 1.0
-        return yarn_mscale(self.factor, self.mscale_all_dim) ** 2
-
-    def correction_range(self, rope_dim: int, theta: float) -> tuple[float, float]:
-        """Dimension pairs [low, high] over which the ramp blends kept and interpolated frequencies."""
-        def dim_of(rotations: float) -> float:  # the pair index that turns `rotations` times
-            return rope_dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
-                2 * math.log(theta))
-
-        low, high = dim_of(self.beta_fast), dim_of(self.beta_slow)
-        if self.truncate:
-            low, high = math.floor(low), math.ceil(high)
-        return max(low, 0), min(high, rope_dim - 1)
-
-
-def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+from .parts import acc_dtype
+from .scalings import LongRopeScaling, YarnScaling
 
 
 def inverse_frequencies(rope_dim: int, theta: float, scaling: YarnScaling | LongRopeScaling | None, device,
@@ -99,10 +39,10 @@ def inverse_frequencies(rope_dim: int, theta: float, scaling: YarnScaling | Long
     extrapolation = 1.0 / pos_freqs
     if scaling is None:
         return extrapolation
-    if isinstance(scaling, LongRopeScaling):
-        return scaling.inverse_frequencies(pos_freqs)
+    if isinstance(scaling, LongRopeScaling):  # each frequency divided by its given factor
+        return 1.0 / (pos_freqs.new_tensor(scaling.short_factor) * pos_freqs)
     interpolation = 1.0 / (scaling.factor * pos_freqs)
-    low, high = scaling.correction_range(rope_dim, theta)
+    low, high = correction_range(scaling, rope_dim, theta)
     if low == high:
         high += 0.001  # no zero-width ramp
     ramp = ((torch.arange(rope_dim // 2, device=device, dtype=dtype) - low) / (high - low)).clamp(0, 1)
@@ -110,9 +50,16 @@ def inverse_frequencies(rope_dim: int, theta: float, scaling: YarnScaling | Long
     return interpolation * (1 - keep) + extrapolation * keep
 
 
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for half types, float64 stays float64."""
-    return torch.promote_types(dtype, torch.float32)
+def correction_range(y: YarnScaling, rope_dim: int, theta: float) -> tuple[float, float]:
+    """YaRN's dimension pairs [low, high] over which the ramp blends kept and interpolated frequencies."""
+    def dim_of(rotations: float) -> float:  # the pair index that turns `rotations` times
+        return rope_dim * math.log(y.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(theta))
+
+    low, high = dim_of(y.beta_fast), dim_of(y.beta_slow)
+    if y.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, rope_dim - 1)
 
 
 class RotaryEmbedding(nn.Module):

@@ -16,6 +16,7 @@ checkpoint's names by it.
 
 from __future__ import annotations
 
+from .. import _checks
 from .families import FAMILIES, Wrapper
 
 
@@ -65,8 +66,8 @@ def text_names(wrapper: str | None, names) -> dict[str, str]:
     without a wrapper); two names of one tensor (``layers`` and ``blocks``) are a ValueError."""
     if wrapper is None:
         return {name: name for name in names}
+    w = _wrapper(_checks.check_str(wrapper, "wrapper", WRAPPER_TYPES))  # MLAConfig stands below the registry
     out, seen = {}, {}
-    w = _wrapper(wrapper)
     for name in names:
         if w.rename is not None:
             renamed = w.rename(name)

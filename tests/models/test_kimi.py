@@ -16,6 +16,7 @@ import torch
 
 import mla_ops
 from mla_ops.models.config import MLAConfig
+from mla_ops.models.wrappers import text_names
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
@@ -121,8 +122,10 @@ def test_config_of_both_layouts(kimi):
         MLAConfig.from_hf(dict(raw, text_config=dict(raw["text_config"], kv_lora_rank="32")))
     with pytest.raises(ValueError, match=r"model_type 'llava' is not one mla_ops reads.*'kimi_k25'"):
         MLAConfig.from_hf(dict(raw, model_type="llava"))  # a wrapper mla_ops does not read
-    with pytest.raises(ValueError, match="wrapper must be one of"):
-        MLAConfig(**{**text.__dict__, "wrapper": "llava"})
+    with pytest.raises(TypeError, match="wrapper must be a string"):
+        MLAConfig(**{**text.__dict__, "wrapper": 1})
+    with pytest.raises(ValueError, match="wrapper must be one of"):  # checked where its checkpoint names are read
+        text_names("llava", ["language_model.model.embed_tokens.weight"])
 
 
 def max_relative(got, ref):

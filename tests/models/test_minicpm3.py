@@ -14,7 +14,7 @@ import torch
 
 import mla_ops
 from mla_ops.models.config import MLAConfig
-from mla_ops.models.longrope import LongRopeScaling
+from mla_ops.models.scalings import LongRopeScaling
 from mla_ops.models.rope import inverse_frequencies
 from tests.support.families import check_cli, check_generation, check_logits, spread_weights
 

@@ -23,7 +23,8 @@ import torch
 import mla_ops
 from mla_ops.models.config import MLAConfig
 from mla_ops.models.moe import MoEGate
-from mla_ops.models.query_scale import PositionScale, QueryScale
+from mla_ops.models.query_scale import PositionScale
+from mla_ops.models.scalings import QueryScale
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.mistral4 import modeling_mistral4  # noqa: E402

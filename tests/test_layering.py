@@ -168,7 +168,8 @@ def test_deferred_imports_stay_in_functions():
 
 def test_config_is_the_floor_of_models():
     """``MLAConfig`` stands below every other module of models/ (its readers, checkpoints, parts): when it loads it
-    imports only the scaling records of its fields."""
+    imports only the scaling records of its fields, and of planning/ only the routing default's formula."""
     files = source_files()
     ours = {t for t, _, _ in imports("mla_ops.models.config", files, module_level=True)}
     assert {t for t in ours if t.startswith("mla_ops.models.")} <= {"mla_ops.models.scalings"}, sorted(ours)
+    assert {t for t in ours if t.startswith("mla_ops.planning")} <= {"mla_ops.planning.routing"}, sorted(ours)

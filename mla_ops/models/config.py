@@ -56,7 +56,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .. import _checks
-from ..planning.options import PlanOptions
 from ..planning.routing import default_threshold
 from .scalings import LongRopeScaling, QueryScale, YarnScaling, check_yarn, read_rope_scaling
 
@@ -369,24 +368,6 @@ class MLAConfig:
         """The routing default at this model's dims (``routing.default_threshold``): what its steps'
         ``absorb_max_query_len=None`` means in ``Generator`` and ``PrefillGraphs``."""
         return default_threshold(self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim)
-
-    def routed_options(self, options: PlanOptions) -> PlanOptions:
-        """``options`` with ``absorb_max_query_len=None`` resolved at this model's dims (one device: across
-        ranks None stays the context-parallel cost model's), and for a sparse model ``index_topk`` its own."""
-        options = self.sparse_options(options)
-        if options.absorb_max_query_len is not None:
-            return options
-        return dataclasses.replace(options, absorb_max_query_len=self.default_absorb_max_query_len)
-
-    def sparse_options(self, options: PlanOptions) -> PlanOptions:
-        """``options`` with this model's ``index_topk`` (None for a dense model): a step's K_I is the model's."""
-        if options.index_topk == self.index_topk:
-            return options
-        if options.index_topk is not None:
-            has = "has no indexer (dense MLA)" if self.index_topk is None else \
-                f"selects index_topk={self.index_topk} keys (config.json's)"
-            raise ValueError(f"options.index_topk is {options.index_topk}, but the model {has}: leave it None")
-        return dataclasses.replace(options, index_topk=self.index_topk)
 
     @property
     def softmax_scale(self) -> float:

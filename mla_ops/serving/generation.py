@@ -53,7 +53,7 @@ from ..models.kv_caches import cache_tensors, grown
 from ..parallel import collectives
 from ..planning.options import PlanOptions, options_from
 from ..prefill import plan_with_options
-from .graphs import PrefillGraphs
+from .graphs import PrefillGraphs, routed_options
 from .paged_cache import BlockManager, CacheUsage
 from .prompts import check_eos, check_prompts
 from .scheduler import Request, Scheduler
@@ -184,7 +184,7 @@ class Generator:
         self.context_parallel = cp = getattr(model, "context_parallel", None)
         self.options = self.settings.options  # every step's (routing: the default at the model's dims)
         if cp is None:
-            self.options = model.config.routed_options(self.options)
+            self.options = routed_options(model.config, self.options)
         self.block_size, self.workspace_size = self.options.block_size, self.options.workspace_size
         self._layout = (cp.rank, cp.world_size, cp.interleave) if cp is not None else (0, 1, 1)
         self.compile = compile

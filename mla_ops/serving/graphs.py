@@ -58,6 +58,21 @@ from .buckets import Bucket, Buckets, padded_lengths
 MODES = ("cuda_graph", "compile", "eager")
 
 
+def routed_options(config: MLAConfig, options: PlanOptions) -> PlanOptions:
+    """``options`` for a model's steps on one device: ``absorb_max_query_len=None`` resolved at the model's dims
+    (``config.default_absorb_max_query_len``; across ranks None stays the context-parallel cost model's), and
+    ``index_topk`` the model's own (a sparse model's K_I, None for a dense one)."""
+    if options.index_topk != config.index_topk:
+        if options.index_topk is not None:
+            has = "has no indexer (dense MLA)" if config.index_topk is None else \
+                f"selects index_topk={config.index_topk} keys (config.json's)"
+            raise ValueError(f"options.index_topk is {options.index_topk}, but the model {has}: leave it None")
+        options = dataclasses.replace(options, index_topk=config.index_topk)
+    if options.absorb_max_query_len is not None:
+        return options
+    return dataclasses.replace(options, absorb_max_query_len=config.default_absorb_max_query_len)
+
+
 class PrefillGraphs:
     """Run prefill steps of ``model`` from per-bucket CUDA graphs (or compiled functions).
 
@@ -115,7 +130,7 @@ class PrefillGraphs:
         self.context_parallel = getattr(model, "context_parallel", None)  # a model across ranks plans across them
         config = getattr(model, "config", None)
         if isinstance(config, MLAConfig) and self.context_parallel is None:
-            options = config.routed_options(options)  # the routing default at the model's own dims
+            options = routed_options(config, options)  # the routing default at the model's own dims
         # The device plan's options; each bucket plans with its own K (``max_chunks``).
         self.options = dataclasses.replace(options, max_chunks=self.buckets.chunks[-1])
         tensor = next(itertools.chain(model.parameters(), model.buffers()), None)

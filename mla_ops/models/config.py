@@ -46,7 +46,8 @@ experts (``zero_expert_num``) need ``n_group`` 1; ``mla_scale_q_lora`` (which ne
 JSON, or not a JSON object, is one ValueError naming it.
 
 This module is the floor of ``models/``: it imports only the scaling records (``scalings``) and the routing
-default's formula; the readers of config.json (``hf_config``, ``families``) and every part stand on it.
+default's formula; the readers of config.json (``hf_config``, ``families``) and every part stand on it, and
+``from_hf`` reaches its reader only when called.
 """
 
 from __future__ import annotations

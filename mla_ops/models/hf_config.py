@@ -10,9 +10,9 @@ out, renamed keys, the keys only some families have) is its record in ``families
 A key that is absent or null takes its default (required keys have none and are reported missing).
 The values are checked by ``MLAConfig`` (same names) and the rest here, each error naming the key:
 config.json's ``attention_bias`` / ``mlp_bias`` must be false, ``hidden_act`` "silu", ``dtype`` (or
-``torch_dtype``) None or a float dtype's name; ``rope_scaling`` (or ``rope_parameters``) an object
-(read by ``scalings.read_rope_scaling``), for YaRN ``factor`` > 0, ``original_max_position_embeddings`` >= 1, ``beta_fast`` / ``beta_slow`` > 0,
-``mscale`` / ``mscale_all_dim`` real, ``attention_factor`` > 0, ``truncate`` a boolean.
+``torch_dtype``) None or a float dtype's name; ``rope_scaling`` (or ``rope_parameters``) an object, read by
+``scalings.read_rope_scaling``: for YaRN ``factor`` > 0, ``original_max_position_embeddings`` >= 1, ``beta_fast`` /
+``beta_slow`` > 0, ``mscale`` / ``mscale_all_dim`` real, ``attention_factor`` > 0, ``truncate`` a boolean.
 """
 
 from __future__ import annotations

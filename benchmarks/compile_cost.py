@@ -102,7 +102,7 @@ def _measure(kind: str, size: int, restarts: _Restarts) -> dict:
 
             def step(ids, positions, caches, slots, table, qsl, ctx):
                 plan = mla_ops.plan_prefill(qsl, ctx, table, 4, 64, max_chunks=4)
-                return model(ids, positions, caches, slots, table, plan)
+                return model(ids, positions, caches, slots, plan)
 
             if kind in WHOLE_KINDS:
                 step = torch.compile(step, fullgraph=True, dynamic=True)

@@ -63,7 +63,7 @@ def run_step(model, device, mode, name, context_lens, query_lens, workspace_size
     def eager():
         plan = mla_ops.plan_prefill(x["query_start_loc"], x["context_lens"], x["block_table"], block_size,
                                     workspace_size, absorb_max_query_len=absorb)
-        return model(x["input_ids"], x["positions"], caches, x["slot_mapping"], x["block_table"], plan)
+        return model(x["input_ids"], x["positions"], caches, x["slot_mapping"], plan)
 
     runner = mla_ops.PrefillGraphs(
         model, max_tokens=tokens, max_requests=requests, max_blocks_per_request=x["block_table"].shape[1],

@@ -34,6 +34,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mla_ops
+from mla_ops.models import regions
 from benchmarks._lib.batches import model_step
 from benchmarks._lib.report import write_json_atomic
 from mla_ops._env import interpreting
@@ -57,21 +58,21 @@ class LayerCensus(TorchDispatchMode):
         self.suffix_tokens: list[int] = [0 for _ in model.layers]  # live query tokens of the suffix attention
         for p in model.parameters():
             self._mark(p)
-        self.hooks = []
-        for i, layer in enumerate(model.layers):
-            self.hooks.append(layer.register_forward_pre_hook(self._enter(i)))
-            self.hooks.append(layer.register_forward_hook(self._leave))
+        # A layer's work is its call and the write of its rows after it: regions.run_layer, wrapped here.
+        index = {id(layer): i for i, layer in enumerate(model.layers)}
+        run_layer = self.run_layer = regions.run_layer
 
-    def _enter(self, index: int):
-        def hook(module, args):
-            self.layer = index
-            for x in pytree.tree_leaves(args[:2]):  # the hidden states and the layer's caches
-                if isinstance(x, torch.Tensor):
-                    self._mark(x)
-        return hook
+        def counted_run_layer(layer, x, caches, *rest):
+            self.layer = index[id(layer)]
+            for t in pytree.tree_leaves((x, caches)):  # the hidden states and the layer's caches
+                if isinstance(t, torch.Tensor):
+                    self._mark(t)
+            try:
+                return run_layer(layer, x, caches, *rest)
+            finally:
+                self.layer = None
 
-    def _leave(self, module, args, output):
-        self.layer = None
+        regions.run_layer = counted_run_layer
 
     def _mark(self, t: torch.Tensor) -> None:
         self.layer_data[id(t)] = weakref.ref(t)
@@ -81,8 +82,7 @@ class LayerCensus(TorchDispatchMode):
         return ref is not None and ref() is t
 
     def remove(self) -> None:
-        for hook in self.hooks:
-            hook.remove()
+        regions.run_layer = self.run_layer
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -153,19 +153,18 @@ def census(batch: int, device_plan: bool, fp8: bool, layers: int = 3, seed: int 
     context_lens = torch.randint(0, 40, (batch,), generator=g).tolist()
     query_lens = torch.randint(1, 6, (batch,), generator=g).tolist()
     step = model_step(config, context_lens, query_lens, block_size=4, device="cpu", seed=seed)
-    caches = model.allocate_kv_caches(step["num_blocks"], 4, dtype=torch.float8_e4m3fn if fp8 else None)
-    k_scale = 0.05 if fp8 else None
+    scale = 0.05 if fp8 else None
+    caches = model.allocate_kv_caches(step["num_blocks"], 4, dtype=torch.float8_e4m3fn if fp8 else None,
+                                      k_scale=scale, k_scale_index=scale if dsa else None)
     table = step["block_table"]
     plan = mla_ops.plan_prefill(step["query_start_loc"], step["context_lens"], table, 4, workspace_size=64,
                                 max_chunks=4 if device_plan else None, index_topk=config.index_topk,
                                 max_index_chunks=64 if device_plan and dsa else None)
-    index_scale = 0.05 if fp8 and dsa else None
     recorder = LayerCensus(model)
     launches = recorder.triton_launches() if backend == "triton" else contextlib.nullcontext()
     try:
         with torch.no_grad(), launches, recorder:
-            model(step["input_ids"], step["positions"], caches, step["slot_mapping"], table, plan, k_scale=k_scale,
-                  backend=backend, **({"k_scale_index": index_scale} if index_scale else {}))
+            model(step["input_ids"], step["positions"], caches, step["slot_mapping"], plan, backend=backend)
     finally:
         recorder.remove()
     per_layer = [sum(c.values()) for c in recorder.ops]

@@ -10,7 +10,7 @@ alias_lowering(__path__)
 
 from . import ops  # noqa: E402,F401  (registers every op)
 from ._checks import set_debug  # noqa: E402
-from .models import DSACaches, MLAAttention, MLAConfig, MLAForCausalLM, MLAModel  # noqa: E402
+from .models import KVCaches, MLAAttention, MLAConfig, MLAForCausalLM, MLAModel  # noqa: E402
 from .ops.cache import write_index_cache, write_latent_cache  # noqa: E402
 from .ops.indexer import index_topk  # noqa: E402
 from .ops.merge import merge_attn_states  # noqa: E402
@@ -47,7 +47,7 @@ __all__ = [
     "ContextSchedule",
     "CostModel",
     "DeviceSchedule",
-    "DSACaches",
+    "KVCaches",
     "MLAAttention",
     "MLAConfig",
     "MLAForCausalLM",

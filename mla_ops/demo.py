@@ -153,13 +153,13 @@ def compiled_demo(max_chunks: int = 4, workspace_size: int = 32, block_size: int
     torch.manual_seed(0)
     config = mla_ops.MLAConfig.from_name("tiny")
     model = mla_ops.MLAModel(config).eval()
-    caches = model.allocate_kv_caches(64, block_size)  # one tensor per layer
+    caches = model.allocate_kv_caches(64, block_size).latent  # one tensor per layer (a list reads as KVCaches)
     for cache in caches:
         torch.nn.init.normal_(cache)
 
     def step(ids, positions, kv_caches, slots, table, qsl, context_lens):
         plan = mla_ops.plan_prefill(qsl, context_lens, table, block_size, workspace_size, max_chunks=max_chunks)
-        return model(ids, positions, kv_caches, slots, table, plan)
+        return model(ids, positions, kv_caches, slots, plan)
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()

@@ -9,8 +9,8 @@ caches a step takes; ``longcat``: LongCat-Flash's layer; ``decoder``: the model 
 
 from .config import IndexerConfig, LayerKinds, MLAConfig, Scalings
 from .decoder import MLAForCausalLM, MLAModel
-from .kv_caches import DSACaches
+from .kv_caches import KVCaches
 from .layer import MLAAttention
 
-__all__ = ["DSACaches", "IndexerConfig", "LayerKinds", "MLAAttention", "MLAConfig", "MLAForCausalLM", "MLAModel",
+__all__ = ["IndexerConfig", "KVCaches", "LayerKinds", "MLAAttention", "MLAConfig", "MLAForCausalLM", "MLAModel",
            "Scalings"]

@@ -17,17 +17,18 @@ their softmax-scale correction come from the config (``mla_ops.models.rope``); l
 (``mla_ops.models.moe``). MiniCPM3's scalings (``embedding_scale``, ``residual_scale``, ``logits_scaling``)
 are config values, 1 (nothing done) for the others.
 
-The caches (a list of one tensor per cache layer: ``allocate_kv_caches``), slot mapping, block table and the
-step's ``PrefillPlan`` (``mla_ops.plan_prefill``, made once per step) are passed in on every call; nothing is
+The caches (one record, ``KVCaches``: ``allocate_kv_caches``), slot mapping and the step's ``PrefillPlan``
+(``mla_ops.plan_prefill``, made once per step; it holds the block table) are passed in on every call; nothing is
 stored in the modules. ``MLAModel`` begins the step once (``ModelStep``: the rotary tables and
 ``mla_ops.begin_step``'s checked attention step) and every layer makes its attention calls on it: with a
 device plan (``max_chunks=K``) the whole step reads no device value and compiles to one graph, the planner
 running once however many layers there are. One loop runs every kind of layer, handing each its caches and
-the carry of the layer before (``layer.Carry``); ``mla_ops.models.regions`` decides how each layer runs.
+what the layers before it made for it (``layer.Carry``), as wired once at construction (``wiring``);
+``mla_ops.models.regions`` decides how each layer runs and when its new rows are written.
 
-A sparse model (DeepSeek Sparse Attention: ``MLAConfig.index_topk``, DeepSeek-V3.2, GLM-5) keeps an index
-cache beside the latent one (``kv_caches.DSACaches``) and needs a plan made with its ``index_topk``; the carry
-hands a full layer's top-k to the "shared" layers after it, which reuse it instead of recomputing it.
+A sparse model (DeepSeek Sparse Attention: ``MLAConfig.index_topk``, DeepSeek-V3.2, GLM-5) keeps index caches
+beside the latent ones (``KVCaches.index``) and needs a plan made with its ``index_topk``; a full layer's top-k
+is handed to the "shared" layers after it, which reuse it instead of recomputing it.
 """
 
 from __future__ import annotations
@@ -43,12 +44,13 @@ from ..parallel.tensor_parallel import check_divisible
 from ..planning.plan import PrefillPlan
 from . import regions
 from .config import MLAConfig
-from .kv_caches import Caches, DSACaches, allocate, cache_widths, check_caches
-from .layer import Carry, DecoderLayer, LayerCaches, ModelStep, RMSNorm, check_plan_block_table, scaled
+from .kv_caches import KVCaches, allocate, check_caches
+from .layer import DecoderLayer, ModelStep, RMSNorm, scaled
 from .longcat import LongcatDecoderLayer
 from .parts import linear, softcap
 from .query_scale import PositionScale
 from .rope import RotaryEmbedding
+from .wiring import Passed, wire_layers
 
 # MLAConfig.decoder_layer -> the layer structure of the family's model.
 LAYER_CLASSES: dict[str, type[nn.Module]] = {"deepseek": DecoderLayer, "longcat": LongcatDecoderLayer}
@@ -96,6 +98,7 @@ class MLAModel(nn.Module):
         self.layer_class = LAYER_CLASSES[config.decoder_layer]
         self.layers = nn.ModuleList(self.layer_class(layer_config, i, group) for i in range(config.num_hidden_layers))
         self.num_cache_layers = sum(layer.num_kv_caches for layer in self.layers)  # KV-sharing layers have none
+        self.wiring = wire_layers(config, [layer.num_kv_caches for layer in self.layers])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # The rotary frequencies, built once (Mistral Large 4's learned ones: model.rotary_emb.alpha)
         self.rotary_emb = RotaryEmbedding(config.qk_rope_head_dim, config.rope_theta, config.rope_scaling,
@@ -114,91 +117,64 @@ class MLAModel(nn.Module):
         regions.compile_layers(self, options)
         return self
 
-    def allocate_kv_caches(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
-                           device=None, *, kv_cache_format: str = "auto", index_cache_format: str = "auto") -> Caches:
-        """Zeroed caches: a list of one ``[num_blocks, block_size, L+R]`` tensor per cache layer (one per attention:
-        num_hidden_layers, twice that for LongCat-Flash), as engines bind one to each attention layer; dtype and
-        device default to the model's (a float8_e4m3fn cache then needs ``k_scale`` in ``forward``). A sparse
-        model's: a ``DSACaches`` of that list and its index caches, one ``[num_blocks, block_size, D_I]`` per
-        layer with an indexer (float8 needs ``k_scale_index``). KV-sharing layers (``kv_source_layers``) have no
-        latent cache; a NoPE layer's (``no_rope_layers``, R = 0) is the first L columns of its L+R rows.
-        ``kv_cache_format="fp8_ds_mla"`` / ``index_cache_format="fp8_per_token"``: vLLM's packed uint8 layouts
-        (656-byte latent rows, D_I + 4-byte index rows; ``mla_ops/ops/cache_formats.py``), ``dtype`` then unused;
-        pass the same formats to ``forward``."""
-        c = self.config
+    def allocate_kv_caches(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None, device=None, *,
+                           kv_cache_format: str = "auto", index_cache_format: str = "auto", k_scale=None,
+                           k_scale_index=None) -> KVCaches:
+        """Zeroed caches, a ``KVCaches``: ``latent`` one ``[num_blocks, block_size, L+R]`` tensor per cache layer (one
+        per attention: num_hidden_layers, twice that for LongCat-Flash), as engines bind one to each attention
+        layer; a sparse model's ``index`` one ``[num_blocks, block_size, D_I]`` per layer with an indexer. dtype and
+        device default to the model's; a float8_e4m3fn cache needs ``k_scale`` (and a sparse model's
+        ``k_scale_index``): one for every layer, or a list of one per layer. KV-sharing layers
+        (``kv_source_layers``) have no latent cache; a NoPE layer's (``no_rope_layers``, R = 0) is the first L
+        columns of its L+R rows. ``kv_cache_format="fp8_ds_mla"`` / ``index_cache_format="fp8_per_token"``: vLLM's
+        packed uint8 layouts (656-byte latent rows, D_I + 4-byte index rows; ``mla_ops/ops/cache_formats.py``),
+        which keep their own scales (``dtype`` then unused)."""
         weight = self.embed_tokens.weight
-        dtype, device = dtype or weight.dtype, device or weight.device
-        latent_width, index_width = cache_widths(c, kv_cache_format, index_cache_format)
-
-        def zeros(layers: int, width: int, packed: bool):
-            return allocate(layers, num_blocks, block_size, width, torch.uint8 if packed else dtype, device)
-
-        latent = zeros(self.num_cache_layers, latent_width, kv_cache_format != "auto")
-        if not c.is_sparse:
-            return latent
-        return DSACaches(latent, zeros(c.num_index_layers, index_width, index_cache_format != "auto"))
+        return allocate(self.config, self.num_cache_layers, num_blocks, block_size, dtype or weight.dtype,
+                        device or weight.device, kv_cache_format=kv_cache_format,
+                        index_cache_format=index_cache_format, k_scale=k_scale, k_scale_index=k_scale_index)
 
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: Caches,  # a list of [num_blocks, block_size, L+R], one per cache layer, or a DSACaches
+        kv_caches: KVCaches,  # allocate_kv_caches' (or a list of [num_blocks, block_size, L+R], one per cache layer)
         slot_mapping: torch.Tensor,  # [T]
-        block_table: torch.Tensor,  # [B, max_blocks] int32, shared by all layers: the plan's
-        plan: PrefillPlan,  # one plan per step (mla_ops.plan_prefill), shared by all layers
-        *,
-        k_scale: float | torch.Tensor | None = None,
+        plan: PrefillPlan,  # one plan per step (mla_ops.plan_prefill), shared by all layers; it holds the block table
+        *stale,  # a call from before the plan held the block table: refused by name
         backend: str = "auto",
-        k_scale_index: float | torch.Tensor | None = None,  # a float8 index cache's scale (sparse models)
-        kv_cache_format: str = "auto",  # "fp8_ds_mla": vLLM's packed latent rows (allocate_kv_caches)
-        index_cache_format: str = "auto",  # "fp8_per_token": vLLM's packed index keys (sparse models)
     ) -> torch.Tensor:
-        c = self.config
-        latent_width, index_width = cache_widths(c, kv_cache_format, index_cache_format)
+        refuse_block_table(plan, stale)
         weight = self.embed_tokens.weight
-        kv_caches = check_caches(kv_caches, self.num_cache_layers, latent_width,
-                                 (c.num_index_layers, index_width) if c.is_sparse else None,
-                                 (weight.dtype, weight.device), (kv_cache_format != "auto", index_cache_format != "auto"))
-        check_plan_block_table(block_table, plan)
-        if plan.index_topk != (c.index_topk or 0):
-            raise ValueError(f"plan was made with index_topk={plan.index_topk or None}, but the model selects "
-                             f"index_topk={c.index_topk}: plan the step with plan_prefill(..., index_topk="
-                             f"{c.index_topk}) (config.index_topk)")
+        caches = check_caches(kv_caches, self.config, self.num_cache_layers, (weight.dtype, weight.device))
+        check_plan(plan, self.config)
         check_step_inputs(input_ids, positions, plan, self.embed_tokens.num_embeddings)
-        latent, index = (kv_caches.latent, kv_caches.index[0]) if c.is_sparse else (kv_caches, None)
-        step = ModelStep.begin(positions, plan, latent[0], slot_mapping, k_scale, backend,
-                               self.embed_tokens.weight.dtype, self.rotary_emb, self.position_scale,
-                               index, k_scale_index, c.scalings.learned_query_scale,
-                               (kv_cache_format, index_cache_format))  # once, not per layer
+        step = ModelStep.begin(self, positions, plan, caches, slot_mapping, backend)  # once, not per layer
         x = scaled(self.embed_tokens(input_ids), self.embedding_scale)  # [T, H]
-        carry, shared = Carry(), {}  # shared: the latest new latent rows of a KV source, per RoPE kind
-        for i, (layer, caches) in enumerate(zip(self.layers, self._layer_caches(kv_caches))):
-            needs = Carry(carry.topk if c.is_sparse and not c.has_indexer(i) else None,  # a shared DSA layer
-                          None if c.kv_source(i) == i else shared[c.uses_rope(i)])  # a KV-sharing layer
-            x, carry = regions.run_layer(layer, x, caches, step, needs)
-            sources = c.layer_kinds.kv_source_layers
-            if sources is not None and i in sources[i + 1:]:
-                shared[c.uses_rope(i)] = carry.latent
+        passed = Passed()
+        for layer, wiring in zip(self.layers, self.wiring):
+            layer_caches = wiring.caches(caches)
+            x, made = regions.run_layer(layer, x, layer_caches, step, wiring.carry(passed))
+            passed = wiring.passed_on(passed, made)
         return self.norm(x)  # [T, H]
 
-    def _layer_caches(self, kv_caches: Caches) -> list[LayerCaches]:
-        """What each layer reads and writes: its own latent caches (a layer of several attentions gets its n),
-        or its KV source's; its index cache if it has an indexer."""
-        c = self.config
-        latent = kv_caches.latent if c.is_sparse else kv_caches
-        index = iter(kv_caches.index if c.is_sparse else ())
-        out, first, own = [], 0, {}
-        for i, layer in enumerate(self.layers):
-            n = layer.num_kv_caches
-            if n:
-                width = c.kv_lora_rank + c.layer_dims(i)[1]  # L for a NoPE layer (never a packed uint8 cache)
-                own[i] = tuple(t[..., :width] if width != t.shape[-1] and t.dtype != torch.uint8 else t
-                               for t in latent[first : first + n])
-                first += n
-            source = c.kv_source(i)
-            out.append(LayerCaches(own.get(i, ()), None if source == i else own[source][0],
-                                   next(index) if c.has_indexer(i) else None))
-        return out
+
+def check_plan(plan: PrefillPlan, config: MLAConfig) -> None:
+    """A plan, made with the model's ``index_topk``."""
+    if not isinstance(plan, PrefillPlan):
+        raise TypeError(f"plan must be a PrefillPlan (mla_ops.plan_prefill), got {type(plan).__name__}")
+    if plan.index_topk != (config.index_topk or 0):
+        raise ValueError(f"plan was made with index_topk={plan.index_topk or None}, but the model selects "
+                         f"index_topk={config.index_topk}: plan the step with plan_prefill(..., index_topk="
+                         f"{config.index_topk}) (config.index_topk)")
+
+
+def refuse_block_table(plan, stale: tuple) -> None:
+    """A step called with a block table, as before the plan held it: named, with the call to make instead."""
+    if stale or isinstance(plan, torch.Tensor):
+        raise TypeError("the model's forward takes no block_table: the plan holds it (plan.block_table). Call "
+                        "model(input_ids, positions, kv_caches, slot_mapping, plan, *, backend='auto'); the caches' "
+                        "formats and scales travel in their record, mla_ops.KVCaches")
 
 
 def local_config(config: MLAConfig, context_parallel: ContextParallel) -> MLAConfig:
@@ -253,9 +229,9 @@ class MLAForCausalLM(nn.Module):
         return load_pretrained(cls, path, dtype=dtype, device=device, context_parallel=context_parallel)
 
     def allocate_kv_caches(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
-                           device=None, **formats) -> Caches:
-        """``MLAModel.allocate_kv_caches`` (``formats``: its ``kv_cache_format`` / ``index_cache_format``)."""
-        return self.model.allocate_kv_caches(num_blocks, block_size, dtype, device, **formats)
+                           device=None, **storage) -> KVCaches:
+        """``MLAModel.allocate_kv_caches`` (``storage``: its formats and scales)."""
+        return self.model.allocate_kv_caches(num_blocks, block_size, dtype, device, **storage)
 
     def compile_layers(self, **options) -> MLAForCausalLM:
         """``MLAModel.compile_layers`` of the decoder; returns the model."""
@@ -266,20 +242,14 @@ class MLAForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: Caches,  # a list of [num_blocks, block_size, L+R], one per cache layer, or a DSACaches
+        kv_caches: KVCaches,
         slot_mapping: torch.Tensor,  # [T]
-        block_table: torch.Tensor,  # [B, max_blocks] int32: the plan's
         plan: PrefillPlan,
-        *,
-        k_scale: float | torch.Tensor | None = None,
+        *stale,
         backend: str = "auto",
-        k_scale_index: float | torch.Tensor | None = None,
-        kv_cache_format: str = "auto",
-        index_cache_format: str = "auto",
     ) -> torch.Tensor:
-        hidden = self.model(input_ids, positions, kv_caches, slot_mapping, block_table, plan,
-                            k_scale=k_scale, backend=backend, k_scale_index=k_scale_index,
-                            kv_cache_format=kv_cache_format, index_cache_format=index_cache_format)  # [T, H]
+        """``MLAModel.forward``, then the logits."""
+        hidden = self.model(input_ids, positions, kv_caches, slot_mapping, plan, *stale, backend=backend)  # [T, H]
         return self.logits(hidden)  # [T, vocab]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

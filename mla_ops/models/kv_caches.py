@@ -1,11 +1,10 @@
-"""The paged caches of a model step: a dense MLA model's latent caches, or a sparse (DSA) model's ``DSACaches``.
+"""The paged caches of a model step, as one record: ``KVCaches``.
 
-dense   kv_caches        cache_layers x [num_blocks, block_size, L+R]     one latent row per token and layer
-sparse  DSACaches.latent cache_layers x [num_blocks, block_size, L+R]     the same
-        DSACaches.index  index_layers x [num_blocks, block_size, D_I]     one index key per token and full layer
+latent  cache_layers x [num_blocks, block_size, L+R]   one latent row per token and attention
+index   index_layers x [num_blocks, block_size, D_I]   a sparse (DSA) model's index keys, one per full layer
 
-Each is a list of one tensor per layer, as engines that bind a cache to each attention layer keep them. Every
-layer's cache then has the same metadata, which lets ``torch.compile`` reuse its work on one layer for the
+Each part is a list of one tensor per layer, as engines that bind a cache to each attention layer keep them.
+Every layer's cache then has the same metadata, which lets ``torch.compile`` reuse its work on one layer for the
 next (a stacked tensor's layers differ in storage offset: docs/compile-and-graphs.md). A stacked tensor
 ``[layers, num_blocks, block_size, width]`` is taken in eager code (as its layers' views) and refused by name
 under ``torch.compile``, whose writes into views of one buffer need a lowering torch lacks (pytorch#198068).
@@ -14,55 +13,82 @@ A sparse model's index cache lives beside its latent cache (DESIGN §12): the sa
 table, so one block id names a token's rows in both, and the block manager's prefix sharing and eviction
 (``mla_ops.serving``) cover both at once. Only the layers with an indexer of their own have an index cache
 (``MLAConfig.num_index_layers``: GLM-5's "shared" layers reuse another layer's top-k and allocate none).
-``DSACaches`` is a NamedTuple, so torch.compile and pytrees take it as its tensors.
 
-The helpers below let the serving code treat every form alike: its tensors, its geometry, growing it.
+How the caches are stored travels with them: their formats (``"auto"``, or vLLM's packed layouts) and the
+scales of float8 caches, one for every layer or one per layer (as vLLM keeps them).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence, Union
+from dataclasses import dataclass, fields
+from typing import Sequence, Union
 
 import torch
+from torch.utils import _pytree as pytree
 
 from .. import _checks
 from .._mla import DS_MLA_LATENT, DS_MLA_ROPE, DS_MLA_ROW_BYTES
 from ..ops.cache_formats import INDEX_FORMATS, LATENT_FORMATS
 from . import regions
 
-LayerCaches = Sequence[torch.Tensor]  # one [num_blocks, block_size, W] per layer (eager code: or stacked)
+Scale = Union[float, torch.Tensor]  # a float8 cache's dequantization scale: a float or a one-element float32 tensor
 
 
-class DSACaches(NamedTuple):
-    latent: LayerCaches  # [cache_layers, num_blocks, block_size, L+R]
-    index: LayerCaches  # [index_layers, num_blocks, block_size, D_I]
+@dataclass(frozen=True)
+class KVCaches:
+    """A model's caches (``allocate_kv_caches``, or an engine's own tensors): ``latent`` one tensor per cache
+    layer, ``index`` one per indexer layer (None: a dense model). ``kv_cache_format`` / ``index_cache_format``:
+    ``"auto"`` (the model's dtype, or float8_e4m3fn with a scale) or vLLM's packed ``"fp8_ds_mla"`` /
+    ``"fp8_per_token"`` (which store their own scales). ``k_scale`` / ``k_scale_index``: a float8 cache's
+    scale (dequantized = stored * scale): None, one for every layer, or a list of one per layer."""
+
+    latent: Sequence[torch.Tensor]
+    index: Sequence[torch.Tensor] | None = None
+    kv_cache_format: str = "auto"
+    index_cache_format: str = "auto"
+    k_scale: Scale | Sequence[Scale] | None = None
+    k_scale_index: Scale | Sequence[Scale] | None = None
 
     @property
-    def dtype(self) -> torch.dtype:
-        return cache_tensors(self)[0].dtype
-
-    @property
-    def device(self) -> torch.device:
-        return cache_tensors(self)[0].device
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every cache tensor, latent then index (the blocks are dim -3 of each, stacked or not)."""
+        parts = (self.latent,) if self.index is None else (self.latent, self.index)
+        return tuple(t for part in parts for t in ((part,) if isinstance(part, torch.Tensor) else part))
 
     @property
     def num_blocks(self) -> int:
-        return cache_tensors(self)[0].shape[-3]
+        return self.tensors[0].shape[-3]
+
+    def __repr__(self) -> str:
+        def part(tensors):
+            if tensors is None or isinstance(tensors, torch.Tensor):
+                return "None" if tensors is None else f"stacked {list(tensors.shape)} {tensors.dtype}"
+            first = f" x {list(tensors[0].shape)} {tensors[0].dtype} on {tensors[0].device}" if tensors else ""
+            return f"{len(tensors)}{first}"
+
+        return (f"KVCaches(latent={part(self.latent)}, index={part(self.index)}, kv_cache_format="
+                f"{self.kv_cache_format!r}, index_cache_format={self.index_cache_format!r}, k_scale={self.k_scale!r}, "
+                f"k_scale_index={self.k_scale_index!r})")
 
 
-Caches = Union[LayerCaches, DSACaches]
+_FORMATS = ("kv_cache_format", "index_cache_format")  # strings: the pytree's context, constants to torch.compile
+_PARTS = tuple(f.name for f in fields(KVCaches) if f.name not in _FORMATS)
+pytree.register_pytree_node(
+    KVCaches,
+    lambda c: ([getattr(c, n) for n in _PARTS], tuple(getattr(c, n) for n in _FORMATS)),
+    lambda values, formats: KVCaches(**dict(zip(_PARTS, values)), **dict(zip(_FORMATS, formats))),
+    serialized_type_name="mla_ops.KVCaches")
 
 
-def cache_tensors(caches: Caches) -> tuple[torch.Tensor, ...]:
-    """The tensors of a step's caches (the blocks are dim -3 of each, stacked or not)."""
-    parts = caches if isinstance(caches, DSACaches) else (caches,)
-    return tuple(t for part in parts for t in ((part,) if isinstance(part, torch.Tensor) else part))
+def as_kv_caches(caches) -> KVCaches:
+    """``caches`` as a record: a plain list of tensors (or one stacked tensor) is ``KVCaches(latent=caches)``."""
+    return caches if isinstance(caches, KVCaches) else KVCaches(latent=caches)
 
 
-def grown(caches: Caches, bigger: Caches) -> Caches:
+def grown(caches: KVCaches, bigger: KVCaches) -> KVCaches:
     """``bigger`` (``allocate_kv_caches`` with more blocks) holding ``caches``' rows in its first blocks:
     block ids, and the rows cached under them, stay valid."""
-    for old, new in zip(cache_tensors(caches), cache_tensors(bigger)):
+    for old, new in zip(caches.tensors, bigger.tensors):
         new.narrow(-3, 0, old.shape[-3]).copy_(old)
     return bigger
 
@@ -94,9 +120,20 @@ def cache_widths(config, kv_cache_format: str, index_cache_format: str) -> tuple
     return latent, width + (4 if index_cache_format == "fp8_per_token" else 0)
 
 
-def allocate(layers: int, num_blocks: int, block_size: int, width: int, dtype, device) -> LayerCaches:
-    """Zeroed caches of ``layers`` layers: a list of one tensor per layer."""
-    return [torch.zeros(num_blocks, block_size, width, dtype=dtype, device=device) for _ in range(layers)]
+def allocate(config, num_cache_layers: int, num_blocks: int, block_size: int, dtype: torch.dtype, device, *,
+             kv_cache_format: str = "auto", index_cache_format: str = "auto", k_scale=None,
+             k_scale_index=None) -> KVCaches:
+    """Zeroed caches of a model: one tensor per cache layer (and per index layer of a sparse model), uint8 in
+    the packed formats. The scales are kept as given; the model checks them with the caches."""
+    latent_width, index_width = cache_widths(config, kv_cache_format, index_cache_format)
+
+    def zeros(layers: int, width: int, packed: bool) -> list[torch.Tensor]:
+        return [torch.zeros(num_blocks, block_size, width, dtype=torch.uint8 if packed else dtype, device=device)
+                for _ in range(layers)]
+
+    latent = zeros(num_cache_layers, latent_width, kv_cache_format != "auto")
+    index = zeros(config.num_index_layers, index_width, index_cache_format != "auto") if config.is_sparse else None
+    return KVCaches(latent, index, kv_cache_format, index_cache_format, k_scale, k_scale_index)
 
 
 def _check_layer_caches(caches, name: str, layers: int, width: int) -> tuple[torch.Tensor, ...]:
@@ -121,39 +158,62 @@ def _check_layer_caches(caches, name: str, layers: int, width: int) -> tuple[tor
     return tuple(caches)
 
 
-def check_caches(caches, num_cache_layers: int, width: int, index: tuple[int, int] | None = None,
-                 model: tuple[torch.dtype, torch.device] | None = None,
-                 packed: tuple[bool, bool] = (False, False)) -> Caches:
-    """A model's caches (``allocate_kv_caches``), returned as tuples of per-layer tensors: rows ``width`` (L+R)
-    wide; ``index`` None for a dense model (its latent caches), else (index layers, D_I) of a ``DSACaches``
-    whose two parts share the block geometry and device. ``model``: the model's (dtype, device), which every
-    cache must have (float8_e4m3fn also: its scale is checked with the step). No two cache layers may share
-    memory. All of it is checked here, across every cache layer, before any layer runs: a refused step writes
-    nothing. (Checking the widths here also keeps them static under ``torch.compile(dynamic=True)``, where a
-    layer's region would meet them symbolic.) ``packed``: the latent and index caches are in vLLM's packed
-    formats (uint8, ``cache_widths``) rather than the model's dtype."""
-    if index is None:
-        if isinstance(caches, DSACaches):
-            raise TypeError("kv_caches is a DSACaches, but this dense model takes its latent caches alone")
-        latent = _check_layer_caches(caches, "kv_caches", num_cache_layers, width)
-        parts = (("kv_caches", latent),)
-    else:
-        if not isinstance(caches, DSACaches):
-            raise TypeError(f"kv_caches must be a DSACaches (latent, index) for a sparse (index_topk) model, got "
-                            f"{type(caches).__name__} (see allocate_kv_caches)")
-        latent = _check_layer_caches(caches.latent, "kv_caches.latent", num_cache_layers, width)
-        index_caches = _check_layer_caches(caches.index, "kv_caches.index", *index)
-        if latent and index_caches and (index_caches[0].shape[:2] != latent[0].shape[:2]
-                                        or index_caches[0].device != latent[0].device):
+def check_caches(caches, config, num_cache_layers: int, model: tuple[torch.dtype, torch.device]) -> KVCaches:
+    """A model's caches, checked across every cache layer before any layer runs (a refused step writes
+    nothing), returned as a record of tuples with one scale per layer (a float8 cache's as a tensor, else None):
+    widths and formats the model holds (``cache_widths``), the model's dtype (or float8_e4m3fn, or uint8 in a
+    packed format) and device, index caches on the latent caches' blocks, no two cache layers sharing memory, and
+    the scales. (Checking the widths here also keeps them static under ``torch.compile(dynamic=True)``, where a
+    layer's region would meet them symbolic.)"""
+    if not isinstance(caches, (KVCaches, list, tuple, torch.Tensor)):
+        raise TypeError(f"kv_caches must be a mla_ops.KVCaches (or a list of one tensor per cache layer), got "
+                        f"{type(caches).__name__} (see allocate_kv_caches)")
+    caches = as_kv_caches(caches)
+    formats = (caches.kv_cache_format, caches.index_cache_format)
+    latent_width, index_width = cache_widths(config, *formats)
+    latent = _check_layer_caches(caches.latent, "kv_caches.latent", num_cache_layers, latent_width)
+    parts = [("kv_caches.latent", latent, formats[0], caches.k_scale, "k_scale")]
+    if config.is_sparse:
+        if caches.index is None:
+            raise ValueError("kv_caches.index is None, but a sparse (index_topk) model keeps index caches beside its "
+                             "latent caches (see allocate_kv_caches)")
+        index = _check_layer_caches(caches.index, "kv_caches.index", config.num_index_layers, index_width)
+        if latent and index and (index[0].shape[:2] != latent[0].shape[:2] or index[0].device != latent[0].device):
             raise ValueError(f"kv_caches.index must have the latent cache's blocks {tuple(latent[0].shape[:2])} "
-                             f"on {latent[0].device}, got {tuple(index_caches[0].shape[:2])} on "
-                             f"{index_caches[0].device}")
-        parts = (("kv_caches.latent", latent), ("kv_caches.index", index_caches))
-    if model is not None:
-        for (name, part), is_packed in zip(parts, packed):
-            _check_model_dtype(part, name, torch.uint8 if is_packed else model[0], model[1])
-    _check_no_shared_memory(parts)
-    return latent if index is None else DSACaches(latent, index_caches)
+                             f"on {latent[0].device}, got {tuple(index[0].shape[:2])} on {index[0].device}")
+        parts.append(("kv_caches.index", index, formats[1], caches.k_scale_index, "k_scale_index"))
+    elif caches.index is not None or caches.k_scale_index is not None:
+        raise ValueError("kv_caches.index and k_scale_index are a sparse (index_topk) model's; this model is dense")
+    scales = []
+    for name, part, fmt, scale, scale_name in parts:
+        _check_model_dtype(part, name, torch.uint8 if fmt != "auto" else model[0], model[1])
+        scales.append(_layer_scales(scale, scale_name, part, fmt))
+    _check_no_shared_memory([(name, part) for name, part, *_ in parts])
+    index, index_scales = (parts[1][1], scales[1]) if config.is_sparse else (None, None)
+    return KVCaches(latent, index, *formats, scales[0], index_scales)
+
+
+def _layer_scales(scale, name: str, caches: tuple[torch.Tensor, ...], fmt: str) -> tuple:
+    """One checked scale per cache layer, as the kernels take it (a float8 cache's one-element tensor, else None):
+    ``scale`` None, one value for every layer, or a list of one per layer."""
+    per_layer = isinstance(scale, (list, tuple))
+    if per_layer and len(scale) != len(caches):
+        raise ValueError(f"{name} must be None, one scale, or a list of one per cache layer ({len(caches)}), got a "
+                         f"list of {len(scale)}")
+    if fmt != "auto":
+        if scale is not None:
+            raise ValueError(f"{name} is for a per-tensor float8_e4m3fn cache: the {fmt} format stores its own scales "
+                             "(pass None)")
+        return (None,) * len(caches)
+    out = []
+    for i, cache in enumerate(caches):
+        value, label = (scale[i], f"{name}[{i}]") if per_layer else (scale, name)
+        if value is None and cache.dtype == torch.float8_e4m3fn:
+            raise ValueError(f"{label} is required for a float8_e4m3fn cache (dequantized = stored * {name})")
+        if value is not None:
+            _checks.check_scale(value, label, cache.device)
+        out.append(_checks.k_scale_tensor(value, cache))
+    return tuple(out)
 
 
 def _check_model_dtype(caches: tuple[torch.Tensor, ...], name: str, dtype: torch.dtype, device: torch.device) -> None:

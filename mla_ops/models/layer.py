@@ -8,11 +8,13 @@ index_cache  [num_blocks, block_size, D_I]   a sparse (DSA) layer's index keys (
 topk      [T, index_topk] int32   the keys each query attends (a sparse step's; -1 padding)
 
 A layer reads as a transformer block: ``h = x + attention(norm(x))``, ``out = h + mlp(norm(h))``. The attention
-projects, attends (the step's new rows as given, the context's from the cache) and writes the new rows into
-its caches. Between the layers of a step flows a small ``Carry``: a sparse (DSA) step's top-k, which a layer
-with an indexer selects (``mla_ops.index_topk``) and a "shared" layer (GLM-5) reuses, and the new latent rows
-of the layer whose cache a KV-sharing layer attends (Mistral Large 4). How the layers run under eager,
-regional and whole-model compilation is ``mla_ops.models.regions``' business alone.
+projects, attends (the step's new rows as given, the context's from the cache) and returns the rows it made
+(``NewRows``), which the step writes into its caches (``ModelStep.write``): a layer has no side effects. A layer
+is handed a small ``Carry`` from the layers before it: a sparse (DSA) step's top-k, which a layer with an
+indexer selects (``mla_ops.index_topk``) and a "shared" layer (GLM-5) reuses, and the new latent rows of the
+layer whose cache a KV-sharing layer attends (Mistral Large 4); which layer gets what is decided once, at
+construction (``mla_ops.models.wiring``). How the layers run under eager, regional and whole-model compilation,
+and when their rows are written, is ``mla_ops.models.regions``' business alone.
 
 Families with a layer structure of their own (LongCat-Flash: ``mla_ops.models.longcat``) build theirs from
 these parts; ``mla_ops.models.decoder`` picks a model's layer class by ``MLAConfig.decoder_layer``.
@@ -27,14 +29,47 @@ import torch
 from torch import nn
 
 from ..parallel.tensor_parallel import all_reduce
-from ..planning.plan import PrefillPlan, check_step_tensors
+from ..planning.plan import PrefillPlan
 from ..prefill import PrefillStep, begin_step
 from .config import MLAConfig
 from .indexer import Indexer
 from .moe import FeedForward, MoE
 from .parts import acc_dtype, linear
-from .query_scale import LogPositionScale, PositionScale, log_positions
-from .rope import RotaryEmbedding, apply_rotary_emb
+from .query_scale import LogPositionScale, log_positions
+from .rope import apply_rotary_emb
+
+
+class AttentionCaches(NamedTuple):
+    """The caches one attention reads and writes, with their scales (a float8 cache's one-element tensor, else
+    None): made once per step from the model's ``KVCaches`` (``mla_ops.models.wiring``)."""
+
+    latent: torch.Tensor  # the latent cache it attends (a KV-sharing layer's: its source's, read only)
+    k_scale: torch.Tensor | None = None
+    index: torch.Tensor | None = None  # with an indexer of its own: its index cache
+    k_scale_index: torch.Tensor | None = None
+
+
+LayerCaches = tuple  # of AttentionCaches, one per attention of the layer
+
+
+class Carry(NamedTuple):
+    """What a layer is handed from the layers before it (module doc)."""
+
+    topk: torch.Tensor | None = None  # [T, index_topk] int32: the last full DSA layer's selection (a shared layer)
+    latent: tuple[torch.Tensor, torch.Tensor] | None = None  # (kv_c, k_pe): the new rows a KV-sharing layer attends
+
+
+class NewRows(NamedTuple):
+    """What a layer made for its caches and the layers after it: nothing of its inputs."""
+
+    latent: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()  # (kv_c, k_pe) per attention with a cache of its own
+    index: torch.Tensor | None = None  # [T, D_I] its indexer's keys
+    topk: torch.Tensor | None = None  # [T, index_topk] its indexer's selection
+
+    def __add__(self, other: NewRows) -> NewRows:
+        """The rows of two attentions of one layer (LongCat-Flash's), in order."""
+        return NewRows(self.latent + other.latent, self.index if other.index is None else other.index,
+                       self.topk if other.topk is None else other.topk)
 
 
 class ModelStep(NamedTuple):
@@ -45,62 +80,31 @@ class ModelStep(NamedTuple):
     attention: PrefillStep  # the plan checked against the caches and slots (a DSA step's index caches too)
     q_scale: torch.Tensor | None = None  # [T] per-token query factors (config.scalings.query_scale), or None
     log_positions: torch.Tensor | None = None  # [T] log(position + 1) (scalings.learned_query_scale), or None
-    # None: write the new rows at once; a list: collect them, to be written by whoever made it (regions.py)
-    writes: list | None = None
 
     @classmethod
-    def begin(cls, positions, plan, kv_cache, slot_mapping, k_scale, backend, dtype, rotary: RotaryEmbedding,
-              position_scale: PositionScale | None = None, index_cache=None, k_scale_index=None,
-              learned_query_scale: bool = False, formats: tuple[str, str] = ("auto", "auto")) -> ModelStep:
-        """``rotary``: the model's frequencies; ``position_scale``: Mistral 4's per-token query factors, or None;
-        ``index_cache``: one of a sparse model's index caches (all share its geometry), checked once here."""
-        attention = begin_step(plan, kv_cache, slot_mapping, k_scale=k_scale, backend=backend,
-                               index_cache=index_cache, k_scale_index=k_scale_index, kv_cache_format=formats[0],
-                               index_cache_format=formats[1])
-        cos, sin = rotary(positions, dtype)
-        q_scale = None if position_scale is None else position_scale(positions, dtype)
-        logs = log_positions(positions, dtype) if learned_query_scale else None
+    def begin(cls, model, positions: torch.Tensor, plan: PrefillPlan, caches, slot_mapping: torch.Tensor,
+              backend: str) -> ModelStep:
+        """``model``'s step (an ``MLAModel``: its rotary frequencies, position scales and dtype) over its checked
+        ``caches`` (a ``KVCaches`` of one scale per layer); the attention step is checked once, against the first
+        latent and index caches (every layer's shares their geometry)."""
+        index = caches.index is not None
+        attention = begin_step(plan, caches.latent[0], slot_mapping, k_scale=caches.k_scale[0], backend=backend,
+                               index_cache=caches.index[0] if index else None,
+                               k_scale_index=caches.k_scale_index[0] if index else None,
+                               kv_cache_format=caches.kv_cache_format, index_cache_format=caches.index_cache_format)
+        dtype = model.embed_tokens.weight.dtype
+        cos, sin = model.rotary_emb(positions, dtype)
+        q_scale = None if model.position_scale is None else model.position_scale(positions, dtype)
+        logs = log_positions(positions, dtype) if model.config.scalings.learned_query_scale else None
         return cls(cos, sin, attention, q_scale, logs)
 
-    def write_latent(self, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor) -> None:
-        """The new tokens' latent rows into ``kv_cache`` at the step's slots (nothing without a slot mapping)."""
-        self._write(kv_cache, (kv_c, k_pe))
-
-    def write_index(self, k_index: torch.Tensor, index_cache: torch.Tensor) -> None:
-        """The new tokens' index keys into a DSA layer's ``index_cache`` at the step's slots."""
-        self._write(index_cache, (k_index,))
-
-    def _write(self, cache: torch.Tensor, rows: tuple) -> None:
-        if self.writes is not None:
-            self.writes.append((cache, rows))
-        else:
-            self.write(cache, rows)
-
-    def write(self, cache: torch.Tensor, rows: tuple) -> None:
-        """``rows`` ((kv_c, k_pe) latent rows, or (k_index,) index keys) into ``cache``, now."""
-        if len(rows) == 2:
-            self.attention.write(*rows, cache)
-        else:
-            self.attention.write_index(*rows, cache)
-
-
-class Carry(NamedTuple):
-    """What one layer of a step hands the next (module doc)."""
-
-    topk: torch.Tensor | None = None  # [T, index_topk] int32: the last full DSA layer's selection
-    latent: tuple[torch.Tensor, torch.Tensor] | None = None  # (kv_c, k_pe): the new rows a KV-sharing layer attends
-
-
-class LayerCaches(NamedTuple):
-    """The caches one layer reads and writes."""
-
-    own: tuple[torch.Tensor, ...]  # its attentions' latent caches, one each (none for a KV-sharing layer)
-    source: torch.Tensor | None = None  # a KV-sharing layer's: its source layer's latent cache, read only
-    index: torch.Tensor | None = None  # a layer with an indexer: its index cache
-
-    def latent(self, i: int = 0) -> torch.Tensor:
-        """The latent cache attention ``i`` attends."""
-        return self.own[i] if self.own else self.source
+    def write(self, caches: LayerCaches, made: NewRows) -> None:
+        """A layer's new rows into its caches at the step's slots: each attention's latent rows into its own
+        cache, the indexer's keys into its index cache (the one write: ``mla_ops.models.regions`` calls it)."""
+        for cache, (kv_c, k_pe) in zip(caches, made.latent):
+            self.attention.write(kv_c, k_pe, cache.latent, k_scale=cache.k_scale)
+        if made.index is not None:
+            self.attention.write_index(made.index, caches[0].index, k_scale_index=caches[0].k_scale_index)
 
 
 class RMSNorm(nn.Module):
@@ -148,51 +152,30 @@ class MLAAttention(nn.Module):
         # Mistral Large 4's learned per-head query scale (mla_ops.models.mistral_large4), or None
         self.softmax_scaling = LogPositionScale(c.num_attention_heads) if c.scalings.learned_query_scale else None
         # DeepSeek Sparse Attention: a layer's own indexer, or None (dense, or a "shared" layer of a sparse model)
-        self.sparse = c.is_sparse
         self.indexer = Indexer(c, layer_idx) if c.has_indexer(layer_idx) else None
-        self.config = config  # a layer alone (begin_step) makes its step's rotary tables from it
 
-    def forward(self, hidden: torch.Tensor, kv_cache: torch.Tensor, step: ModelStep, carry: Carry = Carry(),
-                index_cache: torch.Tensor | None = None) -> tuple[torch.Tensor, Carry]:
-        """``hidden`` [T, H] (normed) -> (this attention's output after ``o_proj`` [T, H], the carry for the next
-        layer). ``kv_cache``: its latent cache (a KV-sharing layer's: its source's, whose new rows are
-        ``carry.latent``); ``index_cache``: its index cache, with an indexer. Everything is checked before the
-        caches are written: a rejected call writes nothing."""
+    def forward(self, hidden: torch.Tensor, caches: AttentionCaches, step: ModelStep,
+                carry: Carry = Carry()) -> tuple[torch.Tensor, NewRows]:
+        """``hidden`` [T, H] (normed) -> (this attention's output after ``o_proj`` [T, H], the rows it made).
+        ``caches``: its latent cache (a KV-sharing layer's: its source's, whose new rows are ``carry.latent``) and,
+        with an indexer, its index cache; a shared DSA layer attends ``carry.topk``. It writes nothing: the step
+        writes the rows it returns (``ModelStep.write``), after every check has passed."""
         q, kv_c, k_pe, *index = self.project(hidden, step.cos, step.sin)
+        made = NewRows(((kv_c, k_pe),))
         if not self.owns_kv:
-            if carry.latent is None:
-                raise ValueError("a KV-sharing layer (kv_source_layers) needs its source layer's new latent rows")
             kv_c, k_pe = carry.latent
+            made = NewRows()
         topk = carry.topk
         if self.indexer is not None:
             q_index, weights, k_index = index
             q_index = self.indexer.scaled_queries(q_index, step.log_positions)
-            topk = step.attention.select(q_index, weights, k_index, index_cache)  # scores the new keys as given
-        elif self.sparse and topk is None:
-            raise ValueError("a shared DSA layer (indexer_types 'shared') needs the top-k of a full layer before it")
-        out = step.attention.attend(self.scaled_queries(q, step), kv_c, k_pe, kv_cache, self.kv_b_proj.weight,
-                                    self.softmax_scale, topk_indices=topk if self.sparse else None,
+            topk = step.attention.select(q_index, weights, k_index, caches.index,  # scores the new keys as given
+                                         k_scale_index=caches.k_scale_index)
+            made = made._replace(index=k_index, topk=topk)
+        out = step.attention.attend(self.scaled_queries(q, step), kv_c, k_pe, caches.latent, self.kv_b_proj.weight,
+                                    self.softmax_scale, k_scale=caches.k_scale, topk_indices=topk,
                                     v_head_dim=self.v_head_dim)  # [T, N, V]
-        if self.owns_kv:
-            step.write_latent(kv_c, k_pe, kv_cache)
-        if self.indexer is not None:
-            step.write_index(index[2], index_cache)
-        return all_reduce(self.o_proj(out.flatten(1)), self.tp_group), Carry(topk, (kv_c, k_pe))
-
-    def begin_step(self, positions: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                   block_table: torch.Tensor, plan: PrefillPlan, *, k_scale: float | torch.Tensor | None = None,
-                   backend: str = "auto", dtype: torch.dtype | None = None) -> ModelStep:
-        """A step of this attention alone (``MLAModel`` begins one for all its layers): positions [T],
-        slot_mapping [T] (negative: padding, not written), block_table [B, max_blocks] int32 (the plan's)."""
-        if self.sparse:
-            raise ValueError("a sparse (index_topk) attention runs in its model (MLAModel), which keeps its index "
-                             "cache and the step's top-k")
-        check_plan_block_table(block_table, plan)
-        c = self.config
-        rotary = RotaryEmbedding(c.qk_rope_head_dim, c.rope_theta, c.rope_scaling).to(positions.device)
-        position_scale = None if c.scalings.query_scale is None else PositionScale(c.scalings.query_scale)
-        return ModelStep.begin(positions, plan, kv_cache, slot_mapping, k_scale, backend,
-                               dtype or self.o_proj.weight.dtype, rotary, position_scale)
+        return all_reduce(self.o_proj(out.flatten(1)), self.tp_group), made
 
     def project(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """The dense part before attention: rotated queries ``q`` [T, N, P+R] and the new tokens'
@@ -228,19 +211,6 @@ class MLAAttention(nn.Module):
         return q
 
 
-def check_plan_block_table(block_table: torch.Tensor, plan: PrefillPlan) -> None:
-    """The layers read ``plan.block_table``; the ``block_table`` argument must be that table."""
-    if not isinstance(plan, PrefillPlan):
-        raise TypeError(f"plan must be a PrefillPlan (mla_ops.plan_prefill), got {type(plan).__name__}")
-    if not isinstance(block_table, torch.Tensor) or block_table.shape != plan.block_table.shape \
-            or block_table.device != plan.block_table.device:
-        raise ValueError(
-            f"block_table does not fit plan: shape {tuple(getattr(block_table, 'shape', ()))}, the plan's "
-            f"block table is {tuple(plan.block_table.shape)} on {plan.block_table.device}"
-        )
-    check_step_tensors(plan, block_table=block_table)
-
-
 # A.X-K1's MoE output norm, by a checkpoint's names (DecoderLayer.checkpoint_name)
 _POST_MLP_NORM = re.compile(r"^model\.layers\.(\d+)\.(?:mlp\.)?post_mlp_layernorm\.weight$")
 
@@ -269,14 +239,14 @@ class DecoderLayer(nn.Module):
             self.post_mlp_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, caches: LayerCaches, step: ModelStep,
-                carry: Carry = Carry()) -> tuple[torch.Tensor, Carry]:
-        """``x`` [T, H] -> (the residual stream after the layer, the carry for the next layer)."""
-        attention, carry = self.self_attn(self.input_layernorm(x), caches.latent(), step, carry, caches.index)
+                carry: Carry = Carry()) -> tuple[torch.Tensor, NewRows]:
+        """``x`` [T, H] -> (the residual stream after the layer, the rows it made)."""
+        attention, made = self.self_attn(self.input_layernorm(x), caches[0], step, carry)
         h = x + scaled(attention, self.residual_scale)
         mlp = all_reduce(self.mlp(self.post_attention_layernorm(h)), self.tp_group)
         if self.post_mlp_layernorm is not None:
             mlp = self.post_mlp_layernorm(mlp)
-        return h + scaled(mlp, self.residual_scale), carry
+        return h + scaled(mlp, self.residual_scale), made
 
     @staticmethod
     def checkpoint_name(config: MLAConfig, name: str) -> str | None:

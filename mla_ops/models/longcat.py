@@ -15,7 +15,7 @@ Both attentions scale (``LongcatAttention``) q by sqrt(H / q_lora_rank) and the 
 sqrt(H / L) before it is cached; k_pe and the softmax scale are DeepSeek's. The reference is
 transformers' ``LongcatFlashDecoderLayer``.
 
-x [T, H]   caches.own: the two attentions' caches [num_blocks, block_size, L+R] (``MLAModel`` hands layer j the
+x [T, H]   caches: the two attentions' caches [num_blocks, block_size, L+R] (``MLAModel`` hands layer j the
 cache layers 2j and 2j+1 of its 2 * num_hidden_layers).
 
 Checkpoint names are transformers' (``self_attn.{i}``, ``mlps.{i}``, ``input_layernorm.{i}``, ...), which
@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from .config import MLAConfig
-from .layer import Carry, LayerCaches, MLAAttention, ModelStep, RMSNorm
+from .layer import Carry, LayerCaches, MLAAttention, ModelStep, NewRows, RMSNorm
 from .moe import FeedForward, MoE
 
 _ROUTER = re.compile(r"^(model\.layers\.\d+\.mlp)\.router\.(classifier\.weight|e_score_correction_bias)$")
@@ -74,14 +74,16 @@ class LongcatDecoderLayer(nn.Module):
         self.mlp = MoE(c)  # the shortcut
 
     def forward(self, x: torch.Tensor, caches: LayerCaches, step: ModelStep,
-                carry: Carry = Carry()) -> tuple[torch.Tensor, Carry]:
-        """``x`` [T, H] -> (the residual stream after the layer, ``carry`` unchanged: no DSA, no KV sharing)."""
-        h = x + self.self_attn[0](self.input_layernorm[0](x), caches.latent(0), step)[0]
+                carry: Carry = Carry()) -> tuple[torch.Tensor, NewRows]:
+        """``x`` [T, H] -> (the residual stream after the layer, both attentions' rows; no DSA, no KV sharing)."""
+        attention, first = self.self_attn[0](self.input_layernorm[0](x), caches[0], step)
+        h = x + attention
         normed = self.post_attention_layernorm[0](h)
         shortcut = self.mlp(normed)
         h = h + self.mlps[0](normed)
-        h = h + self.self_attn[1](self.input_layernorm[1](h), caches.latent(1), step)[0]
-        return h + self.mlps[1](self.post_attention_layernorm[1](h)) + shortcut, carry
+        attention, second = self.self_attn[1](self.input_layernorm[1](h), caches[1], step)
+        h = h + attention
+        return h + self.mlps[1](self.post_attention_layernorm[1](h)) + shortcut, first + second
 
     @staticmethod
     def checkpoint_name(config: MLAConfig, name: str) -> str | None:

@@ -3,11 +3,11 @@ whole-model ``torch.compile``. The layers are written once, blind to all three; 
 
 Whole-model compile: every layer runs as one nested compile region (``torch.compiler.nested_compile_region``),
 which Dynamo traces once per layer kind and stamps out for every other layer of that kind (outside a compile
-it is a plain call). A region may not write to its inputs while it holds the attention's out= ops (torch
-2.13), so inside a region the step collects the layer's new rows (``ModelStep.writes``) and the region returns
-them, to be written into the caches between the regions, in the step's graph. (The attention never reads its
-own new rows from a cache, so a write after the layer is a write in time.) A region returns none of its
-inputs: the carry it hands on holds only what the layer made. What a region is handed must compare from one
+it is a plain call). A layer writes nothing: it returns the rows it made (``NewRows``), and ``run_layer`` writes
+them after it (``ModelStep.write``), eagerly or between the regions, in the step's graph: a region may not write
+to its inputs while it holds the attention's out= ops (torch 2.13). (The attention never reads its own new rows
+from a cache, so a write after the layer is a write in time.) A region returns none of its inputs, only what
+the layer made, flattened (``_layer_body``) and rebuilt (``_rebuilt``). What a region is handed must compare from one
 layer to the next: tensors, ints, constants and modules, as pytrees (the step and its plan are); float
 attributes are ``StaticFloat`` (``static_floats``), and the caches' widths are checked before the first region
 (a region must meet no symbolic size that a guard inside it would fix). A context-parallel step, whose plan
@@ -28,7 +28,7 @@ from torch import nn
 
 from .. import _checks
 from .._env import own_code
-from .layer import Carry, LayerCaches, MLAAttention, ModelStep
+from .layer import Carry, LayerCaches, MLAAttention, ModelStep, NewRows
 from .moe import FeedForward, MoE
 
 # The first torch this library's regions are verified with (2.13 stamps a traced region out by its inputs'
@@ -90,36 +90,34 @@ def checked_distinct_when_traced(named: list[tuple[str, torch.Tensor]]) -> bool:
 
 
 def run_layer(layer: nn.Module, x: torch.Tensor, caches: LayerCaches, step: ModelStep,
-              carry: Carry) -> tuple[torch.Tensor, Carry]:
-    """``layer(x, caches, step, carry)``, as a nested region under a whole-model compile (module doc)."""
+              carry: Carry) -> tuple[torch.Tensor, NewRows]:
+    """``layer(x, caches, step, carry)``, then the rows it made written into its caches (``ModelStep.write``);
+    as a nested region under a whole-model compile, whose rows are written between the regions (module doc)."""
     if not torch.compiler.is_compiling():
-        return layer(x, caches, step, carry)
-    if not NESTED_REGIONS or step.attention.plan.context_parallel is not None:
+        x, made = layer(x, caches, step, carry)
+    elif not NESTED_REGIONS or step.attention.plan.context_parallel is not None:
         _warn_inlined()
-        return layer(x, caches, step, carry)
-    with torch.no_grad():  # the attention ops have no backward; the writes after a region change what it read
-        x, *made = _layer_region(layer, x, caches, step, carry)
-    rows = [tuple(made[2 * i : 2 * i + 2]) for i in range(len(caches.own))]  # (kv_c, k_pe) per own cache
-    for cache, written in zip(caches.own, rows):
-        step.write(cache, written)
-    topk = carry.topk
-    if caches.index is not None:  # a layer with an indexer: its index keys, then its top-k
-        step.write(caches.index, (made[-2],))
-        topk = made[-1]
-    return x, Carry(topk, rows[0] if rows else carry.latent)
+        x, made = layer(x, caches, step, carry)
+    else:
+        with torch.no_grad():  # the attention ops have no backward; the writes after a region change what it read
+            x, made = _rebuilt(_layer_region(layer, x, caches, step, carry), layer, caches)
+    step.write(caches, made)
+    return x, made
 
 
-def _layer_body(layer, x, caches, step, carry):
-    """The layer, its writes collected and returned as tensors (a region returns tensors only): each own latent
-    cache's kv_c and k_pe, in order, then with an indexer its index keys and its top-k."""
-    writes = []
-    x, out = layer(x, caches, step._replace(writes=writes), carry)
-    made = []
-    for cache in (*caches.own, *(() if caches.index is None else (caches.index,))):
-        made += next(rows for written, rows in writes if written is cache)
-    if caches.index is not None:
-        made.append(out.topk)
-    return (x, *made)
+def _layer_body(layer, x, caches, step, carry) -> tuple[torch.Tensor, ...]:
+    """The layer, its output flattened (a region returns tensors only): ``_rebuilt`` undoes it."""
+    x, made = layer(x, caches, step, carry)
+    return (x, *(t for rows in made.latent for t in rows), *(t for t in (made.index, made.topk) if t is not None))
+
+
+def _rebuilt(flat: tuple[torch.Tensor, ...], layer: nn.Module, caches: LayerCaches) -> tuple[torch.Tensor, NewRows]:
+    """A region's flat output as ``(x, NewRows)``: the rows of each attention with a cache of its own, and with an
+    indexer its keys and top-k. (Not torch's pytree: traced, it reads a None as a leaf.)"""
+    x, *rest = flat
+    latent = tuple(zip(rest[0 : 2 * layer.num_kv_caches : 2], rest[1 : 2 * layer.num_kv_caches : 2]))
+    index, topk = rest[2 * layer.num_kv_caches :] if caches[0].index is not None else (None, None)
+    return x, NewRows(latent, index, topk)
 
 
 _layer_region = torch.compiler.nested_compile_region(_layer_body) if NESTED_REGIONS else _layer_body

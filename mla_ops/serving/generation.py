@@ -49,7 +49,7 @@ import torch
 
 from .. import _checks as checks
 from .._env import available_memory
-from ..models.kv_caches import cache_tensors, grown
+from ..models.kv_caches import cache_widths, grown
 from ..parallel import collectives
 from ..planning.options import PlanOptions, options_from
 from ..prefill import plan_with_options
@@ -113,16 +113,15 @@ def _settings(options, num_blocks, compile, prefix_caching, **loose) -> Generato
 
 @dataclass(frozen=True)
 class CacheSettings:
-    """A ``Generator``'s caches: the dtype it allocates them in, and what the model's steps take with them."""
+    """A ``Generator``'s caches: the dtype it allocates them in, and how they are stored (``allocate_kv_caches``'
+    formats and scales, which travel in the caches' record to every step)."""
 
     dtype: torch.dtype | None  # None: the model's
-    formats: dict  # allocate_kv_caches' kv_cache_format / index_cache_format
-    model_kwargs: dict  # the scales and formats every step passes the model (and PrefillGraphs)
+    storage: dict  # kv_cache_format, index_cache_format, k_scale, k_scale_index
 
 
 def _cache_settings(model, cache_dtype, k_scale, k_scale_index, kv_cache_format, index_cache_format) -> CacheSettings:
     """Checked once, at construction: formats the model's dims hold, scales where a float8 cache needs them."""
-    from ..models.kv_caches import cache_widths
     from ..ops.cache import CACHE_DTYPES
 
     cache_widths(model.config, kv_cache_format, index_cache_format)  # refuses formats the model cannot hold
@@ -130,6 +129,7 @@ def _cache_settings(model, cache_dtype, k_scale, k_scale_index, kv_cache_format,
         raise TypeError(f"cache_dtype must be None or one of {CACHE_DTYPES}, got {cache_dtype!r}")
     device = model.lm_head.weight.device
     fp8 = cache_dtype == torch.float8_e4m3fn
+    scales = {}
     for name, scale, packed, applies in (("k_scale", k_scale, kv_cache_format != "auto", True),
                                          ("k_scale_index", k_scale_index, index_cache_format != "auto",
                                           model.config.is_sparse)):
@@ -142,18 +142,15 @@ def _cache_settings(model, cache_dtype, k_scale, k_scale_index, kv_cache_format,
             checks.check_scale(scale, name, device)
         elif fp8 and applies and not packed:
             raise ValueError(f"cache_dtype=torch.float8_e4m3fn needs {name} (dequantized = stored * {name})")
-    model_kwargs = {name: value for name, value in (("k_scale", k_scale), ("k_scale_index", k_scale_index),
-                                                   ("kv_cache_format", kv_cache_format),
-                                                   ("index_cache_format", index_cache_format))
-                    if value is not None and value != "auto"}
-    return CacheSettings(cache_dtype, dict(kv_cache_format=kv_cache_format, index_cache_format=index_cache_format),
-                         model_kwargs)
+        scales[name] = scale
+    return CacheSettings(cache_dtype, dict(kv_cache_format=kv_cache_format, index_cache_format=index_cache_format,
+                                           **scales))
 
 
 class Generator:
     """A model, its paged latent cache and the prefix-cache index, kept across ``generate`` calls.
 
-    A sparse (DSA) model's index cache lives beside the latent cache (``DSACaches``, same block ids): the
+    A sparse (DSA) model's index cache lives beside the latent cache (``KVCaches.index``, same block ids): the
     prefix cache shares and evicts a block's rows in both, and every step is planned with the model's
     ``index_topk``.
 
@@ -193,7 +190,7 @@ class Generator:
         self.manager = BlockManager(num_blocks or 1, self.block_size, prefix_caching)
         self.scheduler = Scheduler(self.manager, self._layout, self.settings.num_blocks)
         self.tokens_per_block = self.scheduler.tokens_per_block  # global tokens per block id
-        self.kv_caches = None  # the model's allocate_kv_caches: a list per layer, or a sparse model's DSACaches
+        self.kv_caches = None  # the model's allocate_kv_caches: a KVCaches
         self.stats = GenerationStats()
         self._fingerprint = None
         self._runner: PrefillGraphs | None = None  # compile=True: the step runner and the cache it was built for
@@ -215,8 +212,8 @@ class Generator:
     def _cache_is_stale(self, fingerprint) -> tuple[bool, bool]:
         """(the prefix index is stale, the cache tensor must be reallocated): read only."""
         weight = self.model.lm_head.weight
-        first = None if self.kv_caches is None else cache_tensors(self.kv_caches)[0]
-        dtype = torch.uint8 if self.cache.formats["kv_cache_format"] != "auto" else self.cache.dtype or weight.dtype
+        first = None if self.kv_caches is None else self.kv_caches.tensors[0]
+        dtype = torch.uint8 if self.cache.storage["kv_cache_format"] != "auto" else self.cache.dtype or weight.dtype
         realloc = first is None or first.dtype != dtype or first.device != weight.device
         return realloc or fingerprint != self._fingerprint, realloc
 
@@ -231,7 +228,7 @@ class Generator:
         available = available_memory(weight.device)
         if available is None:
             return
-        one_block = sum(t.numel() * t.element_size() for t in cache_tensors(self._allocate(1, device="meta")))
+        one_block = sum(t.numel() * t.element_size() for t in self._allocate(1, device="meta").tensors)
         if num_blocks * one_block > available:
             raise ValueError(f"{asked} needs a cache of {num_blocks} blocks of {self.block_size} rows "
                              f"({num_blocks * one_block / 2**30:.3g} GiB), more than the {available / 2**30:.3g} GiB "
@@ -256,14 +253,14 @@ class Generator:
     def _allocate(self, num_blocks: int, **where):
         """The model's caches of ``num_blocks`` blocks in this Generator's dtype and formats."""
         return self.model.allocate_kv_caches(num_blocks, self.block_size, self.cache.dtype, **where,
-                                             **self.cache.formats)
+                                             **self.cache.storage)
 
     # ---- one step ------------------------------------------------------------------------------
 
     def _step_tensors(self, batch: list[Request], table_width: int):
         """A step's model inputs (the scheduler allocates the blocks its new tokens need)."""
         ids, positions, slots, table, qsl, ctx = self.scheduler.step_inputs(batch, table_width)
-        device = cache_tensors(self.kv_caches)[0].device
+        device = self.kv_caches.tensors[0].device
         table = torch.from_numpy(table).to(device)
         input_ids, positions, slots = (torch.as_tensor(x, device=device) for x in (ids, positions, slots))
         qsl_t, ctx_t = torch.tensor(qsl, dtype=torch.int32), torch.tensor(ctx, dtype=torch.int32)
@@ -275,7 +272,7 @@ class Generator:
             hidden = self._graphs(table.shape[1])(input_ids, positions, self.kv_caches, slots, table, qsl, ctx)
         else:
             plan = plan_with_options(qsl, ctx, table, self.options, self.context_parallel)  # host plan, all layers
-            hidden = self.model.model(input_ids, positions, self.kv_caches, slots, table, plan, **self.cache.model_kwargs)
+            hidden = self.model.model(input_ids, positions, self.kv_caches, slots, plan)
         last = (qsl[1:] - 1).to(hidden.device)
         return self.model.logits(hidden.index_select(0, last)).argmax(-1).tolist()
 
@@ -290,11 +287,10 @@ class Generator:
             from ..lowering import enable
 
             enable()
-            mode = "cuda_graph" if cache_tensors(self.kv_caches)[0].device.type == "cuda" else "compile"
+            mode = "cuda_graph" if self.kv_caches.tensors[0].device.type == "cuda" else "compile"
             self._runner = PrefillGraphs(  # the device plan's K comes from the buckets
                 self.model.model, max_tokens=sizes[0], max_requests=sizes[1],
-                max_blocks_per_request=max_blocks_per_request, mode=mode, options=self.options,
-                **self.cache.model_kwargs)
+                max_blocks_per_request=max_blocks_per_request, mode=mode, options=self.options)
             self._runner_caches = self.kv_caches
         return self._runner
 
@@ -319,7 +315,7 @@ class Generator:
             return
         weight = self.model.lm_head.weight
         caches = None if self.kv_caches is None else \
-            tuple((tuple(t.shape), str(t.dtype)) for t in cache_tensors(self.kv_caches))
+            tuple((tuple(t.shape), str(t.dtype)) for t in self.kv_caches.tensors)
         state = (call, self.settings, str(weight.dtype), weight.device.type, caches, self.manager.fingerprint())
         digest = hashlib.sha256(repr(state).encode()).digest()
         fingerprint = 0 if call is None else int.from_bytes(digest[:8], "little", signed=True) | 1

@@ -46,9 +46,8 @@ import torch
 from .. import _checks as checks
 from .._env import own_code
 from ..models.config import MLAConfig
-from ..models.kv_caches import cache_tensors
+from ..models.kv_caches import KVCaches
 from ..ops.backends import BACKENDS
-from ..ops.cache_formats import INDEX_FORMATS, LATENT_FORMATS
 from ..parallel.layout import local_context_lens
 from ..planning.options import PlanOptions, options_from
 from ..planning.plan import check_inputs
@@ -76,16 +75,15 @@ def routed_options(config: MLAConfig, options: PlanOptions) -> PlanOptions:
 class PrefillGraphs:
     """Run prefill steps of ``model`` from per-bucket CUDA graphs (or compiled functions).
 
-    model: any module with ``forward(input_ids, positions, kv_caches, slot_mapping, block_table,
-    plan, *, k_scale, backend)`` returning a tensor whose first dim is the step's tokens
-    (``MLAModel``: hidden states [T, H]). Sizes: ``max_tokens`` / ``max_requests`` (the largest
-    token / request bucket unless the bucket lists say otherwise), ``max_blocks_per_request``
-    (block-table columns). The plan's options: ``options`` (a ``PlanOptions``: the packed policy, no
+    model: any module with ``forward(input_ids, positions, kv_caches, slot_mapping, plan, *, backend)``
+    returning a tensor whose first dim is the step's tokens (``MLAModel``: hidden states [T, H]; its
+    ``kv_caches`` a ``KVCaches``, whose formats and scales travel with it). Sizes: ``max_tokens`` /
+    ``max_requests`` (the largest token / request bucket unless the bucket lists say otherwise),
+    ``max_blocks_per_request`` (block-table columns). The plan's options: ``options`` (a ``PlanOptions``: the packed policy, no
     ``max_chunks``, which each bucket sets), or the loose ``block_size``, ``workspace_size``,
     ``absorb_max_query_len`` and ``max_absorbed_tokens`` (the routing), which build one.
-    ``request_buckets``, ``k_scale`` and ``backend`` (passed to the model) and ``compile_backend``
-    (``torch.compile``'s, mode ``"compile"``) are extensions; so are a sparse model's ``k_scale_index`` and the
-    caches' ``kv_cache_format`` / ``index_cache_format`` (DESIGN §12), passed to the model where set.
+    ``request_buckets``, ``backend`` (passed to the model) and ``compile_backend`` (``torch.compile``'s,
+    mode ``"compile"``) are extensions.
 
     ``stats``: ``graphs`` (buckets captured / compiled / set up), ``replays`` (steps run through
     a bucket), ``eager`` (steps beyond the buckets, run eagerly), ``static_bytes`` (the static
@@ -108,13 +106,9 @@ class PrefillGraphs:
         request_buckets=None,
         absorb_max_query_len: int | None = None,
         max_absorbed_tokens: int | None = None,
-        k_scale: float | torch.Tensor | None = None,
         backend: str = "auto",
         compile_backend="inductor",
         options: PlanOptions | None = None,
-        k_scale_index: float | torch.Tensor | None = None,
-        kv_cache_format: str = "auto",
-        index_cache_format: str = "auto",
     ):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -150,17 +144,7 @@ class PrefillGraphs:
         self.model, self.mode, self.backend, self.compile_backend = model, mode, backend, compile_backend
         # Regional compilation: the model's layers compiled once, the step around them run as is.
         self.regional = mode == "compile" and callable(getattr(model, "compile_layers", None))
-        self.k_scale = self._device_k_scale(k_scale)
-        # What the model takes beside the step's tensors: the loose extensions only where set, so a model
-        # without an index cache or packed caches needs no keywords for them.
-        self.model_kwargs = dict(k_scale=self.k_scale, backend=backend)
-        if k_scale_index is not None:
-            self.model_kwargs["k_scale_index"] = self._device_k_scale(k_scale_index, "k_scale_index")
-        for name, value, choices in (("kv_cache_format", kv_cache_format, LATENT_FORMATS),
-                                     ("index_cache_format", index_cache_format, INDEX_FORMATS)):
-            checks.check_choice(value, name, choices)
-            if value != "auto":
-                self.model_kwargs[name] = value
+        self._scales: dict[float, torch.Tensor] = {}  # a float k_scale as a device tensor, made once
 
         # Static inputs, sized once for the largest bucket. Request rows: the slots, then the
         # padding request. ``_lengths`` holds a bucket's query_start_loc [S+2] then context_lens
@@ -220,6 +204,7 @@ class PrefillGraphs:
             kv_caches = self._caches
         if kv_caches is None:
             raise ValueError("warmup needs kv_caches (the graphs read them) until a step has run")
+        kv_caches = self._with_device_scales(kv_caches)
         self._check_caches(kv_caches)
         for variant in self.variants:
             if variant not in self._runs:
@@ -230,7 +215,7 @@ class PrefillGraphs:
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches,  # the model's caches (MLAModel: [layers, num_blocks, block_size, L+R], per layer, DSACaches)
+        kv_caches,  # the model's caches (MLAModel: a KVCaches)
         slot_mapping: torch.Tensor,  # [T], negative = write nothing
         block_table: torch.Tensor,  # [B, max_blocks] int32
         query_start_loc: torch.Tensor,  # [B+1] int32, best on the CPU (read on the host)
@@ -241,6 +226,7 @@ class PrefillGraphs:
         Mode ``"cuda_graph"``: a view of the graph's static output, overwritten by the next call
         (clone it to keep it).
         """
+        kv_caches = self._with_device_scales(kv_caches)
         qsl, ctx = self._host_lengths(input_ids, positions, kv_caches, slot_mapping, block_table, query_start_loc,
                                       context_lens)
         variant = self._variant_for(qsl, ctx)
@@ -317,8 +303,7 @@ class PrefillGraphs:
         def prefill_step(input_ids, positions, kv_caches, slot_mapping, block_table, query_start_loc, context_lens):
             # Planned here, on the device: a replay re-plans from the refilled length buffers.
             plan = plan_with_options(query_start_loc, context_lens, block_table, options, runner.context_parallel)
-            return runner.model(input_ids, positions, kv_caches, slot_mapping, block_table, plan,
-                                **runner.model_kwargs)
+            return runner.model(input_ids, positions, kv_caches, slot_mapping, plan, backend=runner.backend)
 
         return own_code(prefill_step, name)
 
@@ -372,26 +357,34 @@ class PrefillGraphs:
                                  dataclasses.replace(self.options, max_chunks=None, max_absorbed_tokens=None),
                                  self.context_parallel)
         return self.model(input_ids.to(self.device), positions.to(self.device), kv_caches,
-                          slot_mapping.to(self.device), block_table, plan, **self.model_kwargs)
+                          slot_mapping.to(self.device), plan, backend=self.backend)
 
     # ---- checks ----------------------------------------------------------------------------
 
-    def _device_k_scale(self, k_scale, name: str = "k_scale"):
-        """Checked once; a float scale becomes a device tensor once: no host-to-device copy inside a capture."""
-        if k_scale is None:
-            return None
-        checks.check_scale(k_scale, name, self.device)
-        if isinstance(k_scale, torch.Tensor):
-            return k_scale
-        return torch.tensor([float(k_scale)], dtype=torch.float32, device=self.device)
+    def _with_device_scales(self, kv_caches):
+        """A ``KVCaches`` whose float scales are device tensors, each made once: no host-to-device copy inside a
+        capture, and a replay reads the scale it was captured with."""
+        if not isinstance(kv_caches, KVCaches):
+            return kv_caches
+
+        def on_device(scale):
+            if isinstance(scale, (list, tuple)):
+                return [on_device(s) for s in scale]
+            if scale is None or isinstance(scale, torch.Tensor):
+                return scale
+            checks.check_scale(scale, "k_scale", self.device)
+            key = float(scale)
+            if key not in self._scales:
+                self._scales[key] = torch.tensor([key], dtype=torch.float32, device=self.device)
+            return self._scales[key]
+
+        return dataclasses.replace(kv_caches, k_scale=on_device(kv_caches.k_scale),
+                                   k_scale_index=on_device(kv_caches.k_scale_index))
 
     def _check_caches(self, kv_caches) -> None:
-        """Buckets are built for one cache: its memory (captured) or its geometry (compiled). A sparse model's
-        ``DSACaches``, and per-layer caches: each of their tensors."""
-        if not isinstance(kv_caches, (torch.Tensor, list, tuple)):  # a DSACaches is a tuple
-            raise TypeError(f"kv_caches must be a torch.Tensor, a list of one per layer, or a sparse model's "
-                            f"DSACaches, got {type(kv_caches).__name__}")
-        tensors = cache_tensors(kv_caches)
+        """Buckets are built for one cache: its memory and scales (captured) or its geometry (compiled). A
+        ``KVCaches`` (or a plain list of one tensor per layer, or a stacked tensor): each of its tensors."""
+        tensors = _tensors(kv_caches)
         if any(not isinstance(t, torch.Tensor) or t.device != self.device for t in tensors):
             raise ValueError(f"kv_caches must be on {self.device} (the model's device), got "
                              f"{[getattr(t, 'device', type(t).__name__) for t in tensors]}")
@@ -399,16 +392,16 @@ class PrefillGraphs:
         if bound is None or self.mode == "eager" or self.regional:  # nothing built for one cache
             self._caches = kv_caches
             return
-        geometry = lambda ts: [(t.shape, t.stride(), t.dtype, t.device) for t in ts]  # noqa: E731
-        bound_tensors = cache_tensors(bound)
-        same_geometry = type(kv_caches) is type(bound) and geometry(tensors) == geometry(bound_tensors)
-        if not same_geometry or (self.mode == "cuda_graph" and
-                                 [t.data_ptr() for t in tensors] != [t.data_ptr() for t in bound_tensors]):
-            what = "the tensor" if self.mode == "cuda_graph" else "the shape, strides and dtype of the tensor"
-            shapes = lambda ts: ", ".join(f"{tuple(t.shape)} {t.dtype} on {t.device}" for t in ts)  # noqa: E731
+        geometry = lambda c: [(t.shape, t.stride(), t.dtype, t.device) for t in _tensors(c)] + _storage(c)  # noqa: E731
+        memory = lambda c: [t.data_ptr() for t in _tensors(c)] + _scale_memory(c)  # noqa: E731
+        if type(kv_caches) is not type(bound) or geometry(kv_caches) != geometry(bound) or \
+                (self.mode == "cuda_graph" and memory(kv_caches) != memory(bound)):
+            what = "the tensors and scales" if self.mode == "cuda_graph" else \
+                "the shape, strides, dtype and formats of the tensors"
+            shapes = lambda c: ", ".join(f"{tuple(t.shape)} {t.dtype} on {t.device}" for t in _tensors(c))  # noqa: E731
             raise ValueError(
-                f"kv_caches must be {what} the buckets were built with ({shapes(bound_tensors)}), got "
-                f"{shapes(tensors)}: use one runner per cache"
+                f"kv_caches must be {what} the buckets were built with ({shapes(bound)}), got "
+                f"{shapes(kv_caches)}: use one runner per cache"
             )
 
     def _host_lengths(self, input_ids, positions, kv_caches, slot_mapping, block_table, query_start_loc,
@@ -433,7 +426,7 @@ class PrefillGraphs:
                 raise TypeError(f"{name} must be an integer tensor, got {x.dtype}")
             if x.shape[0] != tokens:
                 raise ValueError(f"{name} must have T = query_start_loc[-1] = {tokens} entries, got {x.shape[0]}")
-        tensors = cache_tensors(kv_caches) if isinstance(kv_caches, (torch.Tensor, list, tuple)) else ()
+        tensors = _tensors(kv_caches)
         first = tensors[0] if tensors else None
         if isinstance(first, torch.Tensor) and first.dim() >= 3:
             num_blocks = first.shape[-3]
@@ -446,3 +439,30 @@ class PrefillGraphs:
         if isinstance(embedding, torch.nn.Embedding):
             checks.check_ids_below(input_ids, "input_ids", embedding.num_embeddings, "the vocabulary")
         return qsl, ctx
+
+
+def _tensors(kv_caches) -> tuple[torch.Tensor, ...]:
+    """The cache tensors of a ``KVCaches``, a list of them, or one stacked tensor."""
+    if isinstance(kv_caches, KVCaches):
+        return kv_caches.tensors
+    if isinstance(kv_caches, torch.Tensor):
+        return (kv_caches,)
+    if isinstance(kv_caches, (list, tuple)):
+        return tuple(kv_caches)
+    raise TypeError(f"kv_caches must be a mla_ops.KVCaches, a list of one tensor per layer or a stacked tensor, got "
+                    f"{type(kv_caches).__name__}")
+
+
+def _storage(kv_caches) -> list:
+    """A record's formats: what a compiled bucket's code was made for."""
+    return [kv_caches.kv_cache_format, kv_caches.index_cache_format] if isinstance(kv_caches, KVCaches) else []
+
+
+def _scale_memory(kv_caches) -> list:
+    """A record's scale tensors, as a captured graph reads them (their memory)."""
+    if not isinstance(kv_caches, KVCaches):
+        return []
+    scales = []
+    for scale in (kv_caches.k_scale, kv_caches.k_scale_index):
+        scales += scale if isinstance(scale, (list, tuple)) else [scale]
+    return [s.data_ptr() if isinstance(s, torch.Tensor) else s for s in scales]

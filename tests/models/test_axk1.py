@@ -128,7 +128,7 @@ def test_release_layout_loads(tmp_path, nested):
     plan = mla_ops.plan_prefill(torch.tensor([0, 11], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
                                 table, 4)
     with torch.no_grad():
-        got = model(prompt, torch.arange(11), model.allocate_kv_caches(4, 4), torch.arange(11), table, plan)
+        got = model(prompt, torch.arange(11), model.allocate_kv_caches(4, 4), torch.arange(11), plan)
         expect = ref(prompt[None]).logits[0]
     torch.testing.assert_close(got, expect, rtol=1e-6, atol=1e-6 * float(expect.abs().max()))
 

@@ -2,7 +2,8 @@
 layer before any layer runs, so a refused step writes nothing.
 
 * a cache of another dtype than the model's (float8_e4m3fn aside) is a TypeError naming the part
-  (``kv_caches``, ``kv_caches.latent``, ``kv_caches.index``), per-layer, stacked or a ``DSACaches``;
+  (``kv_caches.latent``, ``kv_caches.index``), per-layer lists, stacked or a ``KVCaches``;
+* float8 caches need their scales: one for every layer, or one per layer (as vLLM keeps them);
 * two cache layers that share memory (the same tensor twice, overlapping views of one buffer, an index cache
   inside a latent one) are a ValueError naming both: one layer's writes would land in the other's rows.
   The views of one stacked tensor do not overlap and stay accepted.
@@ -38,7 +39,7 @@ def run_step(model, caches):
     ids, positions, slots, table, qsl, ctx = model_step(c, [0, 6], [7, 3], seed=1)
     plan = mla_ops.plan_prefill(qsl, ctx, table, 4, index_topk=c.index_topk)
     with torch.no_grad():
-        return model(ids, positions, caches, slots, table, plan)
+        return model(ids, positions, caches, slots, plan)
 
 
 def refused_untouched(model, caches, error, match):
@@ -65,10 +66,11 @@ OTHER_DTYPES = [torch.float16, torch.bfloat16, torch.float64]
 @pytest.mark.parametrize("form", ["per-layer", "stacked"])
 def test_a_dense_cache_of_another_dtype_is_refused_by_name(form, dtype):
     model = dense_model()
-    caches = as_dtype(fresh(model), dtype)
+    caches = as_dtype(fresh(model).latent, dtype)
     if form == "stacked":
         caches = torch.stack(caches)
-    refused_untouched(model, caches, TypeError, rf"kv_caches must have the model's dtype \(torch.float32\).*{dtype}")
+    refused_untouched(model, caches, TypeError,
+                      rf"kv_caches.latent must have the model's dtype \(torch.float32\).*{dtype}")
 
 
 @pytest.mark.parametrize("dtype", OTHER_DTYPES, ids=str)
@@ -76,7 +78,7 @@ def test_a_dense_cache_of_another_dtype_is_refused_by_name(form, dtype):
 def test_a_sparse_cache_part_of_another_dtype_is_refused_by_name(part, dtype):
     model = sparse_model()
     caches = fresh(model)
-    caches = caches._replace(**{part: as_dtype(getattr(caches, part), dtype)})
+    caches = dataclasses.replace(caches, **{part: as_dtype(getattr(caches, part), dtype)})
     refused_untouched(model, caches, TypeError, rf"kv_caches.{part} must have the model's dtype .*{dtype}")
 
 
@@ -84,20 +86,36 @@ def test_float8_caches_stay_accepted():
     """float8_e4m3fn is the one other dtype a cache may have (with its scales, which are required)."""
     model = sparse_model()
     caches = fresh(model)
-    caches = mla_ops.DSACaches(as_dtype(caches.latent, FLOAT8), as_dtype(caches.index, FLOAT8))
-    with pytest.raises(ValueError, match="k_scale"):
+    caches = mla_ops.KVCaches(as_dtype(caches.latent, FLOAT8), as_dtype(caches.index, FLOAT8))
+    with pytest.raises(ValueError, match="k_scale is required"):
         run_step(model, caches)
-    c = model.config
-    ids, positions, slots, table, qsl, ctx = model_step(c, [0, 6], [7, 3], seed=1)
-    plan = mla_ops.plan_prefill(qsl, ctx, table, 4, index_topk=c.index_topk)
-    with torch.no_grad():
-        logits = model(ids, positions, caches, slots, table, plan, k_scale=0.5, k_scale_index=0.5)
+    logits = run_step(model, dataclasses.replace(caches, k_scale=0.5, k_scale_index=0.5))
     assert logits.isfinite().all()
+
+
+def test_float8_scales_per_layer():
+    """vLLM keeps a scale per layer: a list of one per cache layer reads as each layer's own (the same values as
+    one scale give the same logits; other values, other logits), and a list of the wrong length or a bad entry
+    is refused by name before anything is written."""
+    model = sparse_model()
+    base = fresh(model)
+    caches = mla_ops.KVCaches(as_dtype(base.latent, FLOAT8), as_dtype(base.index, FLOAT8), k_scale_index=0.5)
+    layers = len(caches.latent)
+    one = run_step(model, clone_caches(dataclasses.replace(caches, k_scale=0.5)))
+    assert torch.equal(run_step(model, clone_caches(dataclasses.replace(caches, k_scale=[0.5] * layers))), one)
+    other = run_step(model, clone_caches(dataclasses.replace(caches, k_scale=[0.5] * (layers - 1) + [0.25])))
+    assert not torch.equal(other, one)
+    refused_untouched(model, dataclasses.replace(caches, k_scale=[0.5] * (layers + 1)), ValueError,
+                      rf"k_scale must be None, one scale, or a list of one per cache layer \({layers}\)")
+    refused_untouched(model, dataclasses.replace(caches, k_scale=[0.5] * (layers - 1) + [None]), ValueError,
+                      rf"k_scale\[{layers - 1}\] is required")
+    refused_untouched(model, dataclasses.replace(caches, k_scale=[0.5] * (layers - 1) + [-1.0]), ValueError,
+                      rf"k_scale\[{layers - 1}\]")
 
 
 def overlapping_views(model):
     """Two layers' caches cut from one buffer, the second starting inside the first."""
-    first = fresh(model)[0]
+    first = fresh(model).latent[0]
     num_blocks, block_size, width = first.shape
     buffer = torch.randn(num_blocks * block_size * width + block_size * width)
     view = lambda start: buffer.narrow(0, start, first.numel()).view(first.shape)  # noqa: E731
@@ -105,8 +123,10 @@ def overlapping_views(model):
 
 
 ALIASED_DENSE = {
-    "the same tensor twice": (lambda m: [fresh(m)[0]] * 2, r"kv_caches\[1\] shares memory with kv_caches\[0\]"),
-    "overlapping views of one buffer": (overlapping_views, r"kv_caches\[1\] shares memory with kv_caches\[0\]"),
+    "the same tensor twice": (lambda m: [fresh(m).latent[0]] * 2,
+                              r"kv_caches.latent\[1\] shares memory with kv_caches.latent\[0\]"),
+    "overlapping views of one buffer": (overlapping_views,
+                                        r"kv_caches.latent\[1\] shares memory with kv_caches.latent\[0\]"),
 }
 
 
@@ -122,13 +142,13 @@ def index_inside_latent(caches):
     index = []
     for latent, own in zip(caches.latent, caches.index):
         index.append(latent.view(-1).narrow(0, 0, own.numel()).view(own.shape))
-    return mla_ops.DSACaches(caches.latent, index)
+    return dataclasses.replace(caches, index=index)
 
 
 ALIASED_SPARSE = {
-    "latent twice": (lambda c: c._replace(latent=[c.latent[0]] * 2),
+    "latent twice": (lambda c: dataclasses.replace(c, latent=[c.latent[0]] * 2),
                      r"kv_caches.latent\[1\] shares memory with kv_caches.latent\[0\]"),
-    "index twice": (lambda c: c._replace(index=[c.index[1]] * 2),
+    "index twice": (lambda c: dataclasses.replace(c, index=[c.index[1]] * 2),
                     r"kv_caches.index\[1\] shares memory with kv_caches.index\[0\]"),
     "index inside latent": (index_inside_latent, r"kv_caches.(index|latent)\[0\] shares memory with "
                                                  r"kv_caches.(latent|index)\[0\]"),
@@ -146,7 +166,7 @@ def test_disjoint_views_of_one_buffer_stay_accepted():
     """A stacked tensor's layers, and per-layer views of one buffer that do not overlap, run as separate
     caches would (the same logits)."""
     model = dense_model()
-    caches = fresh(model)
+    caches = fresh(model).latent
     expect = run_step(model, clone_caches(caches))
     assert torch.equal(run_step(model, torch.stack(caches)), expect)
     buffer = torch.stack(caches).flatten()
@@ -164,14 +184,15 @@ def test_under_torch_compile_the_same_checks_name_the_caches():
     options = mla_ops.PlanOptions(block_size=4, workspace_size=16, max_chunks=4)
 
     def step(caches):
-        return model(ids, positions, caches, slots, table, mla_ops.plan_prefill(qsl, ctx, table, options=options))
+        return model(ids, positions, caches, slots, mla_ops.plan_prefill(qsl, ctx, table, options=options))
 
     compiled = torch.compile(step, backend="eager", fullgraph=True, dynamic=True)
-    caches = fresh(model)
+    caches = fresh(model).latent
     with torch.no_grad():
-        for bad, error, match in (([caches[0], caches[0]], ValueError, r"^kv_caches\[1\] is kv_caches\[0\]"),
+        for bad, error, match in (([caches[0], caches[0]], ValueError,
+                                   r"^kv_caches.latent\[1\] is kv_caches.latent\[0\]"),
                                   (as_dtype(caches, torch.float16), TypeError,
-                                   r"^kv_caches must have the model's dtype \(torch.float32\)")):
+                                   r"^kv_caches.latent must have the model's dtype \(torch.float32\)")):
             before = clone_caches(bad)
             with pytest.raises(error, match=match):
                 compiled(bad)
@@ -183,9 +204,11 @@ def test_meta_caches_are_told_apart_by_storage():
     meta buffer that overlap are not."""
     from mla_ops.models.kv_caches import check_caches
 
-    separate = [torch.empty(4, 4, 40, device="meta") for _ in range(2)]
-    check_caches(separate, 2, 40)
-    buffer = torch.empty(5 * 4 * 40, device="meta")
-    overlapping = [buffer.narrow(0, start, 4 * 4 * 40).view(4, 4, 40) for start in (0, 4 * 40)]
-    with pytest.raises(ValueError, match=r"kv_caches\[1\] shares memory with kv_caches\[0\]"):
-        check_caches(overlapping, 2, 40)
+    config = MLAConfig.from_name("tiny")
+    width, model = config.kv_lora_rank + config.qk_rope_head_dim, (torch.float32, torch.device("meta"))
+    separate = [torch.empty(4, 4, width, device="meta") for _ in range(2)]
+    check_caches(separate, config, 2, model)
+    buffer = torch.empty(5 * 4 * width, device="meta")
+    overlapping = [buffer.narrow(0, start, 4 * 4 * width).view(4, 4, width) for start in (0, 4 * width)]
+    with pytest.raises(ValueError, match=r"kv_caches.latent\[1\] shares memory with kv_caches.latent\[0\]"):
+        check_caches(overlapping, config, 2, model)

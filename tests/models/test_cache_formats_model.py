@@ -1,17 +1,18 @@
 """A sparse (DSA) model on vLLM's packed caches (DESIGN §12 "Production cache formats"): ``allocate_kv_caches``
-and ``forward`` take ``kv_cache_format`` / ``index_cache_format``; every layer writes its new rows in them and
-reads its context back from them.
+takes ``kv_cache_format`` / ``index_cache_format`` and its ``KVCaches`` carries them to ``forward``; every layer
+writes its new rows in them and reads its context back from them.
 
 The oracle: the same step on float caches holding the packed caches' values, dequantized (the formats'
 rounding is the only difference a packed cache makes, and it happens when a row is written).
 """
+
+from dataclasses import replace
 
 import pytest
 import torch
 
 import mla_ops
 from mla_ops.models.config import mla_configs
-from mla_ops.models.kv_caches import DSACaches
 from mla_ops.ops.cache_formats import ds_mla_values, per_token_views
 from tests.support.families import step_inputs
 
@@ -32,19 +33,19 @@ def v32_like_model(seed=0):
     return model
 
 
-def dequantized(caches: DSACaches) -> DSACaches:
+def dequantized(caches: mla_ops.KVCaches) -> mla_ops.KVCaches:
     """Float32 caches holding the packed caches' values (fp8_ds_mla rows, fp8_per_token keys)."""
     def index_values(cache):
         codes, scale_bytes = per_token_views(cache)
         return codes.view(torch.float8_e4m3fn).float() * scale_bytes.contiguous().view(torch.float32)
 
-    return DSACaches([ds_mla_values(c) for c in caches.latent], [index_values(c) for c in caches.index])
+    return mla_ops.KVCaches([ds_mla_values(c) for c in caches.latent], [index_values(c) for c in caches.index])
 
 
-def run(model, caches, prompts, starts, **formats):
+def run(model, caches, prompts, starts):
     ids, positions, slots, table, qsl, ctx = step_inputs(prompts, starts, block_size=4, max_blocks=8)
     plan = mla_ops.plan_prefill(qsl, ctx, table, 4, workspace_size=8, index_topk=4)
-    return model(ids, positions, caches, slots, table, plan, **formats)
+    return model(ids, positions, caches, slots, plan)
 
 
 @torch.no_grad()
@@ -54,12 +55,12 @@ def test_a_sparse_model_writes_and_reads_both_packed_formats():
     assert caches.latent[0].dtype == torch.uint8 and caches.latent[0].shape == (16, 4, 656)
     assert caches.index[0].dtype == torch.uint8 and caches.index[0].shape == (16, 4, 68)
     prompts = [list(range(3, 14)), list(range(20, 27))]
-    run(model, caches, prompts, [0, 0], **FORMATS)  # the prompts' first tokens: written in the packed formats
+    run(model, caches, prompts, [0, 0])  # the prompts' first tokens: written in the packed formats
     assert all(c.any() for c in (*caches.latent, *caches.index))
     floats = dequantized(caches)
     prompts = [p + [5, 6, 7] for p in prompts]
     starts = [11, 7]  # the rest attends its context, read back from the caches (top-k 4 < the context: sparse)
-    got = run(model, caches, prompts, starts, **FORMATS)
+    got = run(model, caches, prompts, starts)
     want = run(model, floats, prompts, starts)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
@@ -75,4 +76,4 @@ def test_formats_a_model_cannot_hold_are_refused_by_name():
     model = v32_like_model()
     packed = model.allocate_kv_caches(4, 4, **FORMATS)
     with pytest.raises(ValueError, match=r"kv_caches.latent\[0\] must be \[num_blocks, block_size, 576\]"):
-        run(model, packed, [[1, 2, 3]], [0])  # packed caches without their formats
+        run(model, replace(packed, kv_cache_format="auto"), [[1, 2, 3]], [0])  # packed caches without their formats

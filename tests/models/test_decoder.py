@@ -18,7 +18,11 @@ import torch
 import mla_ops
 from mla_ops import MLAAttention, MLAConfig, MLAModel
 from mla_ops.models.kv_caches import grown
-from tests.support.batches import caches_equal, clone_caches, normal_caches, paged_block_table, spread_weights
+from mla_ops.models.layer import AttentionCaches, ModelStep
+from mla_ops.models.rope import RotaryEmbedding
+from tests.support.batches import (
+    cache_list, caches_equal, clone_caches, normal_caches, paged_block_table, spread_weights,
+)
 
 
 # ---- paged batches ------------------------------------------------------------------------
@@ -118,7 +122,12 @@ def test_attention_matches_dense_layer(q_lora, planning):
     }[planning]
     plan = mla_ops.plan_prefill(qsl, ctx_t, table, block_size, workspace, absorb_max_query_len=0, **options)
     with torch.no_grad():
-        out, _ = attn(hidden, kv_cache, attn.begin_step(positions, kv_cache, slots, table, plan, backend="torch"))
+        cos, sin = RotaryEmbedding(config.qk_rope_head_dim, config.rope_theta, config.rope_scaling)(positions,
+                                                                                                   torch.float64)
+        step = ModelStep(cos, sin, mla_ops.begin_step(plan, kv_cache, slots, backend="torch"))
+        caches = (AttentionCaches(kv_cache),)
+        out, made = attn(hidden, caches[0], step)
+        step.write(caches, made)
 
     assert out.shape == hidden.shape and out.dtype == torch.float64
     err = (out - expect).abs().max().item() / max(1.0, expect.abs().max().item())
@@ -146,7 +155,7 @@ def test_two_step_prefill_equals_one_prefill():
         ids = torch.cat([p[c : c + q] for p, c, q in zip(prompts, ctx, qlens)])
         plan = mla_ops.plan_prefill(qsl, ctx_t, table, block_size, workspace, **kwargs)  # one plan, every layer
         with torch.no_grad():
-            return model(ids, positions, kv_caches, slots, table, plan, backend="torch")
+            return model(ids, positions, kv_caches, slots, plan, backend="torch")
 
     one_caches = model.allocate_kv_caches(num_blocks, block_size)
     one = run(one_caches, [0, 0], prompt_lens)
@@ -161,7 +170,7 @@ def test_two_step_prefill_equals_one_prefill():
     expect = torch.cat(one_parts)
     err = (got - expect).abs().max().item() / max(1.0, expect.abs().max().item())
     assert err < 1e-10, f"max rel diff {err:.3e}"
-    torch.testing.assert_close(two_caches, one_caches, rtol=0, atol=1e-12)
+    torch.testing.assert_close(cache_list(two_caches), cache_list(one_caches), rtol=0, atol=1e-12)
 
 
 # ---- MLAModel and presets -------------------------------------------------------------------
@@ -180,22 +189,23 @@ def test_tiny_model_runs_and_is_deterministic():
         ids = torch.arange(len(positions)) * 7 % config.vocab_size
         with torch.no_grad():
             plan = mla_ops.plan_prefill(qsl, ctx_t, table, block_size, workspace_size=4)
-            outs.append(model(ids, positions, caches, slots, table, plan))
+            outs.append(model(ids, positions, caches, slots, plan))
     assert outs[0].shape == (sum(qlens), config.hidden_size) and outs[0].dtype == torch.float32
     assert torch.isfinite(outs[0]).all()
     assert torch.equal(outs[0], outs[1])
-    assert isinstance(caches, list) and len(caches) == config.num_hidden_layers
-    assert all(c.shape == (num_blocks, block_size, config.kv_lora_rank + config.qk_rope_head_dim) for c in caches)
+    assert isinstance(caches.latent, list) and len(caches.latent) == config.num_hidden_layers and caches.index is None
+    assert all(c.shape == (num_blocks, block_size, config.kv_lora_rank + config.qk_rope_head_dim)
+               for c in caches.latent)
 
 
 def test_model_rejects_caches_for_the_wrong_layer_count():
     model = MLAModel(MLAConfig.from_name("tiny"))
-    caches = model.allocate_kv_caches(4, 4)[:1]
+    caches = model.allocate_kv_caches(4, 4).latent[:1]
     table = torch.zeros(1, 1, dtype=torch.int32)
     plan = mla_ops.plan_prefill(torch.tensor([0, 1], dtype=torch.int32), torch.zeros(1, dtype=torch.int32), table, 4)
     with pytest.raises(ValueError, match="kv_caches"):
         model(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), caches,
-              torch.zeros(1, dtype=torch.long), table, plan)
+              torch.zeros(1, dtype=torch.long), plan)
 
 
 def test_a_stacked_tensor_runs_as_its_layers_in_eager_code():
@@ -208,28 +218,31 @@ def test_a_stacked_tensor_runs_as_its_layers_in_eager_code():
     num_blocks, table = block_table_for([c + q for c, q in zip(ctx, qlens)], block_size, seed=7)
     positions, slots, qsl, ctx_t = step_inputs(table, ctx, qlens, block_size)
     ids = torch.arange(len(positions)) * 7 % config.vocab_size
-    per_layer = normal_caches(model.allocate_kv_caches(num_blocks, block_size))
+    per_layer = normal_caches(model.allocate_kv_caches(num_blocks, block_size)).latent
     assert isinstance(per_layer, list) and len(per_layer) == config.num_hidden_layers
     assert all(cache.is_contiguous() for cache in per_layer)
     stacked = torch.stack(per_layer)
     plan = mla_ops.plan_prefill(qsl, ctx_t, table, block_size, workspace_size=4)
     with torch.no_grad():
-        expect = model(ids, positions, tuple(per_layer), slots, table, plan)
-        got = model(ids, positions, stacked, slots, table, plan)
+        expect = model(ids, positions, tuple(per_layer), slots, plan)
+        got = model(ids, positions, stacked, slots, plan)
     assert torch.equal(got, expect)
     assert torch.equal(torch.stack(per_layer), stacked)
-    bigger = grown(per_layer, model.allocate_kv_caches(num_blocks + 3, block_size))
+    bigger = grown(mla_ops.KVCaches(per_layer), model.allocate_kv_caches(num_blocks + 3, block_size)).latent
     assert torch.equal(torch.stack(bigger)[:, :num_blocks], stacked) and not torch.stack(bigger)[:, num_blocks:].any()
 
 
 @pytest.mark.parametrize("caches,match", [
-    (lambda m: m.allocate_kv_caches(4, 4)[:1], "a list of 2 .* got a list of 1"),
-    (lambda m: [m.allocate_kv_caches(4, 4)[0], m.allocate_kv_caches(5, 4)[0]], r"kv_caches\[1\] must be .* like"),
-    (lambda m: [c.double() if i else c for i, c in enumerate(m.allocate_kv_caches(4, 4))],
-     r"kv_caches\[1\] must be .*float64"),
-    (lambda m: [c[..., :-1] for c in m.allocate_kv_caches(4, 4)], r"kv_caches\[0\] must be .*, 40\]"),
-    (lambda m: torch.zeros(3, 4, 4, 40), r"kv_caches must be a list of 2 .*got shape \(3, 4, 4, 40\)"),
-    (lambda m: mla_ops.DSACaches(*m.allocate_kv_caches(4, 4)), "DSACaches"),
+    (lambda m: m.allocate_kv_caches(4, 4).latent[:1], "a list of 2 .* got a list of 1"),
+    (lambda m: [m.allocate_kv_caches(4, 4).latent[0], m.allocate_kv_caches(5, 4).latent[0]],
+     r"kv_caches.latent\[1\] must be .* like"),
+    (lambda m: [c.double() if i else c for i, c in enumerate(m.allocate_kv_caches(4, 4).latent)],
+     r"kv_caches.latent\[1\] must be .*float64"),
+    (lambda m: [c[..., :-1] for c in m.allocate_kv_caches(4, 4).latent], r"kv_caches.latent\[0\] must be .*, 40\]"),
+    (lambda m: torch.zeros(3, 4, 4, 40), r"kv_caches.latent must be a list of 2 .*got shape \(3, 4, 4, 40\)"),
+    (lambda m: mla_ops.KVCaches(m.allocate_kv_caches(4, 4).latent, m.allocate_kv_caches(4, 4).latent),
+     "kv_caches.index and k_scale_index are a sparse"),
+    (lambda m: {"latent": m.allocate_kv_caches(4, 4).latent}, "kv_caches must be a mla_ops.KVCaches"),
 ])
 def test_model_rejects_per_layer_caches_that_do_not_fit(caches, match):
     model = MLAModel(MLAConfig.from_name("tiny"))
@@ -237,26 +250,26 @@ def test_model_rejects_per_layer_caches_that_do_not_fit(caches, match):
     plan = mla_ops.plan_prefill(torch.tensor([0, 1], dtype=torch.int32), torch.zeros(1, dtype=torch.int32), table, 4)
     with pytest.raises((ValueError, TypeError), match=match):
         model(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), caches(model),
-              torch.zeros(1, dtype=torch.long), table, plan)
+              torch.zeros(1, dtype=torch.long), plan)
 
 
 # ---- calls rejected before the cache is written ------------------------------------------------
 
 
 def layer_call(seed=0):
-    """A valid MLAAttention call (keyword arguments) on a random cache: contexts [0, 5], queries [4, 3]."""
-    config = MLAConfig.from_name("tiny")
+    """A valid call of a one-layer model (keyword arguments) on a random cache: contexts [0, 5], queries [4, 3]."""
+    config = replace(MLAConfig.from_name("tiny"), num_hidden_layers=1)
     torch.manual_seed(seed)
-    attn = MLAAttention(config)
+    model = MLAModel(config)
     ctx, qlens, block_size = [0, 5], [4, 3], 4
     num_blocks, table = block_table_for([c + q for c, q in zip(ctx, qlens)], block_size, seed=seed)
     positions, slots, qsl, ctx_t = step_inputs(table, ctx, qlens, block_size)
     g = torch.Generator().manual_seed(seed + 1)
     kv_cache = torch.randn(num_blocks, block_size, config.kv_lora_rank + config.qk_rope_head_dim, generator=g)
     plan = mla_ops.plan_prefill(qsl, ctx_t, table, block_size, workspace_size=4)
-    call = dict(hidden=torch.randn(len(positions), config.hidden_size, generator=g), positions=positions,
-                kv_cache=kv_cache, slot_mapping=slots, block_table=table, plan=plan, k_scale=None, backend="torch")
-    return attn, call, (qsl, ctx_t, table, block_size)
+    call = dict(input_ids=torch.arange(len(positions)) % config.vocab_size, positions=positions, kv_cache=kv_cache,
+                slot_mapping=slots, plan=plan, k_scale=None, backend="torch")
+    return model, call, (qsl, ctx_t, table, block_size)
 
 
 def _replan(**kwargs):
@@ -274,15 +287,15 @@ def _set(**values):
 
 REJECTED_LAYER_CALLS = {
     "plan not a PrefillPlan": (_set(plan={}), TypeError, "plan must be a PrefillPlan"),
-    "block_table not the plan's": (_set(block_table=lambda c: c["block_table"][:, :-1]), ValueError,
-                                   "block_table does not fit plan"),
     "plan for another block_size": (_replan(block_size=8), ValueError, "made for block_size 8"),
     "plan for other tokens": (_replan(query_start_loc=torch.tensor([0, 4, 8], dtype=torch.int32)), ValueError,
                               "made for T=8"),
     "block id past the cache": (_set(kv_cache=lambda c: c["kv_cache"][:1]), ValueError, "past the 1 blocks"),
-    "cache width": (_set(kv_cache=lambda c: c["kv_cache"][..., :-1]), ValueError, r"L\+R"),
+    "cache width": (_set(kv_cache=lambda c: c["kv_cache"][..., :-1]), ValueError, r"block_size, 40\]"),
     "fp8 cache without k_scale": (_set(kv_cache=lambda c: c["kv_cache"].to(torch.float8_e4m3fn)), ValueError,
                                   "k_scale"),
+    "fp8 cache with a bad k_scale": (_set(kv_cache=lambda c: c["kv_cache"].to(torch.float8_e4m3fn), k_scale=-1.0),
+                                     ValueError, "k_scale"),
     "slot_mapping 2-D": (_set(slot_mapping=lambda c: c["slot_mapping"][:, None]), ValueError, "slot_mapping"),
     "slot_mapping short": (_set(slot_mapping=lambda c: c["slot_mapping"][:-1]), ValueError, "slot_mapping"),
     "unknown backend": (_set(backend="no_such_backend"), ValueError, "backend"),
@@ -293,24 +306,26 @@ def _bits(x):
     return x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x
 
 
+def _run(model, call):
+    caches = mla_ops.KVCaches([call["kv_cache"]], k_scale=call["k_scale"])
+    return model(call["input_ids"], call["positions"], caches, call["slot_mapping"], call["plan"],
+                 backend=call["backend"])
+
+
 @pytest.mark.parametrize("case", list(REJECTED_LAYER_CALLS))
 def test_rejected_layer_call_leaves_the_cache_unchanged(case):
     """Everything is checked before the layer writes its new rows: a rejected call writes nothing."""
-    attn, call, planned = layer_call()
+    model, call, planned = layer_call()
     change, error, match = REJECTED_LAYER_CALLS[case]
     change(call, planned)
     before = _bits(call["kv_cache"]).clone()
     with torch.no_grad(), pytest.raises(error, match=match):
-        attn(call["hidden"], call["kv_cache"], attn.begin_step(
-            call["positions"], call["kv_cache"], call["slot_mapping"], call["block_table"], call["plan"],
-            k_scale=call["k_scale"], backend=call["backend"]))
+        _run(model, call)
     assert torch.equal(_bits(call["kv_cache"]), before), f"{case}: the rejected call wrote the cache"
-    attn_ok, valid, _ = layer_call()  # the control: the same call unchanged does write the cache
+    model_ok, valid, _ = layer_call()  # the control: the same call unchanged does write the cache
     untouched = valid["kv_cache"].clone()
     with torch.no_grad():
-        attn_ok(valid["hidden"], valid["kv_cache"], attn_ok.begin_step(
-            valid["positions"], valid["kv_cache"], valid["slot_mapping"], valid["block_table"], valid["plan"],
-            backend="torch"))
+        _run(model_ok, valid)
     assert not torch.equal(valid["kv_cache"], untouched)
 
 
@@ -328,11 +343,13 @@ def test_rejected_model_call_leaves_the_caches_unchanged():
     plan = mla_ops.plan_prefill(qsl, ctx_t, table, block_size, workspace_size=4)
     with torch.no_grad():
         with pytest.raises(ValueError, match="made for block_size 8"):
-            model(ids, positions, caches, slots, table, other_block_size)
-        with pytest.raises(ValueError, match="block_table does not fit plan"):
-            model(ids, positions, caches, slots, table[:, :-1], plan)
+            model(ids, positions, caches, slots, other_block_size)
+        with pytest.raises(TypeError, match="forward takes no block_table: the plan holds it"):
+            model(ids, positions, caches, slots, table, plan)
+        with pytest.raises(TypeError, match="k_scale"):  # it travels in the caches' record
+            model(ids, positions, caches, slots, plan, k_scale=1.0)
         with pytest.raises(ValueError, match="slot_mapping"):
-            model(ids, positions, caches, slots[:-1], table, plan)
+            model(ids, positions, caches, slots[:-1], plan)
     assert caches_equal(caches, before)
 
 

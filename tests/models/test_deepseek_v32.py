@@ -62,7 +62,7 @@ def test_config_reads_the_indexer(checkpoint):
         ("sigmoid", "noaux_tc", 2, ("dense", "sparse"))
     model = mla_ops.MLAForCausalLM(config)
     caches = model.allocate_kv_caches(5, 4)
-    assert isinstance(caches, mla_ops.DSACaches)
+    assert isinstance(caches, mla_ops.KVCaches) and caches.index is not None
     assert torch.stack(caches.latent).shape == (2, 5, 4, 40) and torch.stack(caches.index).shape == (2, 5, 4, 16)
 
 
@@ -100,11 +100,10 @@ def test_a_dense_plan_is_refused(model64):
     plan = mla_ops.plan_prefill(torch.tensor([0, 3], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
                                 torch.zeros(1, 1, dtype=torch.int32), 4)
     with pytest.raises(ValueError, match=r"plan was made with index_topk=None, but the model selects index_topk=8"):
-        model64(torch.tensor([1, 2, 3]), torch.arange(3), model64.allocate_kv_caches(1, 4), torch.arange(3),
-                plan.block_table, plan)
-    with pytest.raises(TypeError, match=r"kv_caches must be a DSACaches"):
+        model64(torch.tensor([1, 2, 3]), torch.arange(3), model64.allocate_kv_caches(1, 4), torch.arange(3), plan)
+    with pytest.raises(ValueError, match=r"kv_caches.index is None, but a sparse"):
         model64(torch.tensor([1, 2, 3]), torch.arange(3), model64.allocate_kv_caches(1, 4).latent, torch.arange(3),
-                plan.block_table, plan)
+                plan)
 
 
 def test_context_parallel_is_refused_by_name(checkpoint):
@@ -131,8 +130,7 @@ def test_fp8_release_layout_loads(tmp_path):
                                 table, 4, index_topk=8)
     assert bool(plan.sparse[0])
     with torch.no_grad():
-        got = model(torch.tensor(prompt), torch.arange(13), model.allocate_kv_caches(4, 4), torch.arange(13), table,
-                    plan)
+        got = model(torch.tensor(prompt), torch.arange(13), model.allocate_kv_caches(4, 4), torch.arange(13), plan)
         expect = hf.to(torch.float64)(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(got, expect, rtol=1e-6, atol=1e-6 * float(expect.abs().max()))
     bf16 = mla_ops.MLAForCausalLM.from_pretrained(tmp_path)  # the release's dtype; weights_proj kept float32

@@ -102,8 +102,7 @@ def test_release_layout_loads(tmp_path):
     plan = mla_ops.plan_prefill(torch.tensor([0, 11], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
                                 torch.arange(4, dtype=torch.int32)[None], 4)
     with torch.no_grad():
-        got = model(prompt, torch.arange(11), model.allocate_kv_caches(4, 4), torch.arange(11),
-                    torch.arange(4, dtype=torch.int32)[None], plan)
+        got = model(prompt, torch.arange(11), model.allocate_kv_caches(4, 4), torch.arange(11), plan)
         expect = hf.to(torch.float64)(prompt[None]).logits[0]
     torch.testing.assert_close(got, expect, rtol=1e-6, atol=1e-6 * float(expect.abs().max()))
 

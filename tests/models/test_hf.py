@@ -108,10 +108,10 @@ def test_compiled_generation_equals_eager(checkpoints):
     runner = compiled._runner  # steps run through PrefillGraphs, none eager
     assert runner.regional and runner.stats["eager"] == 0 and runner.stats["replays"] == compiled.stats.steps
     assert counters["stats"]["unique_graphs"] - graphs == 3
-    blocks = compiled.kv_caches[0].shape[0]
+    blocks = compiled.kv_caches.latent[0].shape[0]
     with torch.compiler.set_stance("fail_on_recompile"):
         assert compiled.generate(longer, 4) == eager_longer  # more blocks, larger buckets: no recompile
-    assert compiled.kv_caches[0].shape[0] > blocks and compiled._runner is not runner
+    assert compiled.kv_caches.latent[0].shape[0] > blocks and compiled._runner is not runner
     assert counters["stats"]["unique_graphs"] - graphs == 3
 
 

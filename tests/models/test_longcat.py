@@ -127,7 +127,7 @@ def test_config_forms_released_and_transformers_agree(checkpoint):
                     zero_expert_type="identity", router_bias=False, attention_method="MLA")
     assert MLAConfig.from_hf(released) == config
     model = mla_ops.MLAForCausalLM(config)
-    assert torch.stack(model.allocate_kv_caches(5, 4)).shape == (4, 5, 4, 16 + 8)  # two attentions per layer
+    assert torch.stack(model.allocate_kv_caches(5, 4).latent).shape == (4, 5, 4, 16 + 8)  # two attentions per layer
 
 
 @pytest.mark.parametrize("change, error, message", [
@@ -189,7 +189,8 @@ def test_logits_match_transformers_with_and_without_a_cached_prefix(checkpoint):
     print(f"longcat float64: max |logit diff| / max |logit| = {worst:.2e}")
 
     # Every one of the four caches holds its own latent rows: the second attention of a layer is not the first.
-    assert not torch.equal(caches[0], caches[1]) and not torch.equal(caches[2], caches[3])
+    latent = caches.latent
+    assert not torch.equal(latent[0], latent[1]) and not torch.equal(latent[2], latent[3])
 
 
 @torch.no_grad()

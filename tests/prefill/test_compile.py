@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import mla_ops
 from mla_ops.models.regions import NESTED_REGIONS
 from tests.support import REPO_ROOT
-from tests.support.batches import BUCKET_4, clone_caches, make_batch, model_step, normal_caches
+from tests.support.batches import BUCKET_4, cache_list, clone_caches, make_batch, model_step, normal_caches
 
 try:
     import expecttest
@@ -331,7 +331,7 @@ def model_step_fn(model, max_chunks, absorb_max_query_len, block_size=4):
 
     def step(ids, positions, caches, slots, table, qsl, lens):
         plan = mla_ops.plan_prefill(qsl, lens, table, options=options)
-        return model(ids, positions, caches, slots, table, plan)
+        return model(ids, positions, caches, slots, plan)
     return step
 
 
@@ -346,14 +346,14 @@ def test_mla_model_compiles_whole_and_matches_eager():
     for i, (context_lens, query_lens) in enumerate(BUCKET_4[:6]):
         ids, positions, slots, table, qsl, lens = model_step(config, context_lens, query_lens, seed=i)
         caches, expect_caches = clone_caches(base), clone_caches(base)
-        for cache in caches:
+        for cache in caches.tensors:
             torch._dynamo.mark_static(cache)  # a runner's cache buffers are fixed
         with torch.compiler.set_stance("fail_on_recompile" if i else "default"):
             out = compiled(ids, positions, caches, slots, table, qsl, lens)
         plan = mla_ops.plan_prefill(qsl, lens, table, 4, 32, absorb_max_query_len=0)  # eager, host, all chunked
-        expect = model(ids, positions, expect_caches, slots, table, plan)
+        expect = model(ids, positions, expect_caches, slots, plan)
         torch.testing.assert_close(out, expect, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(caches, expect_caches, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cache_list(caches), cache_list(expect_caches), rtol=1e-5, atol=1e-5)
 
 
 class RestartCounter(logging.Handler):
@@ -397,9 +397,9 @@ def test_the_whole_step_compiles_without_restarting_analysis():
         out = torch.compile(model_step_fn(model, 4, 3), backend="aot_eager", fullgraph=True, dynamic=True)(
             ids, positions, caches, slots, table, qsl, lens)
     assert restarts.count == 0
-    expect = model(ids, positions, expect_caches, slots, table, mla_ops.plan_prefill(qsl, lens, table, 4, 32))
+    expect = model(ids, positions, expect_caches, slots, mla_ops.plan_prefill(qsl, lens, table, 4, 32))
     torch.testing.assert_close(out, expect, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(caches, expect_caches, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache_list(caches), cache_list(expect_caches), rtol=1e-5, atol=1e-5)
 
 
 @torch.no_grad()
@@ -418,11 +418,11 @@ def test_a_device_plan_passed_into_the_compiled_model():
         leaves, spec = torch.utils._pytree.tree_flatten(plan)
         assert torch.utils._pytree.tree_unflatten(leaves, spec) == plan
         caches, expect_caches = clone_caches(base), clone_caches(base)
-        for cache in caches:
+        for cache in caches.tensors:
             torch._dynamo.mark_static(cache)  # a runner's cache buffers are fixed
         with torch.compiler.set_stance("fail_on_recompile" if i else "default"):
-            out = compiled(ids, positions, caches, slots, table, plan)
-        torch.testing.assert_close(out, model(ids, positions, expect_caches, slots, table, plan),
+            out = compiled(ids, positions, caches, slots, plan)
+        torch.testing.assert_close(out, model(ids, positions, expect_caches, slots, plan),
                                    rtol=1e-4, atol=1e-4)
 
 
@@ -444,7 +444,7 @@ def test_the_whole_model_compiles_its_layer_once_plans_once_and_fuses_the_merge(
                                       ids, positions, caches, slots, table, qsl, lens)
         torch.testing.assert_close(out, step(ids, positions, expect_caches, slots, table, qsl, lens),
                                    rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(caches, expect_caches, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cache_list(caches), cache_list(expect_caches), rtol=1e-5, atol=1e-5)
         code = "\n".join(codes)
         kernels = re.findall(r"^(cpp_fused_\w+) = async_compile", code, flags=re.M)
         return code, kernels, re.findall(r"= (repeated_subgraph\d+)\(", code)

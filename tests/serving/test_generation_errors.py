@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import mla_ops
-from mla_ops.models.kv_caches import cache_tensors
 from mla_ops.serving import generation
 from tests.support.batches import tiny_model
 
@@ -75,7 +74,7 @@ def state_of(generator: mla_ops.Generator):
     m = generator.manager
     caches = generator.kv_caches
     return dict(
-        caches=None if caches is None else [(t.data_ptr(), t._version, t.clone()) for t in cache_tensors(caches)],
+        caches=None if caches is None else [(t.data_ptr(), t._version, t.clone()) for t in caches.tensors],
         blocks=(m.num_blocks, list(m._free), list(m._refs), dict(m._hash_of), dict(m._block_of), list(m._evictable)),
         stats=copy.copy(generator.stats), runner=generator._runner, fingerprint=generator._fingerprint,
     )

@@ -35,12 +35,11 @@ import json, resource, sys, torch
 sys.path.insert(0, ROOT)
 import mla_ops
 from mla_ops._env import available_memory
-from mla_ops.models.kv_caches import cache_tensors
 from tests.support.batches import tiny_model
 
 torch.set_num_threads(1)
 model = tiny_model()
-one_block = sum(t.numel() * t.element_size() for t in cache_tensors(model.allocate_kv_caches(1, 16)))
+one_block = sum(t.numel() * t.element_size() for t in model.allocate_kv_caches(1, 16).tensors)
 generator = mla_ops.Generator(model)
 expected = generator.generate([[1, 2, 3]], 4)
 with open("/proc/self/status") as f:
@@ -63,7 +62,7 @@ for name, call in CASES.items():
     except Exception as e:
         error = [type(e).__name__, str(e)]
     after = tuple(generator.cache_usage)
-    fits = generator.cache_usage.total == cache_tensors(generator.kv_caches)[0].shape[0]
+    fits = generator.cache_usage.total == generator.kv_caches.tensors[0].shape[0]
     try:
         next_call = generator.generate([[1, 2, 3]], 4) == expected
     except Exception as e:

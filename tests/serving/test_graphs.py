@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 
 import mla_ops
 from mla_ops.serving.buckets import Bucket
-from tests.support.batches import BUCKET_4, model_step, spread_weights
+from tests.support.batches import BUCKET_4, cache_list, model_step, spread_weights
 from tests.support.gpu import DEVICE, needs_cuda
 
 BLOCK_SIZE, WORKSPACE, ABSORB, MAX_BLOCKS = 4, 8, 2, 12
@@ -96,7 +96,7 @@ def check_steps(runner, model, steps, caches, *, built=()):
         expect_caches = caches.clone()
         with torch.no_grad():
             plan = mla_ops.plan_prefill(qsl, ctx, table, BLOCK_SIZE, WORKSPACE, absorb_max_query_len=ABSORB)
-            expect = model(ids, positions, expect_caches, slots, table, plan)
+            expect = model(ids, positions, expect_caches, slots, plan)
         variant = expected_variant(context_lens, query_lens)
         stance = "fail_on_recompile" if variant in touched or variant in built else "default"
         with torch.compiler.set_stance(stance):
@@ -126,7 +126,7 @@ def test_options_object_equals_its_keywords():
     by_object = mla_ops.PrefillGraphs(model, max_tokens=32, max_requests=6, max_blocks_per_request=MAX_BLOCKS,
                                       mode="eager", options=options, **BUCKETS)
     assert by_object.options == make_runner(model, "eager").options
-    caches = torch.stack(model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE))
+    caches = torch.stack(model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE).latent)
     torch.nn.init.normal_(caches)
     check_steps(by_object, model, EDGE_STEPS[:4], caches)
 
@@ -134,7 +134,7 @@ def test_options_object_equals_its_keywords():
 def test_eager_mode_random_steps_equal_the_eager_model():
     model = make_model()
     runner = make_runner(model, "eager")
-    caches = torch.stack(model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE))
+    caches = torch.stack(model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE).latent)
     torch.nn.init.normal_(caches)
     steps = EDGE_STEPS + random_steps(40, seed=1)
     touched = check_steps(runner, model, steps, caches)
@@ -153,7 +153,7 @@ def test_compile_mode_whole_step_one_graph_per_bucket_and_none_for_a_repeat():
     model = WithHead(make_model(layers=1)).eval()
     runner = make_runner(model, "compile", compile_backend="aot_eager")  # Dynamo's graphs, no C++ build
     assert not runner.regional
-    caches = torch.stack(model.model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE))
+    caches = torch.stack(model.model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE).latent)
     torch.nn.init.normal_(caches)
     graphs_before = counters["stats"]["unique_graphs"]
     touched = check_steps(runner, model, COMPILE_STEPS, caches)
@@ -173,7 +173,7 @@ def test_compile_mode_compiles_the_layers_once_for_every_bucket_and_cache():
     reference = copy.deepcopy(model)  # compile_layers compiles the runner's model in place
     runner = make_runner(model, "compile", compile_backend="aot_eager")
     assert runner.regional
-    caches = torch.stack(model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE))
+    caches = torch.stack(model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE).latent)
     torch.nn.init.normal_(caches)
     graphs_before = counters["stats"]["unique_graphs"]
     check_steps(runner, reference, COMPILE_STEPS[:1], caches)
@@ -191,7 +191,7 @@ def test_warmup_builds_every_bucket_once_and_writes_nothing():
                          chunk_buckets=(1, 2))
     with pytest.raises(ValueError, match="kv_caches"):
         runner.warmup()
-    caches = torch.stack(model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE))
+    caches = torch.stack(model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE).latent)
     torch.nn.init.normal_(caches)
     before = caches.clone()
     graphs_before = counters["stats"]["unique_graphs"]
@@ -213,16 +213,14 @@ class WithHead(torch.nn.Module):
         self.model, self.config = model, model.config
         self.lm_head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False).double()
 
-    def forward(self, input_ids, positions, kv_caches, slot_mapping, block_table, plan, *, k_scale=None,
-                backend="auto"):
-        return self.lm_head(self.model(input_ids, positions, kv_caches, slot_mapping, block_table, plan,
-                                       k_scale=k_scale, backend=backend))
+    def forward(self, input_ids, positions, kv_caches, slot_mapping, plan, *, backend="auto"):
+        return self.lm_head(self.model(input_ids, positions, kv_caches, slot_mapping, plan, backend=backend))
 
 
 def test_any_model_output_whose_first_dim_is_the_tokens():
     model = WithHead(make_model(layers=1)).eval()
     runner = make_runner(model, "eager")
-    caches = torch.stack(model.model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE))
+    caches = torch.stack(model.model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE).latent)
     torch.nn.init.normal_(caches)
     check_steps(runner, model, [([5, 0, 13], [3, 2, 4]), ([30, 10], [3, 4])], caches)
     assert runner.stats["replays"] == 1 and runner.stats["eager"] == 1
@@ -235,7 +233,7 @@ def test_the_bucketed_step_reads_no_device_value_on_the_host():
     with torch.device("meta"):
         model = mla_ops.MLAModel(config).eval()
     runner = make_runner(model, "eager")
-    caches = torch.stack(model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE))
+    caches = torch.stack(model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE).latent)
     ids, positions, slots, table, qsl, ctx = model_step(config, [0, 9, 17], [4, 1, 6], seed=0,
                                                         num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
     out = runner(ids, positions, caches, slots, table, qsl, ctx)
@@ -261,11 +259,6 @@ def valid_call(model):
     (dict(chunk_buckets=()), ValueError, "chunk_buckets"),
     (dict(chunk_buckets=(1, 2.5)), TypeError, "chunk_buckets"),
     (dict(workspace_size=-1), ValueError, "workspace_size"),
-    (dict(k_scale=-1.0), ValueError, "k_scale"),
-    (dict(k_scale=torch.tensor([0.0])), ValueError, "k_scale must be finite and positive"),
-    (dict(k_scale=float("inf")), ValueError, "k_scale must be finite and positive"),
-    (dict(k_scale=1e-46), ValueError, "k_scale must be finite and positive, a normal float32"),
-    (dict(k_scale=1e39), ValueError, "k_scale must be finite and positive, a normal float32"),
     (dict(options=mla_ops.PlanOptions(BLOCK_SIZE, WORKSPACE)), ValueError, "was passed beside options="),
     (dict(options=dict(block_size=BLOCK_SIZE)), TypeError, "options must be a mla_ops.PlanOptions"),
 ])
@@ -286,11 +279,28 @@ def test_bad_construction_names_the_argument(kwargs, error, name):
 def test_bad_step_names_the_argument_and_writes_nothing(change, error, name):
     model = make_model(layers=1)
     runner = make_runner(model, "eager")
-    caches = torch.stack(model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE))
+    caches = torch.stack(model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE).latent)
     call = {**valid_call(model), **change}
     with pytest.raises(error, match=name):
         runner(kv_caches=caches, **call)
     assert not caches.any() and runner.stats["replays"] == runner.stats["eager"] == 0
+
+
+@pytest.mark.parametrize("k_scale, name", [
+    (-1.0, "k_scale"),
+    (torch.tensor([0.0]), "k_scale must be finite and positive"),
+    (float("inf"), "k_scale must be finite and positive"),
+    (1e-46, "k_scale must be finite and positive, a normal float32"),
+    ([1e39, 1.0], "k_scale must be finite and positive, a normal float32"),
+])
+def test_bad_scales_in_the_caches_name_the_argument_and_write_nothing(k_scale, name):
+    """The caches' record carries its scales to the runner, which checks them before anything runs."""
+    model = make_model(layers=2)
+    runner = make_runner(model, "eager")
+    latent = [t.to(torch.float8_e4m3fn) for t in model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE).latent]
+    with pytest.raises(ValueError, match=name):
+        runner(kv_caches=mla_ops.KVCaches(latent, k_scale=k_scale), **valid_call(model))
+    assert not any(t.view(torch.uint8).any() for t in latent) and runner.stats["replays"] == runner.stats["eager"] == 0
 
 
 def test_compiled_buckets_keep_their_cache_geometry():
@@ -299,12 +309,12 @@ def test_compiled_buckets_keep_their_cache_geometry():
     runner = make_runner(model, "compile", compile_backend="eager")
     caches = model.model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
     runner(kv_caches=caches, **valid_call(model))
-    runner(kv_caches=[c.clone() for c in caches], **valid_call(model))  # other tensors of the same geometry: fine
+    runner(kv_caches=mla_ops.KVCaches([c.clone() for c in caches.latent]), **valid_call(model))  # the same geometry
     grown = model.model.allocate_kv_caches(NUM_BLOCKS + 4, BLOCK_SIZE)
     with pytest.raises(ValueError, match="kv_caches"):
         runner(kv_caches=grown, **valid_call(model))
     with pytest.raises(ValueError, match="kv_caches must be on cpu"):
-        runner(kv_caches=[c.to("meta") for c in caches], **valid_call(model))
+        runner(kv_caches=mla_ops.KVCaches([c.to("meta") for c in caches.latent]), **valid_call(model))
     regional = make_runner(model.model, "compile", compile_backend="eager")
     regional(kv_caches=caches, **valid_call(model))
     regional(kv_caches=grown, **valid_call(model))
@@ -350,7 +360,7 @@ def _negative_token(call, vocab):
 def test_ids_past_the_cache_or_vocabulary_are_refused_in_every_mode(mode, change):
     model = make_model(layers=1)
     runner = make_runner(model, mode, compile_backend="eager")
-    caches = torch.stack(model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE))
+    caches = torch.stack(model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE).latent)
     call = valid_call(model)
     vocab = model.embed_tokens.num_embeddings
     match = {"block past the cache": lambda: _past_the_cache(call),
@@ -406,13 +416,13 @@ def test_cuda_graph_capture_replays_changing_batches():
     torch.manual_seed(0)
     config = mla_ops.MLAConfig.from_name("tiny")
     model = mla_ops.MLAModel(config).to(DEVICE).eval()
-    caches = torch.stack(model.allocate_kv_caches(64, 4))
+    caches = torch.stack(model.allocate_kv_caches(64, 4).latent)
     torch.nn.init.normal_(caches)
     base = caches.clone()
     static = StaticStep(config, max_tokens=40, max_requests=8, max_blocks=20)
     def planned_step(ids, pos, caches, slots, table, qsl, lens):  # the planner runs inside the graph
         plan = mla_ops.plan_prefill(qsl, lens, table, 4, 32, max_chunks=4, absorb_max_query_len=3)
-        return model(ids, pos, caches, slots, table, plan)  # both context paths in the captured graph
+        return model(ids, pos, caches, slots, plan)  # both context paths in the captured graph
 
     compiled = torch.compile(planned_step, fullgraph=True, dynamic=False)
 
@@ -440,9 +450,9 @@ def test_cuda_graph_capture_replays_changing_batches():
         expect_caches = base.clone()
         ids, pos, slots, table, qsl, lens = inputs
         plan = mla_ops.plan_prefill(qsl, lens, table, 4, 32, absorb_max_query_len=0)  # eager, host plan
-        expect = model(ids, pos, expect_caches, slots, table, plan)
+        expect = model(ids, pos, expect_caches, slots, plan)
         torch.testing.assert_close(static_out[:tokens], expect, rtol=2e-3, atol=2e-3)
-        torch.testing.assert_close(caches, expect_caches, rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(cache_list(caches), cache_list(expect_caches), rtol=2e-3, atol=2e-3)
 
 
 @pytest.mark.cuda
@@ -454,12 +464,12 @@ def test_reduce_overhead_runs_without_cudagraph_skips():
     torch.manual_seed(0)
     config = mla_ops.MLAConfig.from_name("tiny")
     model = mla_ops.MLAModel(config).to(DEVICE).eval()
-    caches = torch.stack(model.allocate_kv_caches(64, 4))
+    caches = torch.stack(model.allocate_kv_caches(64, 4).latent)
     torch._dynamo.mark_static_address(caches)  # a fixed buffer: cudagraphs may mutate it in place
     with torch._inductor.config.patch({"triton.cudagraph_or_error": True}):
         def planned_step(ids, pos, caches, slots, table, qsl, lens):
             plan = mla_ops.plan_prefill(qsl, lens, table, 4, 32, max_chunks=4)
-            return model(ids, pos, caches, slots, table, plan)
+            return model(ids, pos, caches, slots, plan)
 
         compiled = torch.compile(planned_step, mode="reduce-overhead", fullgraph=True)
         for i, batch in enumerate(BUCKET_4[:4]):
@@ -467,7 +477,7 @@ def test_reduce_overhead_runs_without_cudagraph_skips():
             for _ in range(3):  # warm-up, record, replay
                 expect_caches = caches.clone()
                 out = compiled(ids, pos, caches, slots, table, qsl, lens).clone()
-            expect = model(ids, pos, expect_caches, slots, table, mla_ops.plan_prefill(qsl, lens, table, 4, 32))
+            expect = model(ids, pos, expect_caches, slots, mla_ops.plan_prefill(qsl, lens, table, 4, 32))
             torch.testing.assert_close(out, expect, rtol=2e-3, atol=2e-3)
 
 
@@ -481,7 +491,7 @@ def graphs_setup(spread=False, **kwargs):
     if spread:  # attention far from uniform: outputs follow the context rows closely
         spread_weights(model, seed=0)
     model = model.to(DEVICE)
-    caches = torch.stack(model.allocate_kv_caches(64, 4))
+    caches = torch.stack(model.allocate_kv_caches(64, 4).latent)
     torch.nn.init.normal_(caches)
     options = dict(max_tokens=40, max_requests=8, max_blocks_per_request=20, block_size=4, workspace_size=32,
                    chunk_buckets=(1, 2, 4), token_buckets=(8, 16, 40), absorb_max_query_len=3, mode="cuda_graph")
@@ -496,7 +506,7 @@ def graphs_step(config, context_lens, query_lens, seed):
 
 def eager_model_step(model, caches, ids, positions, slots, table, qsl, lens):
     plan = mla_ops.plan_prefill(qsl, lens, table, 4, 32, absorb_max_query_len=3)  # host plan
-    return model(ids, positions, caches, slots, table, plan)
+    return model(ids, positions, caches, slots, plan)
 
 
 @pytest.mark.cuda
@@ -512,7 +522,7 @@ def test_cuda_graph_runner_replays_equal_the_eager_model():
         expect = eager_model_step(model, expect_caches, ids, positions, slots, table, qsl, lens)
         out = runner(ids, positions, caches, slots, table, qsl, lens)
         torch.testing.assert_close(out, expect, rtol=2e-3, atol=2e-3, msg=lambda m: f"step {i}: {m}")
-        torch.testing.assert_close(caches, expect_caches, rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(cache_list(caches), cache_list(expect_caches), rtol=2e-3, atol=2e-3)
     stats = runner.stats
     assert stats["eager"] == 1 and stats["replays"] == len(steps) - 1
     assert stats["graphs"] == len(runner.built) == len(set(runner.built)) < len(steps)

@@ -457,10 +457,10 @@ def tiny_model(seed: int = 0) -> mla_ops.MLAForCausalLM:
 
 
 def map_caches(fn, caches):
-    """``fn`` applied to each tensor of a model's caches (a list per layer, or a ``DSACaches`` of two lists), in
-    the same form."""
-    if isinstance(caches, mla_ops.DSACaches):
-        return mla_ops.DSACaches(*(map_caches(fn, part) for part in caches))
+    """``fn`` applied to each tensor of a model's caches (a ``KVCaches``, or a list per layer), in the same form."""
+    if isinstance(caches, mla_ops.KVCaches):
+        return replace(caches, latent=map_caches(fn, caches.latent),
+                       index=None if caches.index is None else map_caches(fn, caches.index))
     return [fn(t) for t in caches]
 
 
@@ -475,5 +475,10 @@ def normal_caches(caches):
 
 
 def caches_equal(a, b) -> bool:
-    flat = lambda c: [t for part in (c if isinstance(c, mla_ops.DSACaches) else (c,)) for t in part]  # noqa: E731
+    flat = lambda c: list(c.tensors if isinstance(c, mla_ops.KVCaches) else c)  # noqa: E731
     return len(flat(a)) == len(flat(b)) and all(torch.equal(x, y) for x, y in zip(flat(a), flat(b)))
+
+
+def cache_list(caches):
+    """A model's caches as a list of tensors (a ``KVCaches``' latent then index caches), for ``assert_close``."""
+    return list(caches.tensors) if isinstance(caches, mla_ops.KVCaches) else caches

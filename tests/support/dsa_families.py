@@ -94,6 +94,6 @@ def check_cache_bookkeeping(path, hf, num_blocks=15) -> list[int]:
         assert usage.in_use == 0 and usage.cached + usage.free == usage.total == num_blocks, usage
         hits.append(generator.stats.cached_tokens)
     caches = generator.kv_caches
-    assert isinstance(caches, mla_ops.DSACaches)
+    assert isinstance(caches, mla_ops.KVCaches) and caches.index is not None
     assert caches.latent[0].shape[:2] == caches.index[0].shape[:2] == (num_blocks, 4)
     return hits

@@ -15,8 +15,9 @@ import shutil
 import torch
 
 import mla_ops
+from dataclasses import replace
+
 from mla_ops.models import regions
-from mla_ops.models.kv_caches import cache_tensors
 
 
 @torch.no_grad()
@@ -58,7 +59,7 @@ def step(model, caches, prompts, starts, block_size=4, max_blocks=8, **plan_opti
     """One batched prefill of prompts[r][starts[r]:], with prompts[r][:starts[r]] already cached."""
     ids, positions, slots, table, qsl, ctx = step_inputs(prompts, starts, block_size, max_blocks)
     plan = mla_ops.plan_prefill(qsl, ctx, table, block_size, **plan_options)
-    logits = model(ids, positions, caches, slots, table, plan)
+    logits = model(ids, positions, caches, slots, plan)
     return logits.split([len(p) - s for p, s in zip(prompts, starts)])
 
 
@@ -148,7 +149,7 @@ def check_cli(path, capsys):
 def stacked(caches):
     """A model's caches as stacked tensors (a copy), whether stacked or per layer (``allocate_kv_caches``)."""
     stack = lambda part: part.clone() if isinstance(part, torch.Tensor) else torch.stack(part)  # noqa: E731
-    return mla_ops.DSACaches(*map(stack, caches)) if isinstance(caches, mla_ops.DSACaches) else stack(caches)
+    return replace(caches, latent=stack(caches.latent), index=None if caches.index is None else stack(caches.index))
 
 
 def check_whole_model_compile(model, prompts, starts, max_regions: int, block_size=4, max_blocks=8):
@@ -169,7 +170,7 @@ def check_whole_model_compile(model, prompts, starts, max_regions: int, block_si
 
     def run(ids, positions, caches, slots, table, qsl, ctx):
         plan = mla_ops.plan_prefill(qsl, ctx, table, options=options)
-        return model(ids, positions, caches, slots, table, plan)
+        return model(ids, positions, caches, slots, plan)
 
     ids, positions, slots, table, qsl, ctx = step_inputs(prompts, starts, block_size, max_blocks)
     backend = AotEagerAndRecordGraphs()
@@ -177,7 +178,7 @@ def check_whole_model_compile(model, prompts, starts, max_regions: int, block_si
                                                                            ctx)
     expect = run(ids, positions, expect_caches, slots, table, qsl, ctx)
     torch.testing.assert_close(out, expect, rtol=1e-10, atol=1e-10)
-    for got, ref in zip(cache_tensors(stacked(caches)), cache_tensors(expect_caches)):
+    for got, ref in zip(stacked(caches).tensors, expect_caches.tensors):
         torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
     if not regions.NESTED_REGIONS:  # torch before 2.13: the layers inline (and its Dynamo may recompile once)
         return None

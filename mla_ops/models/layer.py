@@ -28,7 +28,7 @@ from torch import nn
 
 from ..parallel.tensor_parallel import all_reduce
 from ..planning.plan import PrefillPlan, check_step_tensors
-from ..prefill import PrefillStep, begin_step
+from ..step import PrefillStep, begin_step
 from .config import MLAConfig
 from .indexer import Indexer
 from .mistral_large4 import LogPositionScale, log_positions

@@ -21,9 +21,9 @@ from .planning.options import PlanOptions  # noqa: E402
 from .planning.plan import PrefillPlan  # noqa: E402
 from .planning.routing import route_context  # noqa: E402
 from .planning.schedule import ContextChunk, ContextSchedule, plan_context_chunks  # noqa: E402
-from .prefill import PrefillStep, begin_step, mla_prefill, plan_prefill, run_prefill  # noqa: E402
+from .prefill import mla_prefill, plan_prefill, run_prefill  # noqa: E402
 from .serving import Generator, PrefillGraphs, generate  # noqa: E402
-
+from .step import PrefillStep, begin_step  # noqa: E402
 
 
 def enable() -> dict:

@@ -1,7 +1,7 @@
 """The context partial of a step, chunk by chunk, and its merge with the suffix partial.
 
-``Step`` is what one ``run_prefill`` call hands the loops: the selected kernels, the dims, the
-layer's tensors and the step's plan. Three ways through the context, one per plan form:
+``LayerCall`` is what one layer's call (``PrefillStep.attend``) hands the loops: the selected kernels, the
+dims, the layer's tensors and the step's plan. Three ways through the context, one per plan form:
 
 * ``host_context``: the host schedule's chunks, each over its own requests and token range only;
 * ``device_context``: K static chunk steps over the device schedule (no host read of a device
@@ -24,8 +24,8 @@ from .ops.backends import Kernels
 from .planning.plan import PrefillPlan
 
 
-class Step(NamedTuple):
-    """One ``run_prefill`` call: kernels, dims, the layer's tensors and the step's plan."""
+class LayerCall(NamedTuple):
+    """One layer's call: kernels, dims, the layer's tensors and scale, and the step's plan."""
 
     kernels: Kernels
     dims: MLADims
@@ -78,19 +78,19 @@ def empty_partial(out: torch.Tensor, lse: torch.Tensor):
     return torch.zeros_like(out), torch.full_like(lse, float("-inf"))
 
 
-def attend_chunks(step: Step, num_chunks: int, chunk_rows: Callable[..., torch.Tensor], cu_seq_lens: torch.Tensor,
+def attend_chunks(call: LayerCall, num_chunks: int, chunk_rows: Callable[..., torch.Tensor], cu_seq_lens: torch.Tensor,
                   starts: torch.Tensor, kv: torch.Tensor, context_out: torch.Tensor, context_lse: torch.Tensor) -> None:
     """For each chunk k: its workspace rows ``chunk_rows(k, cu_seq_lens[k], starts[k])`` ``[W, L+R]`` are
     up-projected into ``kv`` ``[W, N*(P+V)]`` and attended by every query (``cu_seq_lens`` ``[K, B+1]``
     and ``starts`` ``[K, B]``: the chunks over the whole batch)."""
-    kernels, dims = step.kernels, step.dims
+    kernels, dims = call.kernels, call.dims
     chunk_k_nope, chunk_v = dims.split_kv(kv)
     for k in range(num_chunks):
         cu_k, starts_k = cu_seq_lens.select(0, k), starts.select(0, k)
         latent, rope = chunk_rows(k, cu_k, starts_k).split([dims.latent, dims.rope], dim=1)
-        kernels.up_project(latent, step.weight, cu_k, kv)
-        kernels.context_attention(step.q, chunk_k_nope, rope, chunk_v, step.plan.query_start_loc, cu_k, starts_k,
-                                  step.softmax_scale, context_out, context_lse)
+        kernels.up_project(latent, call.weight, cu_k, kv)
+        kernels.context_attention(call.q, chunk_k_nope, rope, chunk_v, call.plan.query_start_loc, cu_k, starts_k,
+                                  call.softmax_scale, context_out, context_lse)
 
 
 def suffix_tokens(plan: PrefillPlan, num_tokens: int) -> torch.Tensor | None:
@@ -130,35 +130,35 @@ def mark_truncated(out: torch.Tensor, lse: torch.Tensor, truncated: torch.Tensor
             torch.where(truncated.view(1, -1), torch.full_like(lse, nan), lse))
 
 
-def device_context(step: Step, suffix_out: torch.Tensor, suffix_lse: torch.Tensor):
+def device_context(call: LayerCall, suffix_out: torch.Tensor, suffix_lse: torch.Tensor):
     """K static chunk steps over the device plan, merged with the suffix: ``(out, lse)``; no host read of
     a device value."""
-    dims, q, plan = step.dims, step.q, step.plan
+    dims, q, plan = call.dims, call.q, call.plan
     context_out, context_lse = empty_partial(suffix_out, suffix_lse)
     if plan.has_absorbed_path:  # first: its scratch is freed before the chunk buffers exist
-        step.absorbed(context_out, context_lse)
+        call.absorbed(context_out, context_lse)
     schedule = plan.device_schedule
     workspace = q.new_empty(plan.workspace_size, dims.latent + dims.rope)
-    kv = q.new_empty(plan.workspace_size, step.weight.shape[0])
+    kv = q.new_empty(plan.workspace_size, call.weight.shape[0])
 
     def gathered(k: int, cu_seq_lens: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-        step.kernels.gather_context(step.kv_cache, plan.block_table, cu_seq_lens, starts, step.k_scale, workspace)
+        call.kernels.gather_context(call.kv_cache, plan.block_table, cu_seq_lens, starts, call.k_scale, workspace)
         return workspace
 
-    attend_chunks(step, schedule.max_chunks, gathered, schedule.cu_seq_lens, schedule.starts, kv, context_out,
+    attend_chunks(call, schedule.max_chunks, gathered, schedule.cu_seq_lens, schedule.starts, kv, context_out,
                   context_lse)
-    out, lse = step.kernels.merge_attn_states(context_out, context_lse, suffix_out, suffix_lse)
-    return mark_truncated(out, lse, step.truncated_tokens)
+    out, lse = call.kernels.merge_attn_states(context_out, context_lse, suffix_out, suffix_lse)
+    return mark_truncated(out, lse, call.truncated_tokens)
 
 
-def host_context(step: Step, suffix_out: torch.Tensor, suffix_lse: torch.Tensor):
+def host_context(call: LayerCall, suffix_out: torch.Tensor, suffix_lse: torch.Tensor):
     """The host schedule's chunks, each over its own requests only, merged with the suffix: ``(out, lse)``."""
-    kernels, dims, q, plan = step.kernels, step.dims, step.q, step.plan
+    kernels, dims, q, plan = call.kernels, call.dims, call.q, call.plan
     schedule, num_tokens = plan.schedule, q.shape[0]
     if plan.has_absorbed_path:  # any token may get an absorbed partial
         covered = num_tokens
         context_out, context_lse = empty_partial(suffix_out, suffix_lse)
-        step.absorbed(context_out, context_lse)
+        call.absorbed(context_out, context_lse)
     elif schedule.num_chunks == 0:
         return suffix_out, suffix_lse
     else:  # the context partial of every token up to the last request with context
@@ -174,14 +174,14 @@ def host_context(step: Step, suffix_out: torch.Tensor, suffix_lse: torch.Tensor)
         workspace = q.new_empty(max(c.num_context_tokens for c in schedule.chunks), dims.latent + dims.rope)
     for chunk in schedule.chunks:
         rows = workspace.narrow(0, 0, chunk.num_context_tokens)
-        kernels.gather_context(step.kv_cache, plan.block_table.narrow(0, chunk.request_start, chunk.num_requests),
-                               chunk.cu_seq_lens, chunk.starts, step.k_scale, rows)
+        kernels.gather_context(call.kv_cache, plan.block_table.narrow(0, chunk.request_start, chunk.num_requests),
+                               chunk.cu_seq_lens, chunk.starts, call.k_scale, rows)
         latent, rope = rows.split([dims.latent, dims.rope], dim=1)
-        chunk_k_nope, chunk_v = dims.split_kv(torch.mm(latent, step.weight.t()))  # the host knows the live rows
+        chunk_k_nope, chunk_v = dims.split_kv(torch.mm(latent, call.weight.t()))  # the host knows the live rows
         tokens = chunk.token_end - chunk.token_start
         kernels.context_attention(
             q.narrow(0, chunk.token_start, tokens), chunk_k_nope, rope, chunk_v, chunk.query_start_loc,
-            chunk.cu_seq_lens, chunk.starts, step.softmax_scale,
+            chunk.cu_seq_lens, chunk.starts, call.softmax_scale,
             context_out.narrow(0, chunk.token_start, tokens), context_lse.narrow(1, chunk.token_start, tokens),
         )
 

@@ -19,6 +19,7 @@ LEVELS = [
     {"ops"},
     {"chunk_loop", "lowering"},
     {"parallel"},
+    {"step"},
     {"prefill"},
     {"models"},
     {"serving"},

@@ -30,7 +30,7 @@ from torch import nn
 
 from ..parallel.tensor_parallel import all_reduce
 from ..planning.plan import PrefillPlan
-from ..prefill import PrefillStep, begin_step
+from ..step import PrefillStep, begin_step
 from .config import MLAConfig
 from .indexer import Indexer
 from .moe import FeedForward, MoE

@@ -74,7 +74,7 @@ def triton_kernels() -> Kernels:
 
 def select(backend: str, device: torch.device, absorbed_query_bound: int = 0) -> Kernels:
     """The kernels a step calls for ``backend`` on ``device`` (validated names only): chosen once per
-    step (``prefill.begin_step``), with whatever the kernels schedule once per step.
+    step (``step.begin_step``), with whatever the kernels schedule once per step.
 
     For ``"flashmla"``: ``absorbed_query_bound`` is the longest query of an absorbed request (FlashMLA's
     static ``s_q``: the plan's bound); the step's scheduler metadata is made here, filled by the first

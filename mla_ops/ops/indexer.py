@@ -293,6 +293,9 @@ def check_index_topk(q_index, index_weights, k_index, index_cache, plan, k_scale
     """Every check of an ``index_topk`` call, on shapes and host values only (before anything runs)."""
     check_index_step(plan, index_cache, k_scale_index, index_cache_format)
     check_index_layer(q_index, index_weights, k_index, index_cache, plan, index_cache_format)
+    if index_cache_format == "auto" and index_cache.dtype == torch.float8_e4m3fn and k_scale_index is None:
+        raise ValueError("k_scale_index is required for a float8_e4m3fn index_cache "
+                         "(dequantized = stored * k_scale_index)")
 
 
 def check_index_step(plan, index_cache, k_scale_index, index_cache_format: str = "auto") -> None:
@@ -318,12 +321,7 @@ def check_index_step(plan, index_cache, k_scale_index, index_cache_format: str =
         if k_scale_index is not None:
             raise ValueError(f"k_scale_index is for a per-tensor float8_e4m3fn index_cache: {index_cache_format} "
                              "stores a scale per token (pass None)")
-    elif index_cache.dtype == torch.float8_e4m3fn:
-        if k_scale_index is None:
-            raise ValueError("k_scale_index is required for a float8_e4m3fn index_cache "
-                             "(dequantized = stored * k_scale_index)")
-        check_scale(k_scale_index, "k_scale_index", device)
-    elif k_scale_index is not None:
+    elif k_scale_index is not None:  # required by the call that reads a float8 cache (a step's layer may pass its own)
         check_scale(k_scale_index, "k_scale_index", device)
 
 

@@ -43,6 +43,7 @@ from .. import _checks as checks
 from .._mla import (NO_FINITE_SELECTION, MLADims, fold_queries, lse_dtype, split_kv_b_proj, token_requests,
                    unfold_outputs)
 from .cache_formats import latent_rows
+from .layer_checks import check_layer
 
 # Gathered rows (tokens x K) per block of the reference: at L+R = 576 fp32, 72 MiB.
 REFERENCE_ROWS = 1 << 15
@@ -182,47 +183,20 @@ def sparse_attention(q, kv_c, k_pe, kv_cache, block_table, query_start_loc, cont
     float8_e4m3fn cache. Checks everything before anything is written; values (lengths, block ids,
     ``topk_indices`` ranges) only where they are free to read (CPU).
     """
-    checks.check_tensor(q, "q", 3, "[T, N, P+R]")
-    if q.dtype not in checks.FLOAT_DTYPES:
-        raise TypeError(f"q must be float16, bfloat16, float32 or float64, got {q.dtype}")
-    device = q.device
-    checks.check_tensor(kv_c, "kv_c", 2, "[T, L]", device, "q", dtype=q.dtype)
-    checks.check_tensor(k_pe, "k_pe", 2, "[T, R]", device, "q", dtype=q.dtype)
-    checks.check_tensor(kv_cache, "kv_cache", 3, "[num_blocks, block_size, L+R]", device, "q")
-    checks.check_tensor(kv_b_proj_weight, "kv_b_proj_weight", 2, "[N*(P+V), L]", device, "q", dtype=q.dtype)
-    if kv_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
-        raise TypeError(f"kv_cache must have the dtype of q ({q.dtype}) or float8_e4m3fn, got {kv_cache.dtype}")
+    dims = check_layer(q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, out=out)
+    device, (num_tokens, num_heads) = q.device, q.shape[:2]
     checks.check_int32(block_table, "block_table", 2, "[B, max_blocks]", device, "q")
     checks.check_int32(query_start_loc, "query_start_loc", 1, "[B+1]", device, "q")
     checks.check_int32(context_lens, "context_lens", 1, "[B]", device, "q")
     checks.check_tensor(sparse, "sparse", 1, "[B]", device, "q", dtype=torch.bool)
-    num_tokens, num_heads, qk_dim = q.shape
-    latent, rope = kv_c.shape[1], k_pe.shape[1]
     batch = context_lens.shape[0]
     if query_start_loc.shape[0] != batch + 1 or sparse.shape[0] != batch or block_table.shape[0] < batch:
         raise ValueError(f"query_start_loc [B+1], sparse [B] and block_table [>= B, max_blocks] must fit B={batch} "
                          f"context_lens, got {list(query_start_loc.shape)}, {list(sparse.shape)}, "
                          f"{list(block_table.shape)}")
-    if kv_c.shape[0] != num_tokens or k_pe.shape[0] != num_tokens:
-        raise ValueError(f"q, kv_c and k_pe must have one row per new token: q has {num_tokens}, kv_c "
-                         f"{kv_c.shape[0]}, k_pe {k_pe.shape[0]}")
-    if kv_cache.shape[2] != latent + rope or qk_dim < rope:
-        raise ValueError(f"kv_cache rows must be L+R = {latent}+{rope} wide and q heads P+R >= R, got kv_cache "
-                         f"{list(kv_cache.shape)}, q {list(q.shape)}")
-    nope = qk_dim - rope
-    rows, cols = kv_b_proj_weight.shape
-    if cols != latent or num_heads == 0 or rows % num_heads or rows // num_heads <= nope:
-        raise ValueError(f"kv_b_proj_weight must be [N*(P+V), L] with N={num_heads}, P={nope}, L={latent}, V >= 1, "
-                         f"got {list(kv_b_proj_weight.shape)}")
-    value = rows // num_heads - nope
     check_topk_indices(topk_indices, num_tokens, None, device)
-    softmax_scale = checks.check_softmax_scale(softmax_scale)
     checks.check_k_scale(k_scale, kv_cache, device)
     acc = lse_dtype(q.dtype)
-    if out is not None:
-        checks.check_tensor(out, "out", 3, "[T, N, V]", device, "q", dtype=q.dtype)
-        if tuple(out.shape) != (num_tokens, num_heads, value):
-            raise ValueError(f"out must be [T, N, V] = {[num_tokens, num_heads, value]}, got {list(out.shape)}")
     if lse is not None:
         checks.check_tensor(lse, "lse", 2, "[N, T]", device, "q", dtype=acc)
         if tuple(lse.shape) != (num_heads, num_tokens):
@@ -236,11 +210,11 @@ def sparse_attention(q, kv_c, k_pe, kv_cache, block_table, query_start_loc, cont
             raise ValueError(f"query_start_loc[-1] is {int(query_start_loc[-1])}, past the {num_tokens} tokens of q")
     check_topk_values(topk_indices, query_start_loc, context_lens, sparse)
     if out is None:
-        out = q.new_zeros(num_tokens, num_heads, value)
+        out = q.new_zeros(num_tokens, num_heads, dims.value)
     if lse is None:
         lse = q.new_full((num_heads, num_tokens), float("-inf"), dtype=acc)
     torch.ops.mla_ops.sparse_attention(q, kv_c, k_pe, kv_cache, block_table, query_start_loc, context_lens, sparse,
-                                       topk_indices, kv_b_proj_weight, softmax_scale,
+                                       topk_indices, kv_b_proj_weight, float(softmax_scale),
                                        checks.k_scale_tensor(k_scale, kv_cache), out, lse)
     return out, lse
 

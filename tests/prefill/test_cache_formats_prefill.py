@@ -140,8 +140,14 @@ def test_a_step_on_both_formats_writes_selects_and_attends():
     topk = step.select(q_index, weights, k_index, index_cache)
     assert torch.equal(topk, mla_ops.index_topk(q_index, weights, k_index, index_cache, plan,
                                                 index_cache_format="fp8_per_token"))
-    out = step.run(batch.q, batch.kv_c, batch.k_pe, packed, batch.kv_b_proj_weight, batch.softmax_scale,
-                   topk_indices=topk)
+    layer = (batch.q, batch.kv_c, batch.k_pe, packed, batch.kv_b_proj_weight, batch.softmax_scale)
+    before = packed.clone(), index_cache.clone()
+    with pytest.raises(ValueError, match="k_scale is for a per-tensor float8_e4m3fn kv_cache: fp8_ds_mla stores"):
+        step.run(*layer, k_scale=0.5, topk_indices=topk)  # a layer's scale is refused as begin_step's is
+    with pytest.raises(ValueError, match="k_scale_index is for a per-tensor float8_e4m3fn index_cache"):
+        step.write_index(k_index, index_cache, k_scale_index=1.0)
+    assert torch.equal(packed, before[0]) and torch.equal(index_cache, before[1])
+    out = step.run(*layer, topk_indices=topk)
     step.write_index(k_index, index_cache)
     sparse_out, _, rows = masked_reference(batch, topk, plan.sparse)
     want = torch.where(rows[:, None, None], sparse_out, dense_reference(*batch.args()))

@@ -114,6 +114,33 @@ def test_a_dsa_step_equals_the_masked_float64_oracle(form, dtype, fp8):
     torch.testing.assert_close(lse.double(), expect_lse, rtol=tol, atol=tol)
 
 
+def test_begin_step_makes_the_dsa_rows_and_no_layer_changes_the_step(monkeypatch):
+    """The sparse requests' rows and the top-k checks' rows are made in begin_step (not on the first layer's call,
+    which would write into a shared step); every layer then checks its top-k against them."""
+    import dataclasses
+
+    from mla_ops.ops import sparse
+
+    batch = make_batch(CONTEXTS, QUERIES, seed=3, block_size=4, dtype=torch.float64, N=2, L=16, P=8, R=4, V=8)
+    q_index, weights, k_index, index_cache, _, _ = index_side(batch, seed=4)
+    plan = mla_ops.plan_prefill(batch.query_start_loc, batch.context_lens, batch.block_table, block_size=4,
+                                workspace_size=16, index_topk=TOPK, index_scores_budget=16 * 5)
+    step = mla_ops.begin_step(plan, batch.kv_cache, index_cache=index_cache, backend="torch")
+    request, seq, checked = step.topk_rows  # before any layer: per token its request, c_r + q_r, whether checked
+    assert request.tolist() == [r for r, n in enumerate(QUERIES) for _ in range(n)]
+    assert checked.squeeze(1).tolist() == [plan.sparse.tolist()[r] for r in request.tolist()]
+    assert torch.equal(step.sparse_rows, plan.sparse)
+    held = {f.name: getattr(step, f.name) for f in dataclasses.fields(step)}
+    made = []
+    monkeypatch.setattr(sparse, "topk_rows", lambda *a: made.append(a))  # begin_step's only
+    for _ in range(2):  # two layers
+        topk = step.select(q_index, weights, k_index, index_cache)
+        step.run(*batch.args()[:4], batch.kv_b_proj_weight, batch.softmax_scale, topk_indices=topk)
+    assert not made and all(getattr(step, name) is value for name, value in held.items())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        step.topk_rows = None
+
+
 def test_a_written_index_cache_serves_the_next_step():
     """Index keys written with write_index_cache at the latent cache's slots are the next step's context keys."""
     batch = make_batch([20, 6], [1, 1], seed=5, block_size=4, N=2, L=16, P=8, R=4, V=8)
@@ -151,8 +178,19 @@ def test_a_step_checks_its_index_cache_once_and_each_layer_selects_on_it():
     step.write_index(k_index, index)
     written = index.view(-1, D_I)[slots[:3]].float() * k_scale_index
     torch.testing.assert_close(written, k_index[:3].float(), rtol=0.07, atol=0)  # float8's rounding
+    # A scale per layer: a step begun without one takes each layer's, and refuses a layer without one by name.
+    per_layer = mla_ops.begin_step(plan, latent, slots, k_scale=batch.k_scale, index_cache=index)
+    before = index.clone()
     with pytest.raises(ValueError, match="k_scale_index is required for a float8_e4m3fn index_cache"):
-        mla_ops.begin_step(plan, latent, slots, k_scale=batch.k_scale, index_cache=index)
+        per_layer.select(q_index, weights, k_index, index)
+    with pytest.raises(ValueError, match="k_scale_index is required for a float8_e4m3fn index_cache"):
+        per_layer.write_index(k_index, index)
+    with pytest.raises(ValueError, match="k_scale_index must be finite and positive"):
+        per_layer.write_index(k_index, index, k_scale_index=-1.0)
+    assert torch.equal(index.view(torch.uint8), before.view(torch.uint8))
+    assert torch.equal(per_layer.select(q_index, weights, k_index, index, k_scale_index=k_scale_index), expect)
+    per_layer.write_index(k_index, index, k_scale_index=k_scale_index)
+    assert torch.equal(index.view(torch.uint8), before.view(torch.uint8)), "the same bytes as the step's scale wrote"
     with pytest.raises(ValueError, match="index_cache has block_size 2"):
         mla_ops.begin_step(plan, latent, slots, k_scale=batch.k_scale, index_cache=index.view(-1, 2, D_I),
                            k_scale_index=k_scale_index)

@@ -1,7 +1,7 @@
 """R = 0 (Mistral Large 4's NoPE layers): the latent rows are L wide, ``k_pe`` is [T, 0] and q is all nope.
 ``PrefillStep.run`` against a float64 reference over a contiguous L-wide cache and over the first L columns of
 an L+R cache (the model's layout for a NoPE layer), through every route: no context, the absorbed path, the
-chunk loop and a sparse (DSA) step; and ``write=False`` (a KV-sharing layer) writes nothing."""
+chunk loop and a sparse (DSA) step; and ``attend`` (a KV-sharing layer) writes nothing."""
 
 import pytest
 import torch
@@ -51,7 +51,7 @@ def test_nope_rows(strided, context, new, options):
     torch.testing.assert_close(cache[torch.arange(total) // BLOCK, torch.arange(total) % BLOCK], rows)
 
 
-def test_write_false_writes_nothing():
+def test_attend_writes_nothing_and_run_always_writes():
     rows = torch.randn(6, L, dtype=torch.float64)
     w = torch.randn(N * (P + V), L, dtype=torch.float64) / 6
     q = torch.randn(6, N, P, dtype=torch.float64)
@@ -59,8 +59,9 @@ def test_write_false_writes_nothing():
     plan = mla_ops.plan_prefill(torch.tensor([0, 6], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
                                 torch.arange(2, dtype=torch.int32)[None], BLOCK)
     step = mla_ops.begin_step(plan, cache, torch.arange(6))
-    out = step.run(q, rows, rows.new_zeros(6, 0), cache, w, 0.2, write=False)
+    out = step.attend(q, rows, rows.new_zeros(6, 0), cache, w, 0.2)
     assert not cache.any()  # the rows are another layer's to write
     torch.testing.assert_close(out, reference(q, rows, w, 0.2, 0))
-    with pytest.raises(TypeError, match="write must be a bool"):
-        step.run(q, rows, rows.new_zeros(6, 0), cache, w, 0.2, write=1)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'write'"):  # run writes; attend does not
+        step.run(q, rows, rows.new_zeros(6, 0), cache, w, 0.2, write=False)
+    assert not cache.any()

@@ -1,10 +1,12 @@
 """The step object (``begin_step`` / ``PrefillStep.run``), ``return_lse``, ``options=`` and the plan's repr.
 
 A step is set up once for every layer: the plan's fit with the caches, the slots, the scale and the
-kernel choice happen in ``begin_step``; each layer's ``run`` checks only its own tensors, writes its
-rows and attends. The outputs and LSEs are checked against the dense float64 reference.
+kernel choice happen in ``begin_step``, which makes everything the step holds (it is frozen); each layer's
+``run`` checks only its own tensors (and its own ``k_scale``), writes its rows and attends. The outputs and
+LSEs are checked against the dense float64 reference.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -136,8 +138,6 @@ BAD_STEPS = {
     "slot count": (lambda b, p, c, s: dict(slot_mapping=s[:-1]), ValueError, "plan was made for T="),
     "slot dtype": (lambda b, p, c, s: dict(slot_mapping=s.float()), TypeError, "slot_mapping must be int64"),
     "backend": (lambda b, p, c, s: dict(backend="cuda"), ValueError, "backend must be one of"),
-    "fp8 without k_scale": (lambda b, p, c, s: dict(kv_cache=c.to(torch.float8_e4m3fn)), ValueError,
-                            "k_scale is required"),
     **{f"fp8 k_scale {value}": (lambda b, p, c, s, v=value: dict(kv_cache=c.to(torch.float8_e4m3fn),
                                                                k_scale=torch.tensor([v])), ValueError,
                                 "k_scale must be finite and positive")
@@ -182,6 +182,109 @@ def test_a_layer_that_does_not_fit_its_step_writes_nothing(case):
     with pytest.raises(error, match=match):
         step.run(**call)
     assert torch.equal(caches, before)
+
+
+# ---- a scale per layer; the step frozen ----------------------------------------------------------
+
+FP8 = torch.float8_e4m3fn
+SCALES = (0.5, 0.125, 2.0)  # one per layer, as engines keep them
+
+
+def fp8_step(form="host", k_scale=None):
+    """A step over three float8 caches (stacked) with free slots: ``(batch, step, caches, slots, layer args)``."""
+    batch, plan = batch_and_plan(PLANS[form], garbage_blocks=6, dtype=torch.float32)
+    caches, slots = stacked_caches(batch).to(FP8), new_slots(batch)
+    step = mla_ops.begin_step(plan, caches, slots, k_scale=k_scale, backend="torch")
+    return batch, step, caches, slots, (batch.q, batch.kv_c, batch.k_pe)
+
+
+@pytest.mark.parametrize("form", ["host", "device, absorbed"])
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_a_layers_k_scale_equals_a_step_begun_with_it(form, as_tensor):
+    """One step, each layer passing its own scale (a float, or a 0-d float32 tensor as vLLM keeps it), equals a
+    step per layer begun with that scale: through run, attend + write, over a step with another scale or none."""
+    for i, scale in enumerate(SCALES):
+        layer_scale = torch.tensor(scale) if as_tensor else scale
+        batch, alone, want, _, new = fp8_step(form, k_scale=scale)
+        expect = alone.run(*new, want[i], batch.kv_b_proj_weight, batch.softmax_scale)
+        for begun, call in ((None, "run"), (4.0, "run"), (None, "attend + write")):
+            _, step, caches, _, _ = fp8_step(form, k_scale=begun)
+            layer = (*new, caches[i], batch.kv_b_proj_weight, batch.softmax_scale)
+            if call == "run":
+                out = step.run(*layer, k_scale=layer_scale)
+            else:
+                out = step.attend(*layer, k_scale=layer_scale)
+                step.write(batch.kv_c, batch.k_pe, caches[i], k_scale=layer_scale)
+            torch.testing.assert_close(out, expect, rtol=0, atol=0)
+            assert torch.equal(caches.view(torch.uint8), want.view(torch.uint8)), "the rows stored with its scale"
+
+
+def test_a_float8_layer_needs_a_scale_from_the_step_or_its_call():
+    batch, step, caches, _, new = fp8_step()
+    before = caches.clone()
+    with pytest.raises(ValueError, match=r"k_scale is required for a float8_e4m3fn kv_cache .*pass the layer's k_scale="):
+        step.run(*new, caches[0], batch.kv_b_proj_weight, batch.softmax_scale)
+    with pytest.raises(ValueError, match="k_scale is required"):
+        step.write(batch.kv_c, batch.k_pe, caches[0])
+    assert torch.equal(caches.view(torch.uint8), before.view(torch.uint8))
+
+
+BAD_LAYER_SCALES = {
+    "zero": (0.0, ValueError, "k_scale must be finite and positive"),
+    "negative": (-1.0, ValueError, "k_scale must be finite and positive"),
+    "nan": (math.nan, ValueError, "k_scale must be finite and positive"),
+    "past float32": (1e39, ValueError, "k_scale must be finite and positive, a normal float32"),
+    "zero tensor": (torch.tensor([0.0]), ValueError, "k_scale must be finite and positive"),
+    "two elements": (torch.tensor([0.5, 0.5]), ValueError, "k_scale must be a float or a one-element float32 tensor"),
+    "float64 tensor": (torch.tensor(0.5, dtype=torch.float64), ValueError, "k_scale must be a float or a one-element"),
+    "a string": ("0.5", TypeError, "k_scale must be a float or a one-element float32 tensor"),
+    "a bool": (True, TypeError, "k_scale must be a float"),
+    "on meta": (torch.tensor([0.5], device="meta"), ValueError, "k_scale must be on cpu"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_LAYER_SCALES))
+@pytest.mark.parametrize("call", ["run", "attend", "write"])
+def test_a_bad_layer_scale_is_refused_by_name_before_anything_is_written(case, call):
+    scale, error, match = BAD_LAYER_SCALES[case]
+    batch, step, caches, _, new = fp8_step(k_scale=0.5)
+    before, out = caches.clone(), torch.full((batch.q.shape[0], *batch.q.shape[1:2], 8), math.nan)
+    layer = (*new, caches[1], batch.kv_b_proj_weight, batch.softmax_scale)
+    with pytest.raises(error, match=match):
+        if call == "write":
+            step.write(batch.kv_c, batch.k_pe, caches[1], k_scale=scale)
+        else:
+            getattr(step, call)(*layer, k_scale=scale, out=out)
+    assert torch.equal(caches.view(torch.uint8), before.view(torch.uint8)) and out.isnan().all()
+
+
+def test_the_step_is_frozen_and_a_layer_changes_nothing_in_it():
+    batch, plan = batch_and_plan(PLANS["device, absorbed"])
+    caches, slots = stacked_caches(batch), new_slots(batch)
+    step = mla_ops.begin_step(plan, caches, slots, backend="torch")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        step.k_scale = torch.tensor([1.0])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        step.anything = None  # no new attribute either
+    held = {f.name: getattr(step, f.name) for f in dataclasses.fields(step)}
+    assert held["truncated"] is not None and held["tokens_known"]  # the device plan's token map: made once, here
+    step.run(batch.q, batch.kv_c, batch.k_pe, caches[0], batch.kv_b_proj_weight, batch.softmax_scale)
+    assert all(getattr(step, name) is value for name, value in held.items())
+    leaves, spec = torch.utils._pytree.tree_flatten(step)  # a nested compile region's input
+    assert any(x is step.slot_mapping for x in leaves) and any(x is step.truncated for x in leaves)  # tensors: leaves
+    assert not any(isinstance(x, (backends.Kernels, torch.dtype)) for x in leaves)  # kernels and dtype: context
+    again = torch.utils._pytree.tree_unflatten(leaves, spec)
+    assert type(again) is mla_ops.PrefillStep and again.kernels is step.kernels and again.truncated is step.truncated
+
+
+def test_run_has_no_write_switch():
+    batch, plan = batch_and_plan(PLANS["host"])
+    step = mla_ops.begin_step(plan, batch.kv_cache, new_slots(batch), backend="torch")
+    before = batch.kv_cache.clone()
+    with pytest.raises(TypeError, match="unexpected keyword argument 'write'"):
+        step.run(batch.q, batch.kv_c, batch.k_pe, batch.kv_cache, batch.kv_b_proj_weight, batch.softmax_scale,
+                 write=False)
+    assert torch.equal(batch.kv_cache, before)
 
 
 # ---- options= ---------------------------------------------------------------------------------

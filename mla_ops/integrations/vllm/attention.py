@@ -6,8 +6,9 @@ vLLM (0.32.0, ``vllm/model_executor/layers/attention/mla_attention.py``) orders 
 prefills, go to ``forward_mha``. Here every prefill, with context or without, runs through one
 ``mla_ops.PrefillStep``: requests with at most ``absorb_max_query_len`` new tokens and some context take
 the absorbed path, the rest the chunk loop. vLLM writes the cache (``do_kv_cache_update``, before the
-attention) for every token, decodes included: ``run_prefill`` reads the new tokens from ``kv_c`` /
-``k_pe``, so the step writes nothing (docs/vllm.md says why).
+attention) for every token, decodes included: ``PrefillStep.attend`` reads the new tokens from ``kv_c`` /
+``k_pe`` and writes nothing (docs/vllm.md says why). vLLM keeps an fp8 cache's scale per layer: each layer
+passes its own to the one step.
 
 ``with_mla_ops(Backend)`` derives the mla-ops twin of any backend built on vLLM's ``MLACommonBackend``
 (CPU_MLA on CPUs, TRITON_MLA and FLASHMLA on CUDA).
@@ -57,7 +58,10 @@ class PlannedBuilder:
         context_lens = (m.seq_lens_cpu_upper_bound[first:end] - query_start_loc.diff()).to(torch.int32)
         plan = mla_ops.plan_prefill(query_start_loc, context_lens, metadata.prefill.block_table,
                                     options=self.mla_ops_options)
-        return mla_ops.begin_step(plan, self.mla_ops_layer.kv_cache, backend=self.mla_ops_backend)
+        cache = self.mla_ops_layer.kv_cache
+        if cache.dtype == torch.uint8:  # vLLM stores fp8 caches as bytes; its layers view them as float8_e4m3fn
+            cache = cache.view(torch.float8_e4m3fn)
+        return mla_ops.begin_step(plan, cache, backend=self.mla_ops_backend)  # the scales: per layer
 
 
 class PrefillImpl:
@@ -78,12 +82,9 @@ class PrefillImpl:
     def forward_mha(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,
                     output_scale=None) -> None:
         # q [T, N, P+R], kv_c_normed [T, L], k_pe [T, 1, R], output [T, N*V]: the step's prefill tokens.
-        step = attn_metadata.prefill.mla_ops_step
-        if kv_c_and_k_pe_cache.dtype == torch.float8_e4m3fn:
-            # vLLM's fp8 scale is per layer, a step's per step: this layer's step, on the same plan.
-            step = mla_ops.begin_step(step.plan, kv_c_and_k_pe_cache, k_scale=k_scale, backend=self.mla_ops_backend)
-        step.run(q, kv_c_normed, k_pe.squeeze(1), kv_c_and_k_pe_cache, self.mla_ops_kv_b_proj, self.scale,
-                 out=output.view(-1, self.num_heads, self.v_head_dim), write=False)
+        attn_metadata.prefill.mla_ops_step.attend(
+            q, kv_c_normed, k_pe.squeeze(1), kv_c_and_k_pe_cache, self.mla_ops_kv_b_proj, self.scale, k_scale=k_scale,
+            out=output.view(-1, self.num_heads, self.v_head_dim))
 
 
 def with_mla_ops(backend: type, prefill_backend: str = "auto") -> type:

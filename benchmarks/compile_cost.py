@@ -97,7 +97,7 @@ def _measure(kind: str, size: int, restarts: _Restarts) -> dict:
         if kind in WHOLE_KINDS + ("regional",):
             x = model_step(config, [9, 30, 0], [3, 5, 4], block_size, "cpu")
             caches = model.allocate_kv_caches(x["num_blocks"], block_size)
-            for cache in caches:
+            for cache in caches.tensors:
                 torch._dynamo.mark_static(cache)  # a runner's fixed buffers, as the README's recipe
 
             def step(ids, positions, caches, slots, table, qsl, ctx):

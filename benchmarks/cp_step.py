@@ -105,12 +105,11 @@ def run(args) -> dict | None:
     context_lens, query_lens = BATCHES["dry" if args.dry_run else args.batch]
     x = step_inputs(config, context_lens, query_lens, args.block_size, rank, world, args.interleave, device)
     caches = model.allocate_kv_caches(x.pop("num_blocks"), args.block_size)
-    for cache in caches:
+    for cache in caches.tensors:
         torch.nn.init.normal_(cache, std=0.5)  # the context shard, as if written by earlier steps
     plan = mla_ops.plan_prefill(x["query_start_loc"].to(device), x["context_lens"].to(device), x["block_table"],
                                 args.block_size, args.workspace, context_parallel=cp)
-    step = lambda: model.model(x["input_ids"], x["positions"], caches, x["slot_mapping"],  # noqa: E731
-                               x["block_table"], plan)
+    step = lambda: model.model(x["input_ids"], x["positions"], caches, x["slot_mapping"], plan)  # noqa: E731
     step()  # warm-up
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

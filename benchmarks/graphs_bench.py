@@ -55,7 +55,7 @@ def run_step(model, device, mode, name, context_lens, query_lens, workspace_size
     config, block_size = model.config, args.block_size
     x = model_step(config, context_lens, query_lens, block_size, device)
     caches = model.allocate_kv_caches(x.pop("num_blocks"), block_size)
-    for cache in caches:
+    for cache in caches.tensors:
         torch.nn.init.normal_(cache, std=0.5)
     call = dict(x, kv_caches=caches)
     tokens, requests = sum(query_lens), len(query_lens)

@@ -100,7 +100,7 @@ def run_layer(layer: nn.Module, x: torch.Tensor, caches: LayerCaches, step: Mode
         x, made = layer(x, caches, step, carry)
     else:
         with torch.no_grad():  # the attention ops have no backward; the writes after a region change what it read
-            x, made = _rebuilt(_layer_region(layer, x, caches, step, carry), layer, caches)
+            x, made = _rebuilt(_layer_region(layer, x, caches, step, carry), layer.num_kv_caches)
     step.write(caches, made)
     return x, made
 
@@ -111,13 +111,13 @@ def _layer_body(layer, x, caches, step, carry) -> tuple[torch.Tensor, ...]:
     return (x, *(t for rows in made.latent for t in rows), *(t for t in (made.index, made.topk) if t is not None))
 
 
-def _rebuilt(flat: tuple[torch.Tensor, ...], layer: nn.Module, caches: LayerCaches) -> tuple[torch.Tensor, NewRows]:
-    """A region's flat output as ``(x, NewRows)``: the rows of each attention with a cache of its own, and with an
-    indexer its keys and top-k. (Not torch's pytree: traced, it reads a None as a leaf.)"""
-    x, *rest = flat
-    latent = tuple(zip(rest[0 : 2 * layer.num_kv_caches : 2], rest[1 : 2 * layer.num_kv_caches : 2]))
-    index, topk = rest[2 * layer.num_kv_caches :] if caches[0].index is not None else (None, None)
-    return x, NewRows(latent, index, topk)
+def _rebuilt(flat: tuple[torch.Tensor, ...], num_kv_caches: int) -> tuple[torch.Tensor, NewRows]:
+    """A region's flat output as ``(x, NewRows)``: the rows of each of its ``num_kv_caches`` own caches, then an
+    indexer's keys and top-k if it has one. (Not torch's pytree: traced, it reads a None as a leaf.)"""
+    x, *rows = flat
+    n = 2 * num_kv_caches
+    index, topk = rows[n:] or (None, None)
+    return x, NewRows(tuple(zip(rows[0:n:2], rows[1:n:2])), index, topk)
 
 
 _layer_region = torch.compiler.nested_compile_region(_layer_body) if NESTED_REGIONS else _layer_body

@@ -313,12 +313,11 @@ def tiny_step(context_lens=(5, 0, 13), query_lens=(3, 2, 4)):
     ids, positions, slots, table, qsl, ctx = model_step(config, list(context_lens), list(query_lens), seed=0)
     caches = model.allocate_kv_caches(64, 4)
     plan = mla_ops.plan_prefill(qsl, ctx, table, 4, workspace_size=8)
-    return model, config, dict(input_ids=ids, positions=positions, kv_caches=caches, slot_mapping=slots,
-                               block_table=table, plan=plan)
+    return model, config, dict(input_ids=ids, positions=positions, kv_caches=caches, slot_mapping=slots, plan=plan)
 
 
 @pytest.mark.parametrize("case,match", [
-    ("plan of another step", "block_table is not the one plan was made for"),
+    ("plan of another step", r"positions\[0\] is 5, but request 0 has 13 context tokens"),
     ("equal table, other lengths", r"positions\[0\] is 5, but request 0 has 13 context tokens"),
     ("token id past the vocabulary", r"input_ids\[4\] is \d+: input_ids must lie in \[0, \d+\)"),
     ("negative token id", r"input_ids\[0\] is -1"),
@@ -331,7 +330,8 @@ def test_model_refuses_a_step_it_was_not_planned_for(case, match):
         step["plan"] = other["plan"]  # its own block table: another tensor
     elif case == "equal table, other lengths":
         qsl, ctx = step["plan"].query_start_loc, step["plan"].context_lens
-        step["plan"] = mla_ops.plan_prefill(qsl, ctx.flip(0).contiguous(), step["block_table"], 4, workspace_size=8)
+        step["plan"] = mla_ops.plan_prefill(qsl, ctx.flip(0).contiguous(), step["plan"].block_table, 4,
+                                            workspace_size=8)
     elif case == "token id past the vocabulary":
         step["input_ids"] = step["input_ids"].clone()
         step["input_ids"][4] = config.vocab_size + 3

@@ -76,10 +76,10 @@ def teacher_forced_logits(model, vocab: int, graphs=None) -> torch.Tensor:
             qsl.append(qsl[-1] + end - start)
             ctx.append(start)
         qsl, ctx = torch.tensor(qsl, dtype=torch.int32), torch.tensor(ctx, dtype=torch.int32)
-        inputs = (torch.tensor(ids), torch.tensor(positions), caches, torch.tensor(slots), table)
+        inputs = (torch.tensor(ids), torch.tensor(positions), caches, torch.tensor(slots))
         with torch.no_grad():
             if graphs is not None:
-                out.append(model.lm_head(graphs(*inputs, qsl, ctx)))
+                out.append(model.lm_head(graphs(*inputs, table, qsl, ctx)))
                 continue
             plan = mla_ops.plan_prefill(qsl, ctx, table, BLOCK_SIZE, workspace_size=WORKSPACE, absorb_max_query_len=2,
                                         context_parallel=cp)

@@ -213,6 +213,45 @@ def _score_keys(scores, position):
 
 
 @triton.jit
+def _fold_tile(
+    row0, threshold, not_finite, best_ptrs, group,
+    q_ptr, w_ptr, k_index_ptr, cache_ptr, block_table_ptr, qsl_ptr, ctx_ptr, starts_ptr, cu_ptr, k_scale_ptr,
+    token, slot_live, slot_request, slot_position, num_rows, num_requests, block_size, head_dim, scales_at,
+    stride_qt, stride_qh, stride_qd, stride_wt, stride_wh, stride_kt, stride_kd,
+    stride_cache_block, stride_cache_token, stride_cache_col, stride_table_row, stride_table_col,
+    stride_qsl, stride_ctx, stride_starts, stride_cu,
+    NUM_HEADS: tl.constexpr, IS_FP8: tl.constexpr, IS_PER_TOKEN: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, K_PAD: tl.constexpr,
+):
+    """The rows ``row0 .. row0 + BLOCK_N`` scored and folded into the slots' running keys (at ``best_ptrs``):
+    ``(threshold, not_finite)`` [BLOCK_M] each, the K_PAD-th best key and the non-finite flag after it."""
+    offs_n = row0 + tl.arange(0, BLOCK_N)
+    scores, position = _tile_scores(
+        q_ptr, w_ptr, k_index_ptr, cache_ptr, block_table_ptr, qsl_ptr, ctx_ptr, starts_ptr, cu_ptr,
+        k_scale_ptr, token, slot_live, slot_request, slot_position, offs_n, num_rows, num_requests,
+        block_size, head_dim, scales_at, stride_qt, stride_qh, stride_qd, stride_wt, stride_wh, stride_kt,
+        stride_kd, stride_cache_block, stride_cache_token, stride_cache_col, stride_table_row,
+        stride_table_col, stride_qsl, stride_ctx, stride_starts, stride_cu,
+        NUM_HEADS, IS_FP8, IS_PER_TOKEN, DOT_DTYPE, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
+    not_finite = tl.maximum(not_finite, tl.max((scores != scores).to(tl.int32), axis=1))
+    keys = _score_keys(scores, position)
+    # Merge only where a key beats a slot's K_PAD-th (after the first tiles, most tiles do not).
+    if tl.max(tl.max((keys > threshold[:, None]).to(tl.int32), axis=1), axis=0) > 0:
+        best = tl.load(best_ptrs, mask=slot_live[:, None], other=EMPTY_KEY)
+        # Bitonic merge: the running keys descending against the tile's ascending, padded at the front
+        # with EMPTY to K_PAD: the elementwise max holds the top K_PAD of the union (its last group only
+        # can change), then one sort puts them back in order.
+        tile = tl.reshape(tl.sort(keys), [BLOCK_M, 1, BLOCK_N])
+        best = tl.reshape(best, [BLOCK_M, K_PAD // BLOCK_N, BLOCK_N])
+        best = tl.where(group == K_PAD // BLOCK_N - 1, tl.maximum(best, tile), best)
+        best = tl.sort(tl.reshape(best, [BLOCK_M, K_PAD]), descending=True)
+        tl.store(best_ptrs, best, mask=slot_live[:, None])
+        threshold = tl.min(best, axis=1)
+    return threshold, not_finite
+
+
+@triton.jit
 def _index_topk_kernel(
     q_ptr, w_ptr, k_index_ptr, cache_ptr, block_table_ptr, qsl_ptr, ctx_ptr, starts_ptr, cu_ptr,
     slot_token_ptr, k_scale_ptr, best_ptr, not_finite_ptr,
@@ -223,6 +262,7 @@ def _index_topk_kernel(
     NUM_HEADS: tl.constexpr, IS_FP8: tl.constexpr, IS_PER_TOKEN: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, K_PAD: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     # Live slots come first: a tile whose first slot is dead is all dead, and costs this load only.
@@ -238,29 +278,29 @@ def _index_topk_kernel(
                             other=EMPTY_KEY)  # the K_PAD-th best so far
         not_finite = tl.zeros([BLOCK_M], tl.int32)
         group = tl.arange(0, K_PAD // BLOCK_N)[None, :, None]
-        for row0 in range(0, num_rows, BLOCK_N):
-            offs_n = row0 + tl.arange(0, BLOCK_N)
-            scores, position = _tile_scores(
-                q_ptr, w_ptr, k_index_ptr, cache_ptr, block_table_ptr, qsl_ptr, ctx_ptr, starts_ptr, cu_ptr,
-                k_scale_ptr, token, slot_live, slot_request, slot_position, offs_n, num_rows, num_requests,
-                block_size, head_dim, scales_at, stride_qt, stride_qh, stride_qd, stride_wt, stride_wh, stride_kt,
-                stride_kd, stride_cache_block, stride_cache_token, stride_cache_col, stride_table_row,
-                stride_table_col, stride_qsl, stride_ctx, stride_starts, stride_cu,
-                NUM_HEADS, IS_FP8, IS_PER_TOKEN, DOT_DTYPE, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
-            not_finite = tl.maximum(not_finite, tl.max((scores != scores).to(tl.int32), axis=1))
-            keys = _score_keys(scores, position)
-            # Merge only where a key beats a slot's K_PAD-th (after the first tiles, most tiles do not).
-            if tl.max(tl.max((keys > threshold[:, None]).to(tl.int32), axis=1), axis=0) > 0:
-                best = tl.load(best_ptrs, mask=slot_live[:, None], other=EMPTY_KEY)
-                # Bitonic merge: the running keys descending against the tile's ascending, padded at the front
-                # with EMPTY to K_PAD: the elementwise max holds the top K_PAD of the union (its last group only
-                # can change), then one sort puts them back in order.
-                tile = tl.reshape(tl.sort(keys), [BLOCK_M, 1, BLOCK_N])
-                best = tl.reshape(best, [BLOCK_M, K_PAD // BLOCK_N, BLOCK_N])
-                best = tl.where(group == K_PAD // BLOCK_N - 1, tl.maximum(best, tile), best)
-                best = tl.sort(tl.reshape(best, [BLOCK_M, K_PAD]), descending=True)
-                tl.store(best_ptrs, best, mask=slot_live[:, None])
-                threshold = tl.min(best, axis=1)
+        # The row count is read from a tensor: no range() over it under the interpreter (mla_ops/triton/_common.py).
+        if INTERPRETED:
+            row0 = 0
+            while row0 < num_rows:
+                threshold, not_finite = _fold_tile(
+                    row0, threshold, not_finite, best_ptrs, group,
+                    q_ptr, w_ptr, k_index_ptr, cache_ptr, block_table_ptr, qsl_ptr, ctx_ptr, starts_ptr, cu_ptr,
+                    k_scale_ptr, token, slot_live, slot_request, slot_position, num_rows, num_requests, block_size,
+                    head_dim, scales_at, stride_qt, stride_qh, stride_qd, stride_wt, stride_wh, stride_kt, stride_kd,
+                    stride_cache_block, stride_cache_token, stride_cache_col, stride_table_row, stride_table_col,
+                    stride_qsl, stride_ctx, stride_starts, stride_cu,
+                    NUM_HEADS, IS_FP8, IS_PER_TOKEN, DOT_DTYPE, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_D, K_PAD)
+                row0 += BLOCK_N
+        else:
+            for row0 in range(0, num_rows, BLOCK_N):
+                threshold, not_finite = _fold_tile(
+                    row0, threshold, not_finite, best_ptrs, group,
+                    q_ptr, w_ptr, k_index_ptr, cache_ptr, block_table_ptr, qsl_ptr, ctx_ptr, starts_ptr, cu_ptr,
+                    k_scale_ptr, token, slot_live, slot_request, slot_position, num_rows, num_requests, block_size,
+                    head_dim, scales_at, stride_qt, stride_qh, stride_qd, stride_wt, stride_wh, stride_kt, stride_kd,
+                    stride_cache_block, stride_cache_token, stride_cache_col, stride_table_row, stride_table_col,
+                    stride_qsl, stride_ctx, stride_starts, stride_cu,
+                    NUM_HEADS, IS_FP8, IS_PER_TOKEN, DOT_DTYPE, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_D, K_PAD)
         tl.store(not_finite_ptr + token, not_finite, mask=slot_live & (not_finite > 0))
 
 
@@ -310,5 +350,5 @@ def fold_piece_topk(q_index, index_weights, k_index, index_cache, block_table, q
             NUM_HEADS=num_heads, IS_FP8=is_fp8, IS_PER_TOKEN=per_token, DOT_DTYPE=dtype,
             DOT_PRECISION=dot_precision(dtype),
             BLOCK_M=BLOCK_M, BLOCK_N=min(BLOCK_N, k_pad), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-            K_PAD=k_pad, num_warps=NUM_WARPS if k_pad <= 256 else 8,
+            K_PAD=k_pad, INTERPRETED=interpreted, num_warps=NUM_WARPS if k_pad <= 256 else 8,
         )

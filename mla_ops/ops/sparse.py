@@ -26,9 +26,9 @@ and per head n (DESIGN §1, absorbed path):
     out    = o_lat @ W_UV[n]^T                                       [V]
 
 A token without a valid key gets the empty partial (0, -inf). A token whose row holds -2 anywhere gets NaN
-(out and lse): ``index_topk``'s mark of a token whose scores were not finite; so does a token (per head) with a
-NaN or inf attention score over its selected keys (a non-finite input, an overflow). Rows of tokens of the other requests
-and past ``query_start_loc[-1]`` are left untouched: ``run_prefill`` writes the dense paths' merged
+(out and lse): ``index_topk``'s mark of a token whose scores were not finite; so does a token (per head) with
+a NaN or inf attention score over its selected keys (a non-finite input, an overflow). Rows of tokens of the
+other requests and past ``query_start_loc[-1]`` are left untouched: ``run_prefill`` writes the dense paths' merged
 result first and this op overwrites the sparse requests' tokens.
 
 Kernels: ``mla_ops/triton/sparse.py`` (Triton); ``sparse_reference`` here is their oracle (float32,

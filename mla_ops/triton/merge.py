@@ -7,8 +7,8 @@ suffix_out [T, N, V]   suffix_lse [N, T]
 Per (token, head): ``lse = logaddexp(a, b)``, ``out = out_a * exp(a - lse) + out_b * exp(b - lse)``
 (oracle: ``merge_states_reference`` in ``mla_ops/ops/merge.py``, same order of operations). An LSE of
 ``±inf`` is an empty partial (FA2 and FlashMLA report ``+inf``) and counts as ``-inf``; two empty
-partials merge to ``0 / -inf``, never NaN; a NaN partial (a non-finite score) merges to NaN. One program per token and BLOCK_H heads; V is padded
-to a power of two and masked.
+partials merge to ``0 / -inf``, never NaN; a NaN partial (a non-finite score) merges to NaN. One program
+per token and BLOCK_H heads; V is padded to a power of two and masked.
 """
 
 from __future__ import annotations

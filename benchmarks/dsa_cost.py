@@ -74,8 +74,8 @@ def latent_row_bytes(d: Dims, cache_bytes: int | str) -> int:
 
 
 def index_row_bytes(ix: Indexer, cache_bytes: int | str) -> int:
-    """Bytes of one index cache row: D_I elements, or fp8_per_token's D_I fp8 + one float32 scale."""
-    return ix.dim + 4 if cache_bytes == "vllm" else ix.dim * cache_bytes
+    """Bytes of one index cache row: D_I elements, or fp8_per_token's D_I fp8 + a float32 scale per 128 values."""
+    return ix.dim + ix.dim // 128 * 4 if cache_bytes == "vllm" else ix.dim * cache_bytes
 
 
 def cache_formats(d: Dims, ix: Indexer) -> dict:

@@ -14,6 +14,7 @@ import torch
 # vLLM's fp8_ds_mla latent cache (DeepSeek-V3.2, mla_ops/ops/cache_formats.py): fixed dims, uint8 rows
 DS_MLA_LATENT, DS_MLA_ROPE, DS_MLA_TILE = 512, 64, 128
 DS_MLA_ROW_BYTES = DS_MLA_LATENT + 4 * (DS_MLA_LATENT // DS_MLA_TILE) + 2 * DS_MLA_ROPE  # 656
+INDEX_TILE = 128  # fp8_per_token index keys: values per float32 scale (vLLM's indexer quant_block_size)
 
 # A ``topk_indices`` entry (DSA): the indexer's scores of this token were not finite (a NaN or inf in its
 # index query, weights or a candidate's key), so no selection exists; the token's attention output is NaN.

@@ -153,8 +153,7 @@ class MLAModel(nn.Module):
         x = scaled(self.embed_tokens(input_ids), self.embedding_scale)  # [T, H]
         passed = Passed()
         for layer, wiring in zip(self.layers, self.wiring):
-            layer_caches = wiring.caches(caches)
-            x, made = regions.run_layer(layer, x, layer_caches, step, wiring.carry(passed))
+            x, made = regions.run_layer(layer, x, wiring.caches(caches), step, wiring.carry(passed))
             passed = wiring.passed_on(passed, made)
         return self.norm(x)  # [T, H]
 

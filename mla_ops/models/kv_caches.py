@@ -95,7 +95,7 @@ def grown(caches: KVCaches, bigger: KVCaches) -> KVCaches:
 
 def cache_widths(config, kv_cache_format: str, index_cache_format: str) -> tuple[int, int]:
     """``(latent row width, index row width)`` of a model's caches in these formats (DESIGN §12): L+R and D_I (0
-    for a dense model), or vLLM's packed 656 bytes (DeepSeek-V3.2's dims only) and D_I + 4 bytes."""
+    for a dense model), or vLLM's packed 656 bytes (DeepSeek-V3.2's dims only) and D_I + D_I/32 bytes."""
     c = config
     for name, value, choices in (("kv_cache_format", kv_cache_format, LATENT_FORMATS),
                                  ("index_cache_format", index_cache_format, INDEX_FORMATS)):
@@ -115,9 +115,9 @@ def cache_widths(config, kv_cache_format: str, index_cache_format: str) -> tuple
                              "caches")
         return latent, 0  # no index cache
     width = c.indexer.index_head_dim
-    if index_cache_format == "fp8_per_token" and width % 4:
-        raise ValueError(f"index_cache_format='fp8_per_token' needs index_head_dim a multiple of 4, got {width}")
-    return latent, width + (4 if index_cache_format == "fp8_per_token" else 0)
+    if index_cache_format == "fp8_per_token" and width % 128:
+        raise ValueError(f"index_cache_format='fp8_per_token' needs index_head_dim a multiple of 128, got {width}")
+    return latent, width + (width // 32 if index_cache_format == "fp8_per_token" else 0)  # a float32 per 128
 
 
 def allocate(config, num_cache_layers: int, num_blocks: int, block_size: int, dtype: torch.dtype, device, *,

@@ -23,7 +23,8 @@ paging), per head n:
     out    = o_lat @ W_UV[n]^T                                     [q_r, V]
 
 which equals the MHA path's context partial (gather, up-project, attend) exactly in real
-arithmetic. Rows of requests with ``context_lens[r] == 0`` are left untouched: the caller gives
+arithmetic. A query with a NaN or inf score (a non-finite input, an overflow) gets NaN, out and lse.
+Rows of requests with ``context_lens[r] == 0`` are left untouched: the caller gives
 them the empty partial ``0 / -inf`` (or the chunked MHA path fills them), so routing a batch
 between the two paths is just two context_lens vectors (``mla_ops.route_context``).
 
@@ -58,6 +59,7 @@ import torch
 from .._mla import MLADims, fold_queries, lse_dtype, split_kv_b_proj, unfold_outputs
 from . import cpu_attention
 from .cache_formats import latent_rows
+from .merge import poisoned_rows, scores_nan_for_neg_inf_
 
 
 def _absorbed(latent_attention, q, kv_cache, block_table, query_start_loc, context_lens, kv_b_proj_weight,
@@ -133,9 +135,12 @@ def latent_attention_reference(q, kv_cache, block_table, query_start_loc, contex
         position = torch.arange(c, device=kv_cache.device)
         x = latent_rows(kv_cache, block_table[r].long()[position // block_size], position % block_size, k_scale,
                         acc)  # [c, L+R]
-        scores = torch.einsum("mhd,cd->hmc", q[t0:t1].to(acc), x) * softmax_scale  # [H, m, c]
-        lse[:, t0:t1] = torch.logsumexp(scores, dim=-1).to(lse.dtype)
-        out[t0:t1] = torch.einsum("hmc,cl->mhl", torch.softmax(scores, dim=-1), x[:, :latent]).to(out.dtype)
+        scores = scores_nan_for_neg_inf_(torch.einsum("mhd,cd->hmc", q[t0:t1].to(acc), x) * softmax_scale)  # [H, m, c]
+        part_lse = torch.logsumexp(scores, dim=-1)
+        bad = poisoned_rows(part_lse)  # a non-finite score: NaN out and lse
+        lse[:, t0:t1] = part_lse.masked_fill_(bad, float("nan")).to(lse.dtype)
+        probs = torch.softmax(scores, dim=-1).masked_fill_(bad.unsqueeze(-1), float("nan"))
+        out[t0:t1] = torch.einsum("hmc,cl->mhl", probs, x[:, :latent]).to(out.dtype)
 
 
 @torch.library.custom_op("mla_ops::latent_context_attention", mutates_args=("out", "lse"))

@@ -7,7 +7,8 @@ obvious, exact in float64 (the Triton kernels and the CPU path are checked again
 q       [Tq, N, P+R]   queries of n requests, rows cu_q[i]:cu_q[i+1]
 k_nope  [Tk, N, P]     per-head key part     k_pe [Tk, R] rotary key part, shared by all heads
 v       [Tk, N, V]     values of n requests, rows cu_k[i]:cu_k[i+1]
--> out  [Tq, N, V] float32 (float64 for float64 q), lse [N, Tq] natural log; no keys: 0 / -inf
+-> out  [Tq, N, V] float32 (float64 for float64 q), lse [N, Tq] natural log; no keys: 0 / -inf; a
+   query with a non-finite score among those it sees (a NaN or inf input, an overflow): NaN, out and lse
 
 ``causal`` aligns the mask bottom-right: query j of m sees keys ``0 .. s - m + j`` of s.
 
@@ -45,7 +46,7 @@ import torch
 
 from .._mla import lse_dtype
 from . import cpu_attention
-from .merge import merge_states_reference
+from .merge import merge_states_reference, poisoned_rows, scores_nan_for_neg_inf_
 
 
 def varlen_attention_reference(q, k_nope, k_pe, v, cu_q, cu_k, softmax_scale, causal):
@@ -62,12 +63,19 @@ def varlen_attention_reference(q, k_nope, k_pe, v, cu_q, cu_k, softmax_scale, ca
             continue
         k = torch.cat([k_nope[s0:s1], k_pe[s0:s1, None, :].expand(-1, num_heads, -1)], dim=-1)  # [s, N, P+R]
         scores = torch.einsum("mnd,snd->nms", q[t0:t1].to(acc), k.to(acc)) * softmax_scale  # [N, m, s]
+        scores_nan_for_neg_inf_(scores)
+        empty = None
         if causal:  # bottom-right
             m, s = t1 - t0, s1 - s0
             hidden = torch.arange(s, device=q.device) > torch.arange(m, device=q.device)[:, None] + (s - m)
             scores.masked_fill_(hidden, float("-inf"))
-        lse[:, t0:t1] = torch.logsumexp(scores, dim=-1)
-        probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # a query that sees no key: 0
+            empty = hidden.all(-1)  # [m]: queries that see no key
+        part_lse = torch.logsumexp(scores, dim=-1)
+        bad = poisoned_rows(part_lse, empty)  # a non-finite score: NaN out and lse
+        probs = torch.softmax(scores, dim=-1).masked_fill_(bad.unsqueeze(-1), float("nan"))
+        if empty is not None:
+            probs.masked_fill_(empty[:, None], 0.0)  # a query that sees no key: the empty partial
+        lse[:, t0:t1] = part_lse.masked_fill_(bad, float("nan"))
         out[t0:t1] = torch.einsum("nms,snv->mnv", probs, v[s0:s1].to(acc))
     return out, lse
 

@@ -33,8 +33,8 @@ import torch
 from .._checks import FLOAT_DTYPES, check_scale, check_tensor, k_scale_tensor, values_readable
 from .._env import triton_available
 from .._mla import DS_MLA_LATENT, DS_MLA_ROPE
-from .cache_formats import (check_index_format, check_latent_format, ds_mla_rows, index_width, per_token_quantize,
-                            per_token_views)
+from .cache_formats import (check_index_format, check_latent_format, check_per_token_width, ds_mla_rows, index_width,
+                            per_token_quantize, per_token_row_bytes, per_token_views)
 
 CACHE_DTYPES = FLOAT_DTYPES + (torch.float8_e4m3fn,)
 _SLOT_DTYPES = (torch.int64, torch.int32)
@@ -111,7 +111,7 @@ def write_packed_cache_reference(rows, rope, slot_mapping, cache, cache_format: 
     codes, scale = per_token_quantize(rows)
     code_view, scale_view = per_token_views(cache)
     scatter_rows(codes, slot_mapping, code_view)
-    scatter_rows(scale.view(-1, 1).view(torch.uint8), slot_mapping, scale_view)
+    scatter_rows(scale.contiguous().view(torch.uint8), slot_mapping, scale_view)  # [T, D/128 * 4] bytes
 
 
 @torch.library.custom_op("mla_ops::write_packed_cache", mutates_args=("cache",))
@@ -215,10 +215,12 @@ def check_packed_write(kv_c, k_pe, slot_mapping, cache, k_scale, n: CacheNames, 
         if k_pe.shape[0] != num_tokens:
             raise ValueError(f"{n.rows} and {n.rope} must have one row per new token: {num_tokens} and "
                              f"{k_pe.shape[0]}")
-    elif kv_c.shape[1] != index_width(cache):
-        raise ValueError(f"index_cache_format='fp8_per_token' rows are D_I + 4 bytes: {n.rows} is "
-                         f"[T, {kv_c.shape[1]}], so {n.cache} rows must be {kv_c.shape[1] + 4} wide, got "
-                         f"{cache.shape[2]}")
+    else:
+        check_per_token_width(kv_c.shape[1], f"{n.rows}'s D_I")
+        if kv_c.shape[1] != index_width(cache):
+            raise ValueError(f"index_cache_format='fp8_per_token' rows are D_I + D_I/128*4 bytes: {n.rows} is "
+                             f"[T, {kv_c.shape[1]}], so {n.cache} rows must be {per_token_row_bytes(kv_c.shape[1])} "
+                             f"wide, got {cache.shape[2]}")
     if k_scale is not None:
         raise ValueError(f"{n.scale} is for a per-tensor float8_e4m3fn {n.cache}: {cache_format} stores its own "
                          "scales (pass None)")
@@ -282,8 +284,9 @@ def write_index_cache(
     nothing), index_cache [num_blocks, block_size, D_I]: bf16/fp16/fp32, or float8_e4m3fn with
     ``k_scale_index`` (a float or a one-element float32 tensor; stores ``k_index / k_scale_index``,
     saturated). The latent cache's op and kernel with a rope part of width 0; safe under CUDA graphs.
-    ``index_cache_format="fp8_per_token"``: ``index_cache`` [num_blocks, block_size, D_I + 4] uint8 in
-    vLLM's indexer layout (one float32 scale per token, block-major; no ``k_scale_index``).
+    ``index_cache_format="fp8_per_token"``: ``index_cache`` [num_blocks, block_size, D_I + D_I/128*4] uint8 in
+    vLLM's indexer layout (D_I a multiple of 128, one float32 scale per 128 values, block-major; no
+    ``k_scale_index``).
     """
     check_write(k_index, None, slot_mapping, index_cache, k_scale_index, INDEX, index_cache_format)
     write_checked(k_index, k_index[:, :0], slot_mapping, index_cache, k_scale_index, index_cache_format)

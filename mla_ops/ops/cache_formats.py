@@ -12,14 +12,15 @@ Latent cache, ``kv_cache_format``:
 Index cache, ``index_cache_format``:
 
 * ``"auto"``: ``[num_blocks, block_size, D_I]`` bf16/fp16/fp32, or float8_e4m3fn with ``k_scale_index``.
-* ``"fp8_per_token"``: vLLM's indexer layout, ``[num_blocks, block_size, D_I + 4]`` uint8 read as
-  block-major bytes: a block's first ``block_size * D_I`` bytes are its tokens' float8_e4m3fn codes
-  (token i at ``i * D_I``), the next ``block_size * 4`` bytes their float32 scales (token i at
-  ``block_size * D_I + 4 i``): one scale per token (vLLM's quant block = D_I = 128 in V3.2).
+* ``"fp8_per_token"``: vLLM's indexer layout, ``[num_blocks, block_size, D_I + D_I/128*4]`` uint8 (132 at
+  V3.2's D_I = 128, 264 at 256) read as block-major bytes: a block's first ``block_size * D_I`` bytes are its
+  tokens' float8_e4m3fn codes (token i at ``i * D_I``), the next ``block_size * D_I/128 * 4`` bytes their
+  float32 scales, one per 128 values (vLLM's ``quant_block_size``; token i's tile j at
+  ``block_size * D_I + 4 (i * D_I/128 + j)``). D_I must be a multiple of 128, as vLLM's indexer requires.
 
 Writes quantize as vLLM's kernels do (csrc/cache_kernels.cu): ``concat_and_cache_ds_mla_kernel``:
 per 128-value tile ``scale = max(amax / 448, FLT_MIN)`` (float32, stored as is); ``indexer_k_quant_and_cache``
-with V3.2's ``scale_fmt="ue8m0"``: ``scale = exp2(ceil(log2(max(amax, 1e-4) / 448)))``; both store
+with V3.2's ``scale_fmt="ue8m0"``, per 128-value tile: ``scale = exp2(ceil(log2(max(amax, 1e-4) / 448)))``; both store
 ``fp8(x / scale)``, float32 division then round-to-nearest-even saturated to +-448
 (``__nv_cvt_float_to_fp8(.., __NV_SATFINITE, __NV_E4M3)``).
 
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from .._mla import DS_MLA_LATENT, DS_MLA_ROPE, DS_MLA_ROW_BYTES, DS_MLA_TILE
+from .._mla import DS_MLA_LATENT, DS_MLA_ROPE, DS_MLA_ROW_BYTES, DS_MLA_TILE, INDEX_TILE
 
 LATENT_FORMATS = ("auto", "fp8_ds_mla")
 INDEX_FORMATS = ("auto", "fp8_per_token")
@@ -69,22 +70,44 @@ def ds_mla_values(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> tor
     return torch.cat([latent, rope], dim=1).view(*lead, DS_MLA_LATENT + DS_MLA_ROPE)
 
 
+def per_token_row_bytes(width: int) -> int:
+    """Bytes a token takes in an fp8_per_token cache of D_I = ``width`` (a multiple of 128): its codes and
+    its D_I/128 float32 scales."""
+    return width + width // INDEX_TILE * _SCALE_BYTES
+
+
+def per_token_width(row_bytes: int) -> int:
+    """D_I of fp8_per_token rows of ``row_bytes`` (``per_token_row_bytes``' inverse; 0 for no such D_I)."""
+    tile_bytes = INDEX_TILE + _SCALE_BYTES
+    return row_bytes // tile_bytes * INDEX_TILE if row_bytes % tile_bytes == 0 else 0
+
+
+def check_per_token_width(width: int, name: str) -> None:
+    """D_I = ``width`` (``name`` says whose) a positive multiple of 128, the layout's tile (vLLM's indexer
+    refuses the others)."""
+    if width <= 0 or width % INDEX_TILE:
+        raise ValueError(f"index_cache_format='fp8_per_token' stores one float32 scale per {INDEX_TILE} values "
+                         f"(vLLM's indexer layout): it needs D_I a multiple of {INDEX_TILE}, but {name} is {width}")
+
+
 def per_token_quantize(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(codes [T, D] uint8, scale [T] float32)`` of index keys ``k`` [T, D]: one ue8m0 scale per token."""
-    x = k.float()
+    """``(codes [T, D] uint8, scale [T, D/128] float32)`` of index keys ``k`` [T, D]: one ue8m0 scale per
+    128-value tile of a key."""
+    x = k.float().unflatten(-1, (-1, INDEX_TILE))  # [T, D/128, 128]
     scale = torch.exp2(torch.ceil(torch.log2(x.abs().amax(-1, keepdim=True).clamp_min(1e-4) / FP8_MAX)))
-    return _fp8_codes(x, scale), scale.view(-1)
+    return _fp8_codes(x, scale).flatten(-2), scale.squeeze(-1)
 
 
 def per_token_views(index_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views of an fp8_per_token ``index_cache`` [num_blocks, block_size, D+4] uint8: ``(codes
-    [num_blocks, block_size, D] uint8, scale_bytes [num_blocks, block_size, 4] uint8)``, block-major."""
+    """Views of an fp8_per_token ``index_cache`` [num_blocks, block_size, D + D/128*4] uint8: ``(codes
+    [num_blocks, block_size, D] uint8, scale_bytes [num_blocks, block_size, D/128*4] uint8)``, block-major."""
     num_blocks, block_size, stride = index_cache.shape
-    width = stride - _SCALE_BYTES
-    flat = index_cache.flatten(1, 2)  # [num_blocks, block_size * (D+4)]: a block's bytes, in order
+    width = per_token_width(stride)
+    scale_width = stride - width
+    flat = index_cache.flatten(1, 2)  # [num_blocks, block_size * stride]: a block's bytes, in order
     codes = flat.narrow(1, 0, block_size * width).unflatten(1, (block_size, width))
-    scale_bytes = flat.narrow(1, block_size * width, block_size * _SCALE_BYTES).unflatten(1, (block_size,
-                                                                                              _SCALE_BYTES))
+    scale_bytes = flat.narrow(1, block_size * width, block_size * scale_width).unflatten(1, (block_size,
+                                                                                             scale_width))
     return codes, scale_bytes
 
 
@@ -92,9 +115,9 @@ def per_token_rows(index_cache: torch.Tensor, block: torch.Tensor, offset: torch
                    dtype: torch.dtype) -> torch.Tensor:
     """[n, D] ``dtype``: dequantized keys at cache ``(block, offset)`` [n] of an fp8_per_token cache."""
     codes, scale_bytes = per_token_views(index_cache)
-    keys = codes[block, offset].view(torch.float8_e4m3fn).float()  # [n, D]
-    scale = scale_bytes[block, offset].contiguous().view(torch.float32)  # [n, 1]
-    return (keys * scale).to(dtype)
+    keys = codes[block, offset].view(torch.float8_e4m3fn).float().unflatten(-1, (-1, INDEX_TILE))  # [n, D/128, 128]
+    scale = scale_bytes[block, offset].contiguous().view(torch.float32).unsqueeze(-1)  # [n, D/128, 1]
+    return (keys * scale).flatten(-2).to(dtype)
 
 
 def latent_rows(kv_cache: torch.Tensor, block: torch.Tensor, offset: torch.Tensor, k_scale: torch.Tensor | None,
@@ -122,8 +145,8 @@ def latent_width(kv_cache: torch.Tensor) -> int:
 
 
 def index_width(index_cache: torch.Tensor) -> int:
-    """D_I of an index cache: its row width, less the scale's 4 bytes for fp8_per_token."""
-    return index_cache.shape[-1] - (_SCALE_BYTES if index_cache.dtype == torch.uint8 else 0)
+    """D_I of an index cache: its row width, less fp8_per_token's scale bytes (0: no D_I fits the width)."""
+    return per_token_width(index_cache.shape[-1]) if index_cache.dtype == torch.uint8 else index_cache.shape[-1]
 
 
 def check_latent_format(kv_cache_format, kv_cache: torch.Tensor, name: str = "kv_cache") -> str:
@@ -153,11 +176,11 @@ def check_index_format(index_cache_format, index_cache: torch.Tensor) -> str:
     if index_cache_format == "fp8_per_token":
         if index_cache.dtype != torch.uint8:
             raise TypeError("index_cache_format='fp8_per_token' needs a uint8 index_cache ([num_blocks, "
-                            f"block_size, D_I + 4] bytes), got {index_cache.dtype}")
-        width = index_cache.shape[-1] - _SCALE_BYTES
-        if width <= 0 or width % _SCALE_BYTES:
-            raise ValueError("index_cache_format='fp8_per_token' rows are D_I + 4 bytes (D_I fp8 codes and one "
-                             f"float32 scale, D_I a multiple of 4), but index_cache rows are {index_cache.shape[-1]}")
+                            f"block_size, D_I + D_I/128*4] bytes), got {index_cache.dtype}")
+        if per_token_width(index_cache.shape[-1]) == 0:
+            raise ValueError("index_cache_format='fp8_per_token' rows are D_I + D_I/128*4 bytes (D_I fp8 codes and "
+                             f"a float32 scale per {INDEX_TILE} values, D_I a multiple of {INDEX_TILE}: 132 bytes "
+                             f"at D_I = 128, 264 at 256), but index_cache rows are {index_cache.shape[-1]}")
         if index_cache.stride(-1) != 1 or index_cache.stride(-2) != index_cache.shape[-1]:
             raise ValueError("index_cache_format='fp8_per_token' is block-major: index_cache's blocks must be "
                              f"contiguous (strides [*, {index_cache.shape[-1]}, 1]), got {index_cache.stride()}")

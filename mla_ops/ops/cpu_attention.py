@@ -10,6 +10,11 @@ its math:
 * an MHA batch that fits runs ATen's fused CPU attention (one call, causal blocks skipped);
 * the other MHA batches, and every latent batch, loop over blocks of ``KEY_BLOCK`` keys and merge.
 
+Non-finite scores: a query that sees a NaN or inf score (a non-finite input, an overflow) gets NaN, out and
+lse, as in the oracles; one that sees no key, the empty partial ``0 / -inf``. ATen's fused kernel turns a NaN
+or overflowing score into a finite row, so it runs only where a bound on the batch's scores proves them
+finite.
+
 Every branch is checked against float64 softmaxes in ``tests/ops/test_cpu_attention.py``.
 """
 
@@ -19,7 +24,7 @@ import torch
 
 from .._mla import lse_dtype
 from .cache_formats import ds_mla_values
-from .merge import merge_into, merge_states_reference
+from .merge import merge_into, merge_states_reference, poisoned_rows, scores_nan_for_neg_inf_
 
 # Keys per block of the key-block loops: bounds a score matrix at N x n x m x KEY_BLOCK.
 KEY_BLOCK = 4096
@@ -118,14 +123,16 @@ def attend(q, k_nope, k_pe, v, q_bounds, k_starts, key_lens, softmax_scale, caus
         n, m, s = len(batch), max(lens_q), max(lens_k)
         rows_q = PaddedRows([q_bounds[r] for r in batch], lens_q, 0, m, q.device)
         k_rows = [k_starts[r] for r in batch]
+        partial = None
         if s == 1 and m == 1:  # one query over one key each (a decode step's suffix)
-            o_i, lse_i = _one_key(q, k_nope, k_pe, v, rows_q, PaddedRows(k_rows, lens_k, 0, 1, q.device),
-                                  softmax_scale, acc)
+            partial = _one_key(q, k_nope, k_pe, v, rows_q, PaddedRows(k_rows, lens_k, 0, 1, q.device),
+                               softmax_scale, acc)
         elif _flash_fits(q, n, s, max(q.shape[-1], v.shape[-1])) and (not causal or lens_q == lens_k):
-            o_i, lse_i = _flash_attend(q, k_nope, k_pe, v, rows_q, PaddedRows(k_rows, lens_k, 0, s, q.device),
-                                       softmax_scale, causal, acc)
-        else:
-            o_i, lse_i = _key_blocks(q, k_nope, k_pe, v, rows_q, k_rows, lens_q, lens_k, softmax_scale, causal, acc)
+            partial = _flash_attend(q, k_nope, k_pe, v, rows_q, PaddedRows(k_rows, lens_k, 0, s, q.device),
+                                    softmax_scale, causal, acc)  # None: scores that may not be finite
+        if partial is None:
+            partial = _key_blocks(q, k_nope, k_pe, v, rows_q, k_rows, lens_q, lens_k, softmax_scale, causal, acc)
+        o_i, lse_i = partial
         rows_q.put(out, o_i, 0)
         rows_q.put(lse, lse_i, 1)
 
@@ -135,7 +142,9 @@ def _one_key(q, k_nope, k_pe, v, rows_q, rows_k, softmax_scale, acc):
     num_heads = q.shape[1]
     keys = torch.cat([rows_k.take(k_nope), rows_k.take(k_pe).unsqueeze(2).expand(-1, -1, num_heads, -1)], -1)
     scores = (rows_q.take(q).to(acc) * keys.to(acc)).sum(-1) * softmax_scale  # [n, 1, N]
-    return rows_k.take(v).to(acc).flatten(0, 1), scores.flatten(0, 1).t()
+    bad = poisoned_rows(scores)  # a non-finite score: NaN out and lse
+    values = rows_k.take(v).to(acc).masked_fill(bad.unsqueeze(-1), float("nan"))
+    return values.flatten(0, 1), scores.masked_fill(bad, float("nan")).flatten(0, 1).t()
 
 
 def _key_blocks(q, k_nope, k_pe, v, rows_q, k_rows, lens_q, lens_k, softmax_scale, causal, acc):
@@ -157,14 +166,18 @@ def _key_blocks(q, k_nope, k_pe, v, rows_q, k_rows, lens_q, lens_k, softmax_scal
         scores = torch.bmm(q_nope, keys.transpose(1, 2)).view(num_heads, n, m, -1)  # [N, n, m, s]
         rope = q_pe @ rows_k.take(k_pe).to(acc).transpose(1, 2)  # [n, N*m, s]
         scores += rope.view(n, num_heads, m, -1).transpose(0, 1)
+        scores_nan_for_neg_inf_(scores)
         masked = rows_k.padded or (causal and m > 1)
+        empty = None
         if masked:  # the causal mask also hides padding keys: they lie past every real query's last key
             hidden = torch.arange(b0, b1, device=q.device) > last_key if causal else ~rows_k.valid[:, None, :]
             scores.masked_fill_(hidden, float("-inf"))
+            empty = hidden.all(-1)  # [n, m] or [n, 1]: queries that see no key of this block
         block_lse = torch.logsumexp(scores, dim=-1)  # [N, n, m]
+        block_lse.masked_fill_(poisoned_rows(block_lse, empty), float("nan"))  # a non-finite score: NaN
         probs = torch.exp(scores - block_lse.unsqueeze(-1))
         if masked:
-            probs.nan_to_num_(0.0)  # queries that see no key of this block
+            probs.masked_fill_(empty.unsqueeze(-1), 0.0)  # the empty partial
         values = rows_k.take(v).to(acc).permute(2, 0, 1, 3).reshape(num_heads * n, b1 - b0, -1)
         block_out = torch.bmm(probs.view(num_heads * n, m, -1), values).view(num_heads, n, m, -1)
         partial = merge_into(partial, (block_out.permute(1, 2, 0, 3).flatten(0, 1), block_lse.flatten(1)))
@@ -179,7 +192,11 @@ def _flash_fits(q: torch.Tensor, n: int, s: int, width: int) -> bool:
 
 def _flash_attend(q, k_nope, k_pe, v, rows_q, rows_k, softmax_scale, causal, acc):
     """One padded batch through ATen's fused CPU attention (``_scaled_dot_product_flash_attention_for_cpu``:
-    it returns the LSE and skips the blocks a causal mask hides) -> ``(out [n*m, N, V], lse [N, n*m])``.
+    it returns the LSE and skips the blocks a causal mask hides) -> ``(out [n*m, N, V], lse [N, n*m])``, or
+    None where the batch's scores may not be finite: the kernel gives a row with a NaN or overflowing score a
+    finite output (0, LSE 0), so it runs only where ``max |q * scale| * max |k| * width`` is far inside the
+    accumulation dtype (False for any NaN or inf), one pass over the gathered rows; the key-block loop takes
+    the others and keeps them NaN.
 
     Causal only where every request has as many queries as keys, so that its top-left mask is the
     bottom-right one and a shorter request's real queries never reach its padding keys. The kernel
@@ -198,6 +215,9 @@ def _flash_attend(q, k_nope, k_pe, v, rows_q, rows_k, softmax_scale, causal, acc
     # The kernel masks before it scales: a scale of 0 would make a masked score -inf * 0 = NaN, a
     # negative one +inf. Scaling q in acc first (one rounding of acc's precision) takes any scale.
     q_scaled = rows_q.take(q).to(acc) * softmax_scale
+    bound = float(q_scaled.abs().amax()) * float(keys.abs().amax()) * keys.shape[-1]  # host reads: CPU tensors
+    if not bound < torch.finfo(acc).max / 16:
+        return None
     o, lse = _cpu_flash(heads_first(q_scaled), heads_first(keys), heads_first(rows_k.take(v)), 0.0, causal,
                         attn_mask=mask, scale=1.0)[:2]
     return o[..., :value].transpose(1, 2).flatten(0, 1), lse.transpose(0, 1).flatten(1)
@@ -263,12 +283,16 @@ def _latent_partial(qr, rows, valid, latent: int):
     """
     n, m, heads, _ = qr.shape
     scores = torch.bmm(qr.flatten(1, 2), rows.transpose(1, 2))  # [n, m*H, s]: q_lat . kv_c + q_pe . k_pe
+    scores_nan_for_neg_inf_(scores)
+    empty = None
     if valid is not None:  # padding rows
         scores.masked_fill_(~valid[:, None, :], float("-inf"))
+        empty = ~valid.any(1, keepdim=True)  # [n, 1]: a block past a short context
     block_lse = torch.logsumexp(scores, dim=-1)  # [n, m*H]
+    block_lse.masked_fill_(poisoned_rows(block_lse, empty), float("nan"))  # a non-finite score: NaN
     probs = torch.exp(scores - block_lse.unsqueeze(-1))
     if valid is not None:
-        probs.nan_to_num_(0.0)  # a block past a short context: 0
+        probs.masked_fill_(empty.unsqueeze(-1), 0.0)  # the empty partial
     return torch.bmm(probs, rows[..., :latent]).view(n * m, heads, latent), block_lse.view(n * m, heads).t()
 
 

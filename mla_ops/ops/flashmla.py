@@ -35,7 +35,8 @@ does all layout and LSE translation:
 * unpack: out and LSE of token t from slot ``(r, j)``; ``_lse_to_tokens_first`` turns
   ``[b, N, s_q]`` (``+inf`` empty) into ``[N, T]`` (``-inf`` empty), the one LSE conversion;
 * unfold: ``out = o_lat @ W_UV^T``; written, with the LSE, only for tokens of requests with
-  context (a device-side ``torch.where``).
+  context (a device-side ``torch.where``). Those rows saw a key, so a non-finite LSE there (a NaN or inf
+  score) makes the row NaN, out and lse.
 
 ``max_query_len`` must bound the query length of every request with context; the caller's
 routing threshold does (``mla_ops.routing.route_context`` zeroes the context of longer
@@ -204,5 +205,10 @@ def absorbed_context_attention(
     o_lat = out_packed.reshape(num_requests * s_q, num_heads, latent).index_select(0, slots)  # [T, N, L]
     new_out = unfold_outputs(o_lat.transpose(0, 1), w_uv).transpose(0, 1)  # [T, N, V]
     new_lse = _lse_to_tokens_first(lse_packed, slots)  # [N, T]
+    # A written row saw a key (FlashMLA's +inf means none only where cache_seqlens is 0): a non-finite LSE
+    # there is a non-finite score, NaN out and lse, never the empty partial.
+    bad = ~torch.isfinite(new_lse)
+    new_lse = new_lse.masked_fill(bad, float("nan"))
+    new_out = new_out.masked_fill(bad.t().unsqueeze(-1), float("nan"))
     out.copy_(torch.where(write[:, None, None], new_out.to(out.dtype), out))
     lse.copy_(torch.where(write[None, :], new_lse.to(lse.dtype), lse))

@@ -60,7 +60,7 @@ from .._env import triton_available
 from .._mla import NO_FINITE_SELECTION
 from ..planning.index_schedule import sparse_token_loc
 from ..planning.plan import PrefillPlan, current_max_block_id
-from .cache_formats import check_index_format, index_rows, index_width
+from .cache_formats import check_index_format, check_per_token_width, index_rows, index_width, per_token_row_bytes
 
 INDEX_CACHE_DTYPES = FLOAT_DTYPES + (torch.float8_e4m3fn,)
 
@@ -320,7 +320,7 @@ def check_index_step(plan, index_cache, k_scale_index, index_cache_format: str =
     if index_cache_format != "auto":
         if k_scale_index is not None:
             raise ValueError(f"k_scale_index is for a per-tensor float8_e4m3fn index_cache: {index_cache_format} "
-                             "stores a scale per token (pass None)")
+                             "stores its own scales (pass None)")
     elif k_scale_index is not None:  # required by the call that reads a float8 cache (a step's layer may pass its own)
         check_scale(k_scale_index, "k_scale_index", device)
 
@@ -352,8 +352,10 @@ def check_index_layer(q_index, index_weights, k_index, index_cache, plan, index_
     if tuple(k_index.shape) != (num_tokens, width):
         raise ValueError(f"k_index must be [T, D_I] = {[num_tokens, width]} (q_index's T and D_I), "
                          f"got {list(k_index.shape)}")
+    if packed:
+        check_per_token_width(width, "q_index's D_I")
     if index_width(index_cache) != width:
-        size = f"D_I + 4 = {width + 4} bytes" if packed else f"D_I = {width}"
+        size = f"D_I + D_I/128*4 = {per_token_row_bytes(width)} bytes" if packed else f"D_I = {width}"
         raise ValueError(f"index_cache rows must be {size} wide (q_index's D_I), got {index_cache.shape[2]}")
     if plan.num_tokens is not None and plan.num_tokens != num_tokens:
         raise ValueError(f"plan was made for T={plan.num_tokens} tokens (its query_start_loc[-1]), but q_index "
@@ -378,8 +380,9 @@ def index_topk(
     ``run_prefill`` turns into a NaN output. A float8_e4m3fn
     ``index_cache`` needs ``k_scale_index`` (a float or a one-element float32 tensor). Reads no device
     value on the host; runs under torch.compile with a device-form plan made inside the graph.
-    ``index_cache_format="fp8_per_token"``: ``index_cache`` [num_blocks, block_size, D_I + 4] uint8 in vLLM's
-    indexer layout (``mla_ops/ops/cache_formats.py``; no ``k_scale_index``), dequantized as it is read.
+    ``index_cache_format="fp8_per_token"``: ``index_cache`` [num_blocks, block_size, D_I + D_I/128*4] uint8 in
+    vLLM's indexer layout (D_I a multiple of 128; ``mla_ops/ops/cache_formats.py``; no ``k_scale_index``),
+    dequantized as it is read.
     """
     check_index_topk(q_index, index_weights, k_index, index_cache, plan, k_scale_index, index_cache_format)
     return index_topk_checked(q_index, index_weights, k_index, index_cache, plan,

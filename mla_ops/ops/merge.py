@@ -5,7 +5,8 @@ suffix_out [T, N, V]   suffix_lse [N, T]
 -> out [T, N, V] (dtype of prefix_out), lse [N, T]
 
 Empty partials (``lse = ±inf``; FA2 and FlashMLA report ``+inf`` for a row with no keys) count as
-``0 / -inf``; merging two empty partials gives ``0 / -inf``, never NaN.
+``0 / -inf``; merging two empty partials gives ``0 / -inf``, never NaN. A NaN partial (``lse`` NaN:
+a row whose scores were not finite, ``poisoned_rows``) merged with anything stays NaN, out and lse.
 """
 
 from __future__ import annotations
@@ -37,6 +38,23 @@ def merge_states_reference(
     wb = (wb / total).transpose(0, 1).unsqueeze(-1)
     out = prefix_out.to(acc) * wa + suffix_out.to(acc) * wb
     return out.to(prefix_out.dtype), lse
+
+
+def poisoned_rows(lse: torch.Tensor, empty: torch.Tensor | None = None) -> torch.Tensor:
+    """bool like ``lse``: the rows of a partial that saw a key (not ``empty``, which broadcasts to ``lse``;
+    None: every row did) and whose LSE is not finite. Finite scores give a finite LSE, so such a row had a
+    NaN or inf score (a non-finite input, an overflow): the attention ops make it NaN, out and lse, since an
+    LSE of ``-inf`` (the empty partial) or ``+inf`` (read as empty by the merge) would let a merge turn it
+    into a finite answer."""
+    bad = ~torch.isfinite(lse)
+    return bad if empty is None else bad & ~empty
+
+
+def scores_nan_for_neg_inf_(scores: torch.Tensor) -> torch.Tensor:
+    """``scores`` with -inf made NaN, in place, before a mask writes its -inf: a score of -inf from the
+    inputs (an inf in q or a key, an overflow) is not finite and must reach the answer as NaN, not read as a
+    hidden key (the kernels do the same)."""
+    return scores.masked_fill_(scores == float("-inf"), float("nan"))
 
 
 def merge_into(partial, block):

@@ -26,8 +26,9 @@ and per head n (DESIGN §1, absorbed path):
     out    = o_lat @ W_UV[n]^T                                       [V]
 
 A token without a valid key gets the empty partial (0, -inf). A token whose row holds -2 anywhere gets NaN
-(out and lse): ``index_topk``'s mark of a token whose scores were not finite. Rows of tokens of the other requests
-and past ``query_start_loc[-1]`` are left untouched: ``run_prefill`` writes the dense paths' merged
+(out and lse): ``index_topk``'s mark of a token whose scores were not finite; so does a token (per head) with
+a NaN or inf attention score over its selected keys (a non-finite input, an overflow). Rows of tokens of the
+other requests and past ``query_start_loc[-1]`` are left untouched: ``run_prefill`` writes the dense paths' merged
 result first and this op overwrites the sparse requests' tokens.
 
 Kernels: ``mla_ops/triton/sparse.py`` (Triton); ``sparse_reference`` here is their oracle (float32,
@@ -44,6 +45,7 @@ from .._mla import (NO_FINITE_SELECTION, MLADims, fold_queries, lse_dtype, split
                    unfold_outputs)
 from .cache_formats import latent_rows
 from .layer_checks import check_layer
+from .merge import poisoned_rows, scores_nan_for_neg_inf_
 
 # Gathered rows (tokens x K) per block of the reference: at L+R = 576 fp32, 72 MiB.
 REFERENCE_ROWS = 1 << 15
@@ -82,18 +84,19 @@ def sparse_reference(q, kv_c, k_pe, kv_cache, block_table, query_start_loc, cont
         rows[fresh] = new_rows[query_start_loc.long()[r[fresh[0]]] + s[fresh] - context[fresh[0], 0]].to(acc)
         q_t = q[t]
         folded = torch.cat([fold_queries(q_t, w_uk, acc).transpose(0, 1), q_t[..., nope:].to(acc)], -1)  # [n, N, L+R]
-        scores = torch.bmm(folded, rows.transpose(1, 2)) * softmax_scale  # [n, N, K]
+        scores = scores_nan_for_neg_inf_(torch.bmm(folded, rows.transpose(1, 2)) * softmax_scale)  # [n, N, K]
         scores = scores.masked_fill(~key_ok[:, None, :], float("-inf"))
         top = scores.amax(-1, keepdim=True)
         top = torch.where(torch.isfinite(top), top, 0)  # no key: keep exp() finite
         probs = torch.exp(scores - top)
         total = probs.sum(-1)  # [n, N]
         o_lat = torch.bmm(probs, rows[..., :latent]) / torch.where(total > 0, total, 1)[..., None]
-        # -2 in a row: no finite selection, a NaN answer (0 elsewhere: adding it changes nothing).
-        nan = torch.where((s == NO_FINITE_SELECTION).any(1), float("nan"), 0.0).to(acc)[:, None]  # [n, 1]
-        o_lat = o_lat + nan[:, :, None]
+        token_lse = torch.log(total) + top.squeeze(-1)  # -inf without keys
+        # NaN, out and lse: a non-finite score among the token's keys, or -2 in its row (no finite selection).
+        bad = poisoned_rows(token_lse, ~key_ok.any(1, keepdim=True)) | (s == NO_FINITE_SELECTION).any(1, keepdim=True)
+        o_lat = o_lat.masked_fill_(bad.unsqueeze(-1), float("nan"))
         out.index_copy_(0, t, unfold_outputs(o_lat.transpose(0, 1), w_uv).transpose(0, 1).to(out.dtype))
-        lse.index_copy_(1, t, (torch.log(total) + top.squeeze(-1) + nan).t().to(lse.dtype))  # -inf without keys
+        lse.index_copy_(1, t, token_lse.masked_fill_(bad, float("nan")).t().to(lse.dtype))
 
 
 @torch.library.custom_op("mla_ops::sparse_attention", mutates_args=("out", "lse"))

@@ -35,6 +35,14 @@ DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.floa
 
 
 @triton.jit
+def neg_inf_to_nan(qk):
+    """Scores with -inf made NaN, before a mask writes its -inf: a -inf score from the inputs (an inf in q or a
+    key, an overflow) must make its row NaN, not read as a hidden key. With it every non-finite score a row sees
+    makes the row NaN through the online softmax: a NaN spreads, a +inf max gives ``exp2(inf - inf)``."""
+    return tl.where(qk == float("-inf"), float("nan"), qk)
+
+
+@triton.jit
 def online_softmax_step(qk, acc, l_i, m_i):
     """Fold a tile of base-2 logits into the running (max, sum): probabilities, rescaled acc, sums, max."""
     m_ij = tl.maximum(m_i, tl.max(qk, 1))

@@ -52,7 +52,7 @@ from .. import _mla
 from .._mla import MLADims, split_kv_b_proj
 from ._common import (
     LN2, LOG2E, device_guard, dot_dtype, dot_precision, ds_mla_latent, ds_mla_rope, e4m3fn_to_float32, find_request,
-    online_softmax_step, persistent_grid, persistent_programs,
+    neg_inf_to_nan, online_softmax_step, persistent_grid, persistent_programs,
 )
 from .rows_gemm import rows_gemm
 
@@ -107,10 +107,11 @@ def _absorbed_key_tile(
         v = e4m3fn_to_float32(v.to(tl.int32))
     qk = tl.dot(q_lat, k_lat.to(DOT_DTYPE), input_precision=DOT_PRECISION)
     qk = tl.dot(q_pe, k_pe.to(DOT_DTYPE), qk, input_precision=DOT_PRECISION)
-    qk = qk * qk_scale  # base-2 logits; scaled before the max so any sign of the scale works
+    qk = neg_inf_to_nan(qk * qk_scale)  # base-2 logits; scaled before the max so any sign of the scale works
     if MASK_KEYS:
         qk = tl.where(key_ok[None, :], qk, float("-inf"))
-    # Every row sees key 0 in the first tile it processes, so the running max is finite from then on.
+    # Every row sees key 0 in the first tile it processes, so the running max is finite from then on (or the
+    # row has a non-finite score and comes out NaN, out and lse).
     p, acc, l_i, m_i = online_softmax_step(qk, acc, l_i, m_i)
     acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
     return acc, l_i, m_i

@@ -8,7 +8,8 @@ cu_seq_lens     [n+1] int32   key rows of request i (context); the suffix uses q
 starts          [n] int32     context: > 0 means request i continues an earlier chunk (merge)
 -> out          [Tq, N, V]    any float dtype   lse [N, Tq] float32, natural log (out=)
 
-``scores = softmax_scale * (q_nope . k_nope + q_pe . k_pe)``; oracles: ``context_attention_reference``
+``scores = softmax_scale * (q_nope . k_nope + q_pe . k_pe)``; a query with a NaN or inf score among its keys
+gets NaN (out and lse), as in the oracles; oracles: ``context_attention_reference``
 (``mla_ops/ops/attention.py``) and ``suffix_attention_reference`` (the same module).
 Every tensor may be a strided view (q narrowed along tokens, k_nope / v two views of one
 ``[S, N, P+V]`` buffer, k_pe a column view of the ``[W, L+R]`` workspace, out / lse narrowed).
@@ -54,6 +55,7 @@ from ._common import (
     dot_dtype,
     dot_precision,
     find_request,
+    neg_inf_to_nan,
     online_softmax_step,
     persistent_grid,
     persistent_programs,
@@ -91,12 +93,13 @@ def _attn_key_tile(
         v = tl.load(v_ptrs + rows[:, None] * stride_vt, mask=mask_v, other=0.0)
     qk = tl.dot(q_nope, k_nope.to(DOT_DTYPE), input_precision=DOT_PRECISION)
     qk = tl.dot(q_pe, k_pe.to(DOT_DTYPE), qk, input_precision=DOT_PRECISION)
-    qk = qk * qk_scale  # base-2 logits; scaled before the max so any sign of the scale works
+    qk = neg_inf_to_nan(qk * qk_scale)  # base-2 logits; scaled before the max so any sign of the scale works
     if MASK_KEYS:
         qk = tl.where(key_ok[None, :], qk, float("-inf"))
     if DIAGONAL:
         qk = tl.where(keys[None, :] <= query_pos[:, None], qk, float("-inf"))
-    # Every row sees a key in the first tile it processes, so the running max is finite from then on.
+    # Every row sees a key in the first tile it processes, so the running max is finite from then on (or the
+    # row has a non-finite score and comes out NaN, out and lse).
     p, acc, l_i, m_i = online_softmax_step(qk, acc, l_i, m_i)
     acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
     return acc, l_i, m_i

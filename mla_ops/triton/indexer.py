@@ -5,7 +5,7 @@ q_index        [T, H_I, D_I]  fp16/bf16/fp32 (bf16 upcast to fp32 under the inte
 index_weights  [T, H_I]       float32 or the queries' dtype
 k_index        [T, D_I]       the step's new index keys, dtype of q_index
 index_cache    [num_blocks, block_size, D_I]  dtype of q_index, or float8_e4m3fn with k_scale, or
-                              fp8_per_token's [.., .., D_I + 4] uint8 (block-major codes then scales)
+                              fp8_per_token's [.., .., D_I + D_I/128*4] uint8 (block-major codes then scales)
 block_table    [>= B, max_blocks] int32;  query_start_loc [B+1], context_lens [B] int32
 starts [B], cu_seq_lens [B+1]   the chunk's rows: request r's positions ``starts[r] ..`` at rows ``cu_seq_lens[r] ..``
 slot_token     [M] int64       each slot's token (``ops.indexer.slot_tokens``; T or more: a dead slot)
@@ -34,8 +34,10 @@ device-form slot past the step's pieces) exits after one load.
 
 fp8 rows are decoded from their bits (``e4m3fn_to_float32``); the raw e4m3 values are exact in
 fp16/bf16, so they enter ``tl.dot`` undequantized and ``k_scale`` (or an fp8_per_token row's own
-scale, read from its block's scale bytes) multiplies the context rows' fp32 dots (a positive scale
-commutes with relu).
+scale at D_I = 128, read from its block's scale bytes) multiplies the context rows' fp32 dots (a positive
+scale commutes with relu). At D_I = 256, 384, ... an fp8_per_token key has a scale per 128 values, so its
+codes are dequantized before the dot (code * a power of two: exact in fp32 and bf16; fp16 may flush values
+below 2**-24).
 """
 
 from __future__ import annotations
@@ -44,7 +46,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _mla
 from ._common import device_guard, dot_dtype, dot_precision, e4m3fn_to_float32, find_request, load_float32_bytes
+
+INDEX_TILE = tl.constexpr(_mla.INDEX_TILE)  # fp8_per_token: values per float32 scale
 
 
 @triton.jit
@@ -66,7 +71,7 @@ def _tile_scores(
     stride_qt, stride_qh, stride_qd, stride_wt, stride_wh, stride_kt, stride_kd,
     stride_cache_block, stride_cache_token, stride_cache_col, stride_table_row, stride_table_col,
     stride_qsl, stride_ctx, stride_starts, stride_cu,
-    NUM_HEADS: tl.constexpr, IS_FP8: tl.constexpr, IS_PER_TOKEN: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    NUM_HEADS: tl.constexpr, IS_FP8: tl.constexpr, SCALES_PER_TOKEN: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """[BLOCK_M, BLOCK_N] float32: the slots' scores against the chunk's rows ``offs_n``, -inf off the
@@ -87,15 +92,23 @@ def _tile_scores(
     # Keys as [BLOCK_D, BLOCK_N]: the dot's right operand.
     cached = tl.load(cache_ptr + cache_row[None, :] + offs_d.to(tl.int64)[:, None] * stride_cache_col,
                      mask=d_mask[:, None] & in_context[None, :], other=0)
-    if IS_FP8 or IS_PER_TOKEN:
+    if IS_FP8 or SCALES_PER_TOKEN:
         cached = e4m3fn_to_float32(cached.to(tl.int32))
+    # fp8_per_token: a block's scales follow its codes, SCALES_PER_TOKEN (D_I / 128) a token: token i's tile j
+    # at byte scales_at + 4 (i * SCALES_PER_TOKEN + j).
+    offset = (position % block_size).to(tl.int64)
+    scale_at = block.to(tl.int64) * stride_cache_block + scales_at + 4 * SCALES_PER_TOKEN * offset
+    if SCALES_PER_TOKEN > 1:  # a scale per 128 values: the keys dequantized before the dot (exact in fp32, bf16)
+        tile = (offs_d // INDEX_TILE).to(tl.int64)
+        tile_scale = load_float32_bytes(cache_ptr + scale_at[None, :] + 4 * tile[:, None],
+                                        d_mask[:, None] & in_context[None, :])
+        cached = cached * tile_scale
     new = tl.load(k_index_ptr + new_token.to(tl.int64)[None, :] * stride_kt + offs_d.to(tl.int64)[:, None] * stride_kd,
                   mask=d_mask[:, None] & is_new[None, :], other=0)
     keys = tl.where(in_context[None, :], cached.to(DOT_DTYPE), new.to(DOT_DTYPE))
     if IS_FP8:
         row_scale = tl.where(in_context, tl.load(k_scale_ptr).to(tl.float32), 1.0)
-    if IS_PER_TOKEN:  # a block's scales follow its codes: token i's at byte scales_at + 4 i
-        scale_at = block.to(tl.int64) * stride_cache_block + scales_at + 4 * (position % block_size).to(tl.int64)
+    if SCALES_PER_TOKEN == 1:  # one scale a key: the raw codes (exact in 16 bits) enter the dot, scaled after it
         row_scale = tl.where(in_context, load_float32_bytes(cache_ptr + scale_at, in_context), 1.0)
     q_rows = q_ptr + token.to(tl.int64)[:, None] * stride_qt + offs_d.to(tl.int64)[None, :] * stride_qd
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -103,7 +116,7 @@ def _tile_scores(
         q = tl.load(q_rows + h * stride_qh, mask=slot_live[:, None] & d_mask[None, :], other=0)
         weight = tl.load(w_ptr + token.to(tl.int64) * stride_wt + h * stride_wh, mask=slot_live, other=0)
         dot = tl.dot(q.to(DOT_DTYPE), keys, input_precision=DOT_PRECISION)
-        if IS_FP8 or IS_PER_TOKEN:
+        if IS_FP8 or SCALES_PER_TOKEN == 1:
             dot = dot * row_scale[None, :]
         # relu that keeps NaN (tl.maximum's default drops it, as fmaxf does): a NaN query or key shows.
         acc += weight.to(tl.float32)[:, None] * tl.maximum(dot, 0.0, propagate_nan=tl.PropagateNan.ALL)
@@ -121,7 +134,7 @@ def _index_scores_kernel(
     stride_qt, stride_qh, stride_qd, stride_wt, stride_wh, stride_kt, stride_kd,
     stride_cache_block, stride_cache_token, stride_cache_col, stride_table_row, stride_table_col,
     stride_qsl, stride_ctx, stride_starts, stride_cu, stride_slot, stride_sm, stride_sw,
-    NUM_HEADS: tl.constexpr, IS_FP8: tl.constexpr, IS_PER_TOKEN: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    NUM_HEADS: tl.constexpr, IS_FP8: tl.constexpr, SCALES_PER_TOKEN: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -144,7 +157,7 @@ def _index_scores_kernel(
             scales_at, stride_qt, stride_qh, stride_qd, stride_wt, stride_wh, stride_kt, stride_kd,
             stride_cache_block, stride_cache_token, stride_cache_col, stride_table_row, stride_table_col,
             stride_qsl, stride_ctx, stride_starts, stride_cu,
-            NUM_HEADS, IS_FP8, IS_PER_TOKEN, DOT_DTYPE, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
+            NUM_HEADS, IS_FP8, SCALES_PER_TOKEN, DOT_DTYPE, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
     out = scores_ptr + offs_m.to(tl.int64)[:, None] * stride_sm + offs_n.to(tl.int64)[None, :] * stride_sw
     tl.store(out, scores, mask=(offs_m < num_slots)[:, None] & (offs_n < num_rows_cap)[None, :])
 
@@ -186,7 +199,8 @@ def chunk_scores(q_index, index_weights, k_index, index_cache, block_table, quer
             query_start_loc.stride(0), context_lens.stride(0), starts.stride(0), cu_seq_lens.stride(0),
             slot_token.stride(0),
             *scores.stride(),
-            NUM_HEADS=num_heads, IS_FP8=is_fp8, IS_PER_TOKEN=per_token, DOT_DTYPE=dtype,
+            NUM_HEADS=num_heads, IS_FP8=is_fp8, SCALES_PER_TOKEN=head_dim // _mla.INDEX_TILE if per_token else 0,
+            DOT_DTYPE=dtype,
             DOT_PRECISION=dot_precision(dtype),
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
             num_warps=NUM_WARPS,
@@ -213,6 +227,45 @@ def _score_keys(scores, position):
 
 
 @triton.jit
+def _fold_tile(
+    row0, threshold, not_finite, best_ptrs, group,
+    q_ptr, w_ptr, k_index_ptr, cache_ptr, block_table_ptr, qsl_ptr, ctx_ptr, starts_ptr, cu_ptr, k_scale_ptr,
+    token, slot_live, slot_request, slot_position, num_rows, num_requests, block_size, head_dim, scales_at,
+    stride_qt, stride_qh, stride_qd, stride_wt, stride_wh, stride_kt, stride_kd,
+    stride_cache_block, stride_cache_token, stride_cache_col, stride_table_row, stride_table_col,
+    stride_qsl, stride_ctx, stride_starts, stride_cu,
+    NUM_HEADS: tl.constexpr, IS_FP8: tl.constexpr, SCALES_PER_TOKEN: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, K_PAD: tl.constexpr,
+):
+    """The rows ``row0 .. row0 + BLOCK_N`` scored and folded into the slots' running keys (at ``best_ptrs``):
+    ``(threshold, not_finite)`` [BLOCK_M] each, the K_PAD-th best key and the non-finite flag after it."""
+    offs_n = row0 + tl.arange(0, BLOCK_N)
+    scores, position = _tile_scores(
+        q_ptr, w_ptr, k_index_ptr, cache_ptr, block_table_ptr, qsl_ptr, ctx_ptr, starts_ptr, cu_ptr,
+        k_scale_ptr, token, slot_live, slot_request, slot_position, offs_n, num_rows, num_requests,
+        block_size, head_dim, scales_at, stride_qt, stride_qh, stride_qd, stride_wt, stride_wh, stride_kt,
+        stride_kd, stride_cache_block, stride_cache_token, stride_cache_col, stride_table_row,
+        stride_table_col, stride_qsl, stride_ctx, stride_starts, stride_cu,
+        NUM_HEADS, IS_FP8, SCALES_PER_TOKEN, DOT_DTYPE, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
+    not_finite = tl.maximum(not_finite, tl.max((scores != scores).to(tl.int32), axis=1))
+    keys = _score_keys(scores, position)
+    # Merge only where a key beats a slot's K_PAD-th (after the first tiles, most tiles do not).
+    if tl.max(tl.max((keys > threshold[:, None]).to(tl.int32), axis=1), axis=0) > 0:
+        best = tl.load(best_ptrs, mask=slot_live[:, None], other=EMPTY_KEY)
+        # Bitonic merge: the running keys descending against the tile's ascending, padded at the front
+        # with EMPTY to K_PAD: the elementwise max holds the top K_PAD of the union (its last group only
+        # can change), then one sort puts them back in order.
+        tile = tl.reshape(tl.sort(keys), [BLOCK_M, 1, BLOCK_N])
+        best = tl.reshape(best, [BLOCK_M, K_PAD // BLOCK_N, BLOCK_N])
+        best = tl.where(group == K_PAD // BLOCK_N - 1, tl.maximum(best, tile), best)
+        best = tl.sort(tl.reshape(best, [BLOCK_M, K_PAD]), descending=True)
+        tl.store(best_ptrs, best, mask=slot_live[:, None])
+        threshold = tl.min(best, axis=1)
+    return threshold, not_finite
+
+
+@triton.jit
 def _index_topk_kernel(
     q_ptr, w_ptr, k_index_ptr, cache_ptr, block_table_ptr, qsl_ptr, ctx_ptr, starts_ptr, cu_ptr,
     slot_token_ptr, k_scale_ptr, best_ptr, not_finite_ptr,
@@ -220,9 +273,10 @@ def _index_topk_kernel(
     stride_qt, stride_qh, stride_qd, stride_wt, stride_wh, stride_kt, stride_kd,
     stride_cache_block, stride_cache_token, stride_cache_col, stride_table_row, stride_table_col,
     stride_qsl, stride_ctx, stride_starts, stride_cu, stride_slot, stride_bt,
-    NUM_HEADS: tl.constexpr, IS_FP8: tl.constexpr, IS_PER_TOKEN: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    NUM_HEADS: tl.constexpr, IS_FP8: tl.constexpr, SCALES_PER_TOKEN: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, K_PAD: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     # Live slots come first: a tile whose first slot is dead is all dead, and costs this load only.
@@ -238,29 +292,29 @@ def _index_topk_kernel(
                             other=EMPTY_KEY)  # the K_PAD-th best so far
         not_finite = tl.zeros([BLOCK_M], tl.int32)
         group = tl.arange(0, K_PAD // BLOCK_N)[None, :, None]
-        for row0 in range(0, num_rows, BLOCK_N):
-            offs_n = row0 + tl.arange(0, BLOCK_N)
-            scores, position = _tile_scores(
-                q_ptr, w_ptr, k_index_ptr, cache_ptr, block_table_ptr, qsl_ptr, ctx_ptr, starts_ptr, cu_ptr,
-                k_scale_ptr, token, slot_live, slot_request, slot_position, offs_n, num_rows, num_requests,
-                block_size, head_dim, scales_at, stride_qt, stride_qh, stride_qd, stride_wt, stride_wh, stride_kt,
-                stride_kd, stride_cache_block, stride_cache_token, stride_cache_col, stride_table_row,
-                stride_table_col, stride_qsl, stride_ctx, stride_starts, stride_cu,
-                NUM_HEADS, IS_FP8, IS_PER_TOKEN, DOT_DTYPE, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
-            not_finite = tl.maximum(not_finite, tl.max((scores != scores).to(tl.int32), axis=1))
-            keys = _score_keys(scores, position)
-            # Merge only where a key beats a slot's K_PAD-th (after the first tiles, most tiles do not).
-            if tl.max(tl.max((keys > threshold[:, None]).to(tl.int32), axis=1), axis=0) > 0:
-                best = tl.load(best_ptrs, mask=slot_live[:, None], other=EMPTY_KEY)
-                # Bitonic merge: the running keys descending against the tile's ascending, padded at the front
-                # with EMPTY to K_PAD: the elementwise max holds the top K_PAD of the union (its last group only
-                # can change), then one sort puts them back in order.
-                tile = tl.reshape(tl.sort(keys), [BLOCK_M, 1, BLOCK_N])
-                best = tl.reshape(best, [BLOCK_M, K_PAD // BLOCK_N, BLOCK_N])
-                best = tl.where(group == K_PAD // BLOCK_N - 1, tl.maximum(best, tile), best)
-                best = tl.sort(tl.reshape(best, [BLOCK_M, K_PAD]), descending=True)
-                tl.store(best_ptrs, best, mask=slot_live[:, None])
-                threshold = tl.min(best, axis=1)
+        # The row count is read from a tensor: no range() over it under the interpreter (mla_ops/triton/_common.py).
+        if INTERPRETED:
+            row0 = 0
+            while row0 < num_rows:
+                threshold, not_finite = _fold_tile(
+                    row0, threshold, not_finite, best_ptrs, group,
+                    q_ptr, w_ptr, k_index_ptr, cache_ptr, block_table_ptr, qsl_ptr, ctx_ptr, starts_ptr, cu_ptr,
+                    k_scale_ptr, token, slot_live, slot_request, slot_position, num_rows, num_requests, block_size,
+                    head_dim, scales_at, stride_qt, stride_qh, stride_qd, stride_wt, stride_wh, stride_kt, stride_kd,
+                    stride_cache_block, stride_cache_token, stride_cache_col, stride_table_row, stride_table_col,
+                    stride_qsl, stride_ctx, stride_starts, stride_cu,
+                    NUM_HEADS, IS_FP8, SCALES_PER_TOKEN, DOT_DTYPE, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_D, K_PAD)
+                row0 += BLOCK_N
+        else:
+            for row0 in range(0, num_rows, BLOCK_N):
+                threshold, not_finite = _fold_tile(
+                    row0, threshold, not_finite, best_ptrs, group,
+                    q_ptr, w_ptr, k_index_ptr, cache_ptr, block_table_ptr, qsl_ptr, ctx_ptr, starts_ptr, cu_ptr,
+                    k_scale_ptr, token, slot_live, slot_request, slot_position, num_rows, num_requests, block_size,
+                    head_dim, scales_at, stride_qt, stride_qh, stride_qd, stride_wt, stride_wh, stride_kt, stride_kd,
+                    stride_cache_block, stride_cache_token, stride_cache_col, stride_table_row, stride_table_col,
+                    stride_qsl, stride_ctx, stride_starts, stride_cu,
+                    NUM_HEADS, IS_FP8, SCALES_PER_TOKEN, DOT_DTYPE, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_D, K_PAD)
         tl.store(not_finite_ptr + token, not_finite, mask=slot_live & (not_finite > 0))
 
 
@@ -307,8 +361,9 @@ def fold_piece_topk(q_index, index_weights, k_index, index_cache, block_table, q
             *q_index.stride(), *index_weights.stride(), *k_index.stride(), *cache_strides, *block_table.stride(),
             query_start_loc.stride(0), context_lens.stride(0), starts.stride(0), cu_seq_lens.stride(0),
             slot_token.stride(0), best.stride(0),
-            NUM_HEADS=num_heads, IS_FP8=is_fp8, IS_PER_TOKEN=per_token, DOT_DTYPE=dtype,
+            NUM_HEADS=num_heads, IS_FP8=is_fp8, SCALES_PER_TOKEN=head_dim // _mla.INDEX_TILE if per_token else 0,
+            DOT_DTYPE=dtype,
             DOT_PRECISION=dot_precision(dtype),
             BLOCK_M=BLOCK_M, BLOCK_N=min(BLOCK_N, k_pad), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-            K_PAD=k_pad, num_warps=NUM_WARPS if k_pad <= 256 else 8,
+            K_PAD=k_pad, INTERPRETED=interpreted, num_warps=NUM_WARPS if k_pad <= 256 else 8,
         )

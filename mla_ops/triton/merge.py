@@ -7,8 +7,8 @@ suffix_out [T, N, V]   suffix_lse [N, T]
 Per (token, head): ``lse = logaddexp(a, b)``, ``out = out_a * exp(a - lse) + out_b * exp(b - lse)``
 (oracle: ``merge_states_reference`` in ``mla_ops/ops/merge.py``, same order of operations). An LSE of
 ``±inf`` is an empty partial (FA2 and FlashMLA report ``+inf``) and counts as ``-inf``; two empty
-partials merge to ``0 / -inf``, never NaN. One program per token and BLOCK_H heads; V is padded
-to a power of two and masked.
+partials merge to ``0 / -inf``, never NaN; a NaN partial (a non-finite score) merges to NaN. One program
+per token and BLOCK_H heads; V is padded to a power of two and masked.
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ def _merge_attn_states_kernel(
     wa = tl.exp(a - m)
     wb = tl.exp(b - m)
     total = wa + wb
-    nonempty = total > 0
-    total = tl.where(nonempty, total, 1.0)
-    lse = tl.where(nonempty, tl.log(total) + m, float("-inf"))  # -inf where both are empty
+    empty = total == 0  # both empty; a NaN partial (total NaN) stays NaN, out and lse
+    total = tl.where(empty, 1.0, total)
+    lse = tl.where(empty, float("-inf"), tl.log(total) + m)  # -inf where both are empty
     wa = wa / total
     wb = wb / total
     tl.store(lse_ptr + heads * stride_lse_h + token * stride_lse_t, lse, mask=head_mask)

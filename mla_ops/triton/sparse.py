@@ -39,7 +39,7 @@ from .. import _mla
 from .._mla import MLADims, split_kv_b_proj
 from ._common import (
     LN2, LOG2E, device_guard, dot_dtype, dot_precision, ds_mla_latent, ds_mla_rope, e4m3fn_to_float32, find_request,
-    persistent_grid, persistent_programs,
+    neg_inf_to_nan, persistent_grid, persistent_programs,
 )
 from .rows_gemm import rows_gemm
 
@@ -136,6 +136,7 @@ def _sparse_item(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
     no_finite = tl.zeros([BLOCK_N], dtype=tl.int32)  # a -2 seen: the indexer had no finite scores
+    seen = tl.zeros([BLOCK_N], dtype=tl.int32)  # a valid key seen
     for start_n in range(0, NUM_TOPK, BLOCK_N):  # K is the model's, a constexpr trip count
         slot = start_n + offs_n
         keys = tl.load(topk_ptr + token * stride_topk_t + slot.to(tl.int64) * stride_topk_k,
@@ -143,6 +144,7 @@ def _sparse_item(
         no_finite = tl.maximum(no_finite, (keys == -2).to(tl.int32))
         key_ok = (keys >= 0) & (keys <= context + j)  # never a position past the query's own
         if tl.max(key_ok.to(tl.int32), 0) > 0:
+            seen = tl.maximum(seen, key_ok.to(tl.int32))
             in_cache = key_ok & (keys < context)
             in_new = key_ok & (keys >= context)
             new_rows = new_base + keys  # [BLOCK_N]
@@ -159,7 +161,7 @@ def _sparse_item(
             qk = tl.dot(q_lat, k_lat, input_precision=DOT_PRECISION)
             qk = tl.dot(q_pe, k_rope, qk, input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
             column_scale = tl.where(in_cache, k_scale, 1.0)  # fp8 cache rows enter undequantized
-            qk = qk * (qk_scale * column_scale)[None, :]  # base-2 logits, scaled before the max: any sign works
+            qk = neg_inf_to_nan(qk * (qk_scale * column_scale)[None, :])  # base-2 logits, scaled before the max
             qk = tl.where(key_ok[None, :], qk, float("-inf"))
             # The first tiles may leave a row without a key: a -inf max must not give exp2(nan).
             m_ij = tl.maximum(m_i, tl.max(qk, 1))
@@ -171,14 +173,16 @@ def _sparse_item(
             acc = tl.dot((p * column_scale[None, :]).to(DOT_DTYPE), v, acc * alpha[:, None],
                          input_precision=DOT_PRECISION)
 
-    has_keys = l_i > 0
-    acc = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # no key: the empty partial, 0
-    nan = tl.where(tl.max(no_finite, 0) > 0, float("nan"), 0.0)  # -2: NaN out and lse (adding 0 changes nothing)
-    acc = acc + nan
+    saw_key = tl.max(seen, 0) > 0
+    lse2 = m_i + tl.math.log2(l_i)  # [BLOCK_H]: -inf without keys; not finite where a score was not
+    # NaN, out and lse: a head with a non-finite score (its LSE is not finite although the token saw a key), or
+    # a token whose row holds -2 (no finite selection). No key: the empty partial, 0 / -inf.
+    bad = (saw_key & ~(tl.abs(lse2) < float("inf"))) | (tl.max(no_finite, 0) > 0)
+    acc = tl.where(bad[:, None], float("nan"), acc / tl.where(l_i > 0, l_i, 1.0)[:, None])
     o_ptrs = o_lat_ptr + row.to(tl.int64) * stride_olt + head[:, None] * stride_olh + offs_dv[None, :] * stride_old
     tl.store(o_ptrs, acc.to(o_lat_ptr.dtype.element_ty), mask=head_ok[:, None] & mask_dv[None, :])
     if dv_slice == 0:
-        lse = tl.where(has_keys, (m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0))) * LN2, float("-inf")) + nan
+        lse = tl.where(bad, float("nan"), tl.where(saw_key, lse2 * LN2, float("-inf")))
         tl.store(lse_ptr + head * stride_lh + token * stride_lt, lse.to(lse_ptr.dtype.element_ty), mask=head_ok)
 
 

@@ -47,13 +47,14 @@ def test_gather_dequantizes_fp8_ds_mla_rows(block_size):
     assert torch.equal(got[7:], torch.full((2, 576), 7.0))  # rows past the count untouched
 
 
-def test_index_scores_read_fp8_per_token_keys():
+@pytest.mark.parametrize("width", [128, 256])  # D_I: one scale a key (after the dot), two (before it)
+def test_index_scores_read_fp8_per_token_keys(width):
     from mla_ops.ops.indexer import chunk_scores_reference, index_topk_chunked
     from mla_ops.triton.indexer import chunk_scores
     from tests.support.indexer import check_topk, indexer_batch, plan_chunks
 
     topk, block = 6, 4
-    batch = indexer_batch([21, 0, 3, 9], [3, 7, 2, 1], topk, block_size=block, width=20, dtype=torch.float16,
+    batch = indexer_batch([21, 0, 3, 9], [3, 7, 2, 1], topk, block_size=block, width=width, dtype=torch.float16,
                           seed=1, stored=per_token_round_trip)
     packed = pack_per_token(batch.index_cache.float())
     args = (batch.q_index, batch.index_weights, batch.k_index, packed)
@@ -75,15 +76,16 @@ def test_index_scores_read_fp8_per_token_keys():
 
 
 def per_token_round_trip(cache):
-    codes, scale = per_token_quantize(cache.flatten(0, 1))
-    return (codes.view(torch.float8_e4m3fn).float() * scale[:, None]).view(cache.shape)
+    codes, scale = per_token_quantize(cache.flatten(0, 1))  # [n, D] codes, [n, D/128] scales: one per 128 values
+    values = codes.view(torch.float8_e4m3fn).float().unflatten(-1, (-1, 128)) * scale.unsqueeze(-1)
+    return values.flatten(-2).view(cache.shape)
 
 
 def pack_per_token(cache):
     import mla_ops
 
     num_blocks, block_size, width = cache.shape
-    packed = torch.zeros(num_blocks, block_size, width + 4, dtype=torch.uint8)
+    packed = torch.zeros(num_blocks, block_size, width + width // 32, dtype=torch.uint8)  # a float32 per 128
     mla_ops.write_index_cache(cache.flatten(0, 1), torch.arange(num_blocks * block_size), packed,
                               index_cache_format="fp8_per_token")
     return packed

@@ -84,8 +84,8 @@ HEADS, WIDTH = 4, 32
 FUSED_CONTEXTS, FUSED_QUERIES = [70, 0, 3, 40], [3, 7, 2, 5]
 
 
-def fused_batch(topk, seed, dtype=torch.float32, fp8=False, stored=None):
-    return indexer_batch(FUSED_CONTEXTS, FUSED_QUERIES, topk, block_size=4, heads=HEADS, width=WIDTH, dtype=dtype,
+def fused_batch(topk, seed, dtype=torch.float32, fp8=False, stored=None, width=WIDTH):
+    return indexer_batch(FUSED_CONTEXTS, FUSED_QUERIES, topk, block_size=4, heads=HEADS, width=width, dtype=dtype,
                          fp8_scale=0.5 if fp8 else None, seed=seed, stored=stored)
 
 
@@ -117,13 +117,14 @@ def test_fused_top_k_reads_16_bit_and_fp8_caches(dtype, fp8):
         check_topk(index_topk_fused(*op_args(batch, plan)), batch.expected, 16)
 
 
-def test_fused_top_k_reads_fp8_per_token_keys():
-    batch = fused_batch(16, seed=4, dtype=torch.float16, stored=per_token_round_trip)
+@pytest.mark.parametrize("width", [128, 256])  # D_I: a float32 scale per 128 values
+def test_fused_top_k_reads_fp8_per_token_keys(width):
+    batch = fused_batch(16, seed=4, dtype=torch.float16, stored=per_token_round_trip, width=width)
     packed = pack_per_token(batch.index_cache.float())
     for max_chunks in (None, 40):
         plan = batch.plan(16, 32, 64, max_chunks=max_chunks)
         args = list(op_args(batch, plan))
-        args[3], args[12] = packed, None  # the packed cache; its scales are per token
+        args[3], args[12] = packed, None  # the packed cache holds its own scales
         check_topk(index_topk_fused(*args), batch.expected, 16)
 
 

@@ -19,7 +19,7 @@ from tests.support.families import step_inputs
 # DeepSeek-V3.2's latent dims (fp8_ds_mla fixes them), everything else tiny.
 CONFIG = dict(hidden_size=64, num_attention_heads=2, q_lora_rank=32, kv_lora_rank=512, qk_nope_head_dim=16,
               qk_rope_head_dim=64, v_head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6, intermediate_size=64,
-              num_hidden_layers=2, vocab_size=64, indexer=dict(index_topk=4, index_n_heads=2, index_head_dim=64))
+              num_hidden_layers=2, vocab_size=64, indexer=dict(index_topk=4, index_n_heads=2, index_head_dim=128))
 FORMATS = dict(kv_cache_format="fp8_ds_mla", index_cache_format="fp8_per_token")
 
 
@@ -53,7 +53,7 @@ def test_a_sparse_model_writes_and_reads_both_packed_formats():
     model = v32_like_model()
     caches = model.allocate_kv_caches(16, 4, **FORMATS)
     assert caches.latent[0].dtype == torch.uint8 and caches.latent[0].shape == (16, 4, 656)
-    assert caches.index[0].dtype == torch.uint8 and caches.index[0].shape == (16, 4, 68)
+    assert caches.index[0].dtype == torch.uint8 and caches.index[0].shape == (16, 4, 132)
     prompts = [list(range(3, 14)), list(range(20, 27))]
     run(model, caches, prompts, [0, 0])  # the prompts' first tokens: written in the packed formats
     assert all(c.any() for c in (*caches.latent, *caches.index))
@@ -73,6 +73,10 @@ def test_formats_a_model_cannot_hold_are_refused_by_name():
         dense.allocate_kv_caches(4, 4, index_cache_format="fp8_per_token")
     with pytest.raises(ValueError, match="kv_cache_format must be one of"):
         dense.allocate_kv_caches(4, 4, kv_cache_format="fp8")
+    narrow = mla_ops.MLAForCausalLM(mla_ops.MLAConfig(**{**mla_configs["tiny"], **CONFIG, "indexer": dict(
+        CONFIG["indexer"], index_head_dim=64)}))  # vLLM's layout: a float32 scale per 128 values
+    with pytest.raises(ValueError, match="fp8_per_token' needs index_head_dim a multiple of 128, got 64"):
+        narrow.allocate_kv_caches(4, 4, index_cache_format="fp8_per_token")
     model = v32_like_model()
     packed = model.allocate_kv_caches(4, 4, **FORMATS)
     with pytest.raises(ValueError, match=r"kv_caches.latent\[0\] must be \[num_blocks, block_size, 576\]"):

@@ -6,8 +6,9 @@ indexer_k_quant_and_cache_kernel with scale_fmt="ue8m0"):
 
 * fp8_ds_mla row (656 bytes): 512 fp8 codes of kv_c / s_tile, s_tile = max(amax_tile / 448, FLT_MIN)
   for each of 4 tiles of 128 (float32); the 4 scales as float32 little-endian; 64 bf16 of k_pe.
-* fp8_per_token: a block's bytes = block_size x D codes (token-major), then block_size float32 scales;
-  s = 2 ** ceil(log2(max(amax, 1e-4) / 448)).
+* fp8_per_token (D a multiple of 128): a block's bytes = block_size x D codes (token-major), then
+  block_size x D/128 float32 scales (token-major: token i's tile j at block_size * D + 4 (i * D/128 + j));
+  per 128-value tile s = 2 ** ceil(log2(max(amax, 1e-4) / 448)).
 Codes: x / s in float32, saturated to +-448, rounded to nearest even.
 """
 
@@ -49,10 +50,15 @@ def vllm_ds_mla_row(kv_c: np.ndarray, k_pe_bf16_bits: np.ndarray) -> np.ndarray:
     return np.concatenate([np.concatenate(codes), scale_bytes, rope_bytes])
 
 
-def vllm_per_token(k: np.ndarray) -> tuple[np.ndarray, np.float32]:
-    s = np.float32(np.maximum(np.float32(np.abs(k).max()), np.float32(1e-4)) / np.float32(448.0))
-    s = np.float32(np.exp2(np.ceil(np.log2(s))))
-    return e4m3_code((k / s).astype(np.float32)), s
+def vllm_per_token(k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A key's codes [D] and its float32 scales [D/128], one per 128-value tile."""
+    codes, scales = [], []
+    for tile in k.reshape(-1, 128):
+        s = np.float32(np.maximum(np.float32(np.abs(tile).max()), np.float32(1e-4)) / np.float32(448.0))
+        s = np.float32(np.exp2(np.ceil(np.log2(s))))
+        codes.append(e4m3_code((tile / s).astype(np.float32)))
+        scales.append(s)
+    return np.concatenate(codes), np.array(scales, dtype=np.float32)
 
 
 def bf16_bits(x: torch.Tensor) -> np.ndarray:
@@ -101,30 +107,45 @@ def test_fp8_ds_mla_round_trip_within_fp8_error():
     assert (err / tiles.abs().clamp_min(1e-3)).max() < 0.07  # e4m3: 3 mantissa bits, relative error <= 1/16
 
 
-def test_write_fp8_per_token_is_byte_equal_to_vllms_rule():
+@pytest.mark.parametrize("D", [128, 256, 384])
+def test_write_fp8_per_token_is_byte_equal_to_vllms_rule(D):
+    """vLLM's layout built by hand: at D = 256 a token is 256 codes and two scales, 264 bytes."""
     g = torch.Generator().manual_seed(2)
-    num_blocks, block_size, D = 4, 4, 128
+    num_blocks, block_size = 4, 4
     T = len(SLOTS)
     k = (torch.randn(T, D, generator=g) * torch.rand(T, 1, generator=g) * 3).to(torch.bfloat16)
     k[3] = 0  # amax clamps to 1e-4
-    cache = torch.randint(0, 256, (num_blocks, block_size, D + 4), generator=g, dtype=torch.uint8)
+    k[0, -128:] *= 300  # a token's tiles far apart: each its own scale
+    row = D + D // 128 * 4
+    cache = torch.randint(0, 256, (num_blocks, block_size, row), generator=g, dtype=torch.uint8)
     before = cache.clone()
     write_index_cache(k, torch.tensor(SLOTS), cache, index_cache_format="fp8_per_token")
     expected = before.view(num_blocks, -1).numpy().copy()  # a block's bytes, block-major
     for t, s in enumerate(SLOTS):
         if s >= 0:
             block, offset = divmod(s, block_size)
-            codes, scale = vllm_per_token(k[t].float().numpy())
+            codes, scales = vllm_per_token(k[t].float().numpy())
             expected[block, offset * D:(offset + 1) * D] = codes
-            at = block_size * D + 4 * offset
-            expected[block, at:at + 4] = np.array([scale], dtype="<f4").view(np.uint8)
+            at = block_size * D + 4 * (D // 128) * offset
+            expected[block, at:at + 4 * (D // 128)] = scales.astype("<f4").view(np.uint8)
     np.testing.assert_array_equal(cache.view(num_blocks, -1).numpy(), expected)
-    # round trip: within half an fp8 step of the token's scale range
+    # read back: each code times its own tile's scale, from the hand-built bytes
     real = [t for t, s in enumerate(SLOTS) if s >= 0]
     slots = torch.tensor([SLOTS[t] for t in real])
     keys = per_token_rows(cache, slots // block_size, slots % block_size, torch.float32)
-    scale = (k[real].float().abs().amax(-1, keepdim=True).clamp_min(1e-4) / 448)
-    assert ((keys - k[real].float()).abs() <= 2 * scale * 32 / 2).all()  # ue8m0 scale < 2x the exact one
+    for i, s in enumerate(slots.tolist()):
+        block, offset = divmod(s, block_size)
+        codes = torch.from_numpy(expected[block, offset * D:(offset + 1) * D].copy()).view(torch.float8_e4m3fn)
+        at = block_size * D + 4 * (D // 128) * offset
+        scales = torch.from_numpy(expected[block, at:at + 4 * (D // 128)].copy()).view(torch.float32)
+        assert torch.equal(keys[i], (codes.float().view(-1, 128) * scales[:, None]).flatten())
+    # round trip: within half an fp8 step of each tile's scale range
+    tiles = k[real].float().view(len(real), -1, 128)
+    scale = tiles.abs().amax(-1, keepdim=True).clamp_min(1e-4) / 448
+    err = (keys.view_as(tiles) - tiles).abs()
+    assert (err <= 2 * scale * 32 / 2).all()  # ue8m0 scale < 2x the exact one
+    if D > 128:  # a scale per tile: the small tile keeps its precision beside the large one
+        assert (err[0, 0] <= tiles[0, 0].abs().amax() / 448 * 32).all()
 
 
 def test_packed_writes_opcheck():
@@ -132,8 +153,8 @@ def test_packed_writes_opcheck():
     slots = torch.tensor(SLOTS)
     op = torch.ops.mla_ops.write_packed_cache.default
     torch.library.opcheck(op, (kv_c, k_pe, slots, cache, "fp8_ds_mla"), test_utils=OPCHECK_UTILS)
-    k = torch.randn(len(SLOTS), 16, dtype=torch.float32)
-    index_cache = torch.zeros(4, 4, 20, dtype=torch.uint8)
+    k = torch.randn(len(SLOTS), 256, dtype=torch.float32)
+    index_cache = torch.zeros(4, 4, 264, dtype=torch.uint8)
     torch.library.opcheck(op, (k, k[:, :0], slots, index_cache, "fp8_per_token"), test_utils=OPCHECK_UTILS)
 
 
@@ -170,7 +191,15 @@ BAD_INDEX = {
     "fp8_cache": (dict(index_cache_format="fp8_per_token", cache=torch.zeros(4, 4, 132, dtype=torch.float8_e4m3fn)),
                   TypeError, "needs a uint8 index_cache"),
     "width_without_scale": (dict(index_cache_format="fp8_per_token", cache=torch.zeros(4, 4, 128, dtype=torch.uint8)),
-                            ValueError, "must be 132 wide"),
+                            ValueError, "index_cache rows are 128"),
+    "one_scale_at_256": (dict(index_cache_format="fp8_per_token", k=torch.randn(len(SLOTS), 256),
+                              cache=torch.zeros(4, 4, 260, dtype=torch.uint8)), ValueError,
+                         "D_I \\+ D_I/128\\*4 bytes .* index_cache rows are 260"),
+    "width_of_another_d": (dict(index_cache_format="fp8_per_token", k=torch.randn(len(SLOTS), 256)), ValueError,
+                           "so index_cache rows must be 264 wide, got 132"),
+    "d_not_a_multiple_of_128": (dict(index_cache_format="fp8_per_token", k=torch.randn(len(SLOTS), 64),
+                                     cache=torch.zeros(4, 4, 66 * 2, dtype=torch.uint8)), ValueError,
+                                "needs D_I a multiple of 128, but k_index's D_I is 64"),
     "k_scale_index": (dict(index_cache_format="fp8_per_token", k_scale_index=0.5), ValueError,
                       "k_scale_index is for a per-tensor"),
 }
@@ -179,7 +208,7 @@ BAD_INDEX = {
 @pytest.mark.parametrize("case", list(BAD_INDEX))
 def test_fp8_per_token_write_refuses_bad_input_by_name(case):
     change, error, match = BAD_INDEX[case]
-    k = torch.randn(len(SLOTS), 128)
+    k = change.get("k", torch.randn(len(SLOTS), 128))
     cache = change.get("cache", torch.zeros(4, 4, 132, dtype=torch.uint8))
     before = cache.clone()
     kwargs = {key: v for key, v in change.items() if key == "index_cache_format"}

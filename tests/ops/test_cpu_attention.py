@@ -170,6 +170,35 @@ def test_mha_key_blocks_past_4096_keys(monkeypatch):
     run_context([3], [4097], None, torch.float32, -0.7)
 
 
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_mha_engine_branches_make_a_non_finite_score_nan(spy, value):
+    """A non-finite q entry: that (token, head) is NaN, out and lse, in every branch (ATen's fused kernel, which
+    would turn it into a finite row, gives the batch to the key-block loop), as the oracle; the rest equal it."""
+    from mla_ops.ops.attention import varlen_attention_reference
+
+    for lens_q, lens_k, causal in [([1, 17, 0, 4, 2, 3, 2], [5, 0, 3, 11, 6, 1, 6], False),
+                                   ([1, 1, 1], [1, 1, 1], False), ([1, 17, 3, 0, 5, 5], None, True)]:
+        cu_k, k_nope, k_pe, v, make = random_varlen(lens_k or lens_q, dtype=torch.float32, seed=3)
+        q = make(sum(lens_q), 2, 12)
+        cu_q = random_varlen(lens_q)[0]
+        poisoned = torch.zeros(q.shape[0], 2, dtype=torch.bool)
+        for t, h in [(0, 1), (q.shape[0] // 2, 0), (q.shape[0] - 1, 0), (q.shape[0] - 1, 1)]:
+            q[t, h, t % 12] = value
+            poisoned[t, h] = True
+        out, lse = torch.zeros(q.shape[0], 2, 8), torch.full((2, q.shape[0]), -math.inf)
+        if causal:
+            ops.suffix_attention(q, k_nope, k_pe, v, cu_q, 0.3, out, lse)
+        else:
+            ops.context_attention(q, k_nope, k_pe, v, cu_q, cu_k, torch.zeros(len(lens_q), dtype=torch.int32), 0.3,
+                                  out, lse)
+        want, want_lse = varlen_attention_reference(q, k_nope, k_pe, v, cu_q, cu_k, 0.3, causal)
+        seen = torch.repeat_interleave(torch.tensor(lens_k or lens_q) > 0, torch.tensor(lens_q))[:, None]
+        assert torch.equal(want.isnan().any(-1), poisoned & seen) and torch.equal(want_lse.t().isnan(), poisoned & seen)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+        torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5, equal_nan=True)
+        assert out[poisoned & seen].isnan().all()
+
+
 # ---- absorbed / latent attention -----------------------------------------------------------------
 
 SMALL = dict(N=3, L=32, R=8, P=8, V=8)

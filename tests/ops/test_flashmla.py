@@ -62,6 +62,22 @@ def test_flashmla_adapter_pads_groups_and_unpacks(stand_in, dtype):
     assert_partial(out, lse, *reference_partial(batch), written_rows(batch), ADAPTER_TOL[dtype])
 
 
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_flashmla_adapter_makes_a_non_finite_score_nan(stand_in, value):
+    """A non-finite q (FlashMLA's LSE then +inf, -inf or NaN on a row with keys): NaN out and lse for that
+    (token, head), never the empty partial that +inf means on a row without keys."""
+    batch = context_batch([9, 0, 70], [2, 1, 3], block_size=64, dtype=torch.float16, seed=3, **FLASHMLA_DIMS)
+    batch.q[4, 1, 3] = value
+    batch.q[0, 0, -1] = value  # the rope part
+    out, lse = batch.sentinels(FLASHMLA_DIMS["V"])
+    flashmla.absorbed_context_attention(*batch.absorbed_args(), out, lse)
+    poisoned = torch.zeros(6, 2, dtype=torch.bool)
+    poisoned[4, 1] = poisoned[0, 0] = True
+    assert out[poisoned].isnan().all() and lse.t()[poisoned].isnan().all()
+    written = written_rows(batch)
+    assert not out[written][~poisoned[written]].isnan().any() and not lse.t()[written][~poisoned[written]].isnan().any()
+
+
 def test_flashmla_adapter_default_query_bound_is_num_tokens(stand_in):
     batch = context_batch([9, 3], [1, 5], block_size=64, dtype=torch.float16, **FLASHMLA_DIMS)
     out, lse = batch.sentinels(FLASHMLA_DIMS["V"])

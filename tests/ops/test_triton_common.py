@@ -61,3 +61,35 @@ def test_dot_dtypes():
     assert _common.dot_dtype(torch.bfloat16, True, "x") == tl.float32  # the interpreter has no bf16 math
     with pytest.raises(TypeError, match="float64"):
         _common.dot_dtype(torch.float64, False, "attention")
+
+
+def test_no_kernel_loops_range_over_a_bound_read_at_run_time():
+    """Triton 3.6's interpreter turns a ``range()`` bound into an int with ``int(array)``, which numpy >= 2.4
+    refuses for the interpreter's 1-element scalars (``mla_ops/triton/_common.py``): every ``for ... in range``
+    of a kernel runs over constexpr bounds, or is the compiled branch of an ``if INTERPRETED:`` whose other
+    branch walks the bounds with a ``while`` loop."""
+    import ast
+    import inspect
+
+    from mla_ops.triton import cache, indexer, sparse
+
+    def constant(node, constexprs):
+        return all(isinstance(n, (ast.Constant, ast.BinOp, ast.UnaryOp, ast.operator, ast.unaryop, ast.Load))
+                   or (isinstance(n, ast.Name) and n.id in constexprs) for n in ast.walk(node))
+
+    loops = []
+    for module in (absorbed, attention, cache, gather, indexer, merge, rows_gemm, sparse):
+        tree = ast.parse(inspect.getsource(module))
+        for fn in (n for n in tree.body if isinstance(n, ast.FunctionDef)):
+            if not any("jit" in ast.unparse(d) for d in fn.decorator_list):
+                continue
+            constexprs = {a.arg for a in fn.args.args
+                          if a.annotation is not None and "constexpr" in ast.unparse(a.annotation)}
+            compiled_only = {id(n) for branch in ast.walk(fn) if isinstance(branch, ast.If)
+                             and ast.unparse(branch.test) == "INTERPRETED" for s in branch.orelse for n in ast.walk(s)}
+            for loop in ast.walk(fn):
+                if (isinstance(loop, ast.For) and isinstance(loop.iter, ast.Call)
+                        and ast.unparse(loop.iter.func) == "range" and id(loop) not in compiled_only
+                        and not all(constant(arg, constexprs) for arg in loop.iter.args)):
+                    loops.append(f"{module.__name__}.{fn.name}: {ast.unparse(loop.iter)}")
+    assert not loops, f"range() over a run-time bound outside `if INTERPRETED: ... else:`: {loops}"

@@ -93,24 +93,26 @@ def test_sparse_attention_on_fp8_ds_mla_equals_the_masked_oracle(form):
 
 def per_token_round_trip(cache: torch.Tensor) -> torch.Tensor:
     """A float index cache's values as fp8_per_token stores them (quantized and read back), float32."""
-    codes, scale = per_token_quantize(cache.flatten(0, 1))
-    return (codes.view(torch.float8_e4m3fn).float() * scale[:, None]).view(cache.shape)
+    codes, scale = per_token_quantize(cache.flatten(0, 1))  # [n, D] codes, [n, D/128] scales: one per 128 values
+    values = codes.view(torch.float8_e4m3fn).float().unflatten(-1, (-1, 128)) * scale.unsqueeze(-1)
+    return values.flatten(-2).view(cache.shape)
 
 
 def pack_per_token(cache: torch.Tensor) -> torch.Tensor:
-    """A float index cache [num_blocks, block_size, D] -> fp8_per_token bytes [num_blocks, block_size, D + 4]."""
+    """A float index cache [num_blocks, block_size, D] -> fp8_per_token bytes [num_blocks, block_size, D + D/32]."""
     num_blocks, block_size, width = cache.shape
-    packed = torch.zeros(num_blocks, block_size, width + 4, dtype=torch.uint8)
+    packed = torch.zeros(num_blocks, block_size, width + width // 32, dtype=torch.uint8)
     slots = torch.arange(num_blocks * block_size)
     mla_ops.write_index_cache(cache.flatten(0, 1), slots, packed, index_cache_format="fp8_per_token")
     return packed
 
 
+@pytest.mark.parametrize("width", [128, 256])  # D_I: one scale a key, two
 @pytest.mark.parametrize("max_chunks", [None, 60])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_index_topk_on_fp8_per_token_equals_the_float64_oracle(max_chunks, dtype):
+def test_index_topk_on_fp8_per_token_equals_the_float64_oracle(max_chunks, dtype, width):
     ctx, qlens = [0, 13, 5, 30, 2], [3, 4, 9, 5, 2]
-    batch = indexer_batch(ctx, qlens, TOPK, block_size=BLOCK, width=32, dtype=dtype, seed=5,
+    batch = indexer_batch(ctx, qlens, TOPK, block_size=BLOCK, width=width, dtype=dtype, seed=5,
                           stored=per_token_round_trip)
     packed = pack_per_token(batch.index_cache.float())
     slots = torch.arange(packed.shape[0] * BLOCK)
@@ -127,7 +129,7 @@ def test_a_step_on_both_formats_writes_selects_and_attends():
     """begin_step takes both formats once; each layer reads them, then writes its new rows in them."""
     batch, packed = ds_mla_batch(seed=6)
     g = torch.Generator().manual_seed(7)
-    num_blocks, num_tokens, width, heads = packed.shape[0], batch.q.shape[0], 32, 4
+    num_blocks, num_tokens, width, heads = packed.shape[0], batch.q.shape[0], 256, 4  # two scales a key
     index_cache = pack_per_token(torch.randn(num_blocks, BLOCK, width, generator=g))
     q_index = torch.randn(num_tokens, heads, width, generator=g, dtype=torch.float64)
     weights = torch.randn(num_tokens, heads, generator=g, dtype=torch.float64)
@@ -190,7 +192,7 @@ def test_a_layer_with_other_dims_than_fp8_ds_mla_is_refused():
 
 
 def test_index_topk_refuses_a_mismatched_index_format():
-    index = indexer_batch([0, 13], [3, 4], TOPK, block_size=BLOCK, width=32, seed=10)
+    index = indexer_batch([0, 13], [3, 4], TOPK, block_size=BLOCK, width=128, seed=10)
     plan = index.plan(TOPK, WORKSPACE, 32)
     with pytest.raises(TypeError, match="pass index_cache_format='fp8_per_token'"):
         mla_ops.index_topk(*index.args[:3], pack_per_token(index.index_cache), plan)
@@ -198,6 +200,14 @@ def test_index_topk_refuses_a_mismatched_index_format():
         mla_ops.index_topk(*index.args, plan, index_cache_format="fp8_per_token")
     with pytest.raises(ValueError, match="k_scale_index is for a per-tensor"):
         mla_ops.index_topk(*index.args[:3], pack_per_token(index.index_cache), plan, k_scale_index=1.0,
+                           index_cache_format="fp8_per_token")
+    # vLLM's layout holds D_I a multiple of 128 only: a row of D_I + 4 bytes at D_I = 256 is not it
+    with pytest.raises(ValueError, match="rows are D_I \\+ D_I/128\\*4 bytes .* index_cache rows are 260"):
+        mla_ops.index_topk(*index.args[:3], torch.zeros(8, BLOCK, 260, dtype=torch.uint8), plan,
+                           index_cache_format="fp8_per_token")
+    q_index, weights, k_index = index.args[:3]
+    with pytest.raises(ValueError, match="needs D_I a multiple of 128, but q_index's D_I is 64"):
+        mla_ops.index_topk(q_index[..., :64], weights, k_index[:, :64], pack_per_token(index.index_cache), plan,
                            index_cache_format="fp8_per_token")
 
 
@@ -234,7 +244,7 @@ def test_cuda_dsa_step_on_both_formats_matches_the_cpu_oracle(dtype, form):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_index_topk_on_fp8_per_token_equals_the_oracle(dtype):
     ctx, qlens = [0, 13, 5, 30, 2], [3, 4, 9, 5, 2]
-    batch = indexer_batch(ctx, qlens, TOPK, block_size=BLOCK, width=32, dtype=dtype, seed=5,
+    batch = indexer_batch(ctx, qlens, TOPK, block_size=BLOCK, width=256, dtype=dtype, seed=5,
                           stored=per_token_round_trip)
     packed = pack_per_token(batch.index_cache.float())
     gpu = batch.to("cuda")
@@ -250,7 +260,7 @@ def test_a_dsa_step_on_both_formats_compiles_whole():
     fake implementations and give what eager gives."""
     batch, packed = ds_mla_batch(seed=12)
     g = torch.Generator().manual_seed(13)
-    num_tokens, width = batch.q.shape[0], 32
+    num_tokens, width = batch.q.shape[0], 128
     index_cache = pack_per_token(torch.randn(packed.shape[0], BLOCK, width, generator=g))
     q_index = torch.randn(num_tokens, 2, width, generator=g, dtype=torch.float64)
     weights = torch.randn(num_tokens, 2, generator=g, dtype=torch.float64)
@@ -293,7 +303,7 @@ def test_opcheck_of_the_reading_ops_on_packed_caches():
     torch.library.opcheck(torch.ops.mla_ops.sparse_attention.default,
                           (batch.q, batch.kv_c, batch.k_pe, packed, *common, sparse, topk, batch.kv_b_proj_weight,
                            batch.softmax_scale, None, out, lse), test_utils=utils)
-    index = indexer_batch([0, 13, 5, 30, 2], [3, 4, 9, 5, 2], TOPK, block_size=BLOCK, width=32, seed=5,
+    index = indexer_batch([0, 13, 5, 30, 2], [3, 4, 9, 5, 2], TOPK, block_size=BLOCK, width=256, seed=5,
                           stored=per_token_round_trip)
     plan = index.plan(TOPK, WORKSPACE, 32)
     s = plan.index_schedule

@@ -182,3 +182,34 @@ def test_sinks_edges():
                                torch.zeros(1))
     assert half.dtype == torch.bfloat16 and (half == 1.5).all()  # sigmoid(0) = 1/2, in out's dtype
     torch.testing.assert_close(half_lse, torch.full((1, 2), math.log(2.0)))
+
+
+# ---- sparse attention in a window ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("window", [1, 4, 30])
+def test_sparse_attention_in_a_window(window):
+    """The op and the public function: a selected key outside the query's window is not attended; opcheck
+    with the window."""
+    from mla_ops.ops.sparse import sparse_attention
+    from tests.ops.test_sparse import CONTEXTS, QUERIES, SMALL, SPARSE, batch_args
+    from tests.support.batches import context_batch
+    from tests.support.sparse import masked_reference, random_topk
+
+    batch = context_batch(CONTEXTS, QUERIES, block_size=4, dtype=torch.float64, seed=2, **SMALL)
+    topk = random_topk(CONTEXTS, QUERIES, 12, seed=3, sparse=SPARSE, empty=0.0)
+    out, lse = batch.sentinels(SMALL["V"])
+    ops.sparse_attention(*batch_args(batch, SPARSE, topk), out, lse, window)
+    want, want_lse, rows = masked_reference(batch, topk, SPARSE, sliding_window=window)
+    assert torch.isnan(out[~rows]).all()
+    torch.testing.assert_close(out[rows], want[rows], rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse[:, rows], want_lse[:, rows], rtol=0, atol=1e-12)
+    args = batch_args(batch, SPARSE, topk)
+    got, got_lse = sparse_attention(*args[:-1], args[-1], sliding_window=window)
+    torch.testing.assert_close(got[rows], want[rows], rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="sliding_window"):
+        sparse_attention(*args[:-1], args[-1], sliding_window=0)
+    batch = context_batch(CONTEXTS, QUERIES, block_size=4, dtype=torch.float32, **SMALL)
+    t = batch.q.shape[0]
+    torch.library.opcheck(ops.sparse_attention, (*batch_args(batch, SPARSE, topk), torch.randn(t, 3, 8),
+                                                 torch.randn(3, t), window), test_utils=OPCHECK_UTILS)

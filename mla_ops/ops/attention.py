@@ -56,6 +56,7 @@ import torch
 
 from .._mla import lse_dtype
 from . import cpu_attention
+from .cpu_attention import window_starts
 from .merge import merge_states_reference
 
 
@@ -86,19 +87,6 @@ def varlen_attention_reference(q, k_nope, k_pe, v, cu_q, cu_k, softmax_scale, ca
         probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # a query that sees no key: 0
         out[t0:t1] = torch.einsum("nms,snv->mnv", probs, v[s0:s1].to(acc))
     return out, lse
-
-
-def window_starts(starts, context_lens, sliding_window: int):
-    """A chunk's sliding window on the host (CPU / oracle path): ``(first, offsets)`` per request, the position
-    its window's rows begin at (``max(0, c - w + 1)``; 0 without a window) and d with query j seeing the chunk's
-    rows k >= j - d (``starts + w - 1 - c``; None without a window)."""
-    if not sliding_window:
-        return [0] * starts.shape[0], None
-    if context_lens is None:
-        raise ValueError("context_attention with a sliding_window needs context_lens (the chunk's requests' [n])")
-    pairs = list(zip(starts.tolist(), context_lens.tolist()))  # host reads
-    return ([max(0, c - sliding_window + 1) for _, c in pairs],
-            [start + sliding_window - 1 - c for start, c in pairs])
 
 
 def context_attention_reference(

@@ -214,11 +214,22 @@ def _flash_attend(q, k_nope, k_pe, v, rows_q, rows_k, softmax_scale, causal, acc
     return o[..., :value].transpose(1, 2).flatten(0, 1), lse.transpose(0, 1).flatten(1)
 
 
+def window_starts(starts, context_lens, sliding_window: int):
+    """A chunk's sliding window on the host (CPU / oracle path): ``(first, offsets)`` per request, the position
+    its window's rows begin at (``max(0, c - w + 1)``; 0 without a window) and d with query j seeing the chunk's
+    rows k >= j - d (``starts + w - 1 - c``; None without a window)."""
+    if not sliding_window:
+        return [0] * starts.shape[0], None
+    if context_lens is None:
+        raise ValueError("context_attention with a sliding_window needs context_lens (the chunk's requests' [n])")
+    pairs = list(zip(starts.tolist(), context_lens.tolist()))  # host reads
+    return ([max(0, c - sliding_window + 1) for _, c in pairs],
+            [start + sliding_window - 1 - c for start, c in pairs])
+
+
 def context_attention(q, k_nope, k_pe, v, query_start_loc, cu_seq_lens, starts, softmax_scale, out, lse,
                       context_lens=None, sliding_window=0) -> None:
     """``mla_ops::context_attention`` on CPU (arguments: ``ops/attention.py``)."""
-    from .attention import window_starts  # the oracle's module imports this one
-
     q_bounds, k_bounds = query_start_loc.tolist(), cu_seq_lens.tolist()  # host reads: CPU path
     key_lens = [b - a for a, b in zip(k_bounds, k_bounds[1:])]
     first, offsets = window_starts(starts, context_lens, sliding_window)

@@ -336,3 +336,29 @@ def test_compiled_step_with_window_and_sinks():
         want = dense_reference(*batch.args()[:8], 0.25, sliding_window=7, sinks=sinks)
         assert_close_to_reference(out, want, torch.float32, f"batch {i}")
     assert TOL[torch.float32]
+
+
+# ---- two row widths in one step (issue 47 item 3, the ops' part) ------------------------------
+
+
+def test_one_step_serves_two_row_widths():
+    """One plan and one step (its blocks, slots and kernels) serve layers whose caches have different widths
+    L + R and heads (dots3_note's two geometries): each layer's call reads its dims from its own tensors, and
+    writes its own rows."""
+    ctx, ql = [9, 0, 14], [3, 2, 4]
+    wide = make_batch(ctx, ql, seed=20, block_size=BLOCK, N=4, L=32, P=8, R=8, V=16)
+    narrow = make_batch(ctx, ql, seed=20, block_size=BLOCK, N=2, L=16, P=8, R=4, V=8)
+    assert torch.equal(wide.block_table, narrow.block_table)  # same seed: same blocks
+    plan = mla_ops.plan_prefill(wide.query_start_loc, wide.context_lens, wide.block_table, BLOCK, workspace_size=8,
+                                absorb_max_query_len=2)
+    used = {int(wide.block_table[r, i]) for r, c in enumerate(ctx) for i in range(-(-c // BLOCK))}
+    spare = [b for b in range(wide.kv_cache.shape[0]) if b not in used]  # the new tokens' slots: spare blocks
+    slots = torch.tensor([b * BLOCK + i for b in spare for i in range(BLOCK)][:9])
+    caches = {name: b.kv_cache.clone() for name, b in (("wide", wide), ("narrow", narrow))}
+    step = mla_ops.begin_step(plan, caches["wide"], slots)
+    for name, b in (("wide", wide), ("narrow", narrow)):
+        out = step.run(b.q, b.kv_c, b.k_pe, caches[name], b.kv_b_proj_weight, b.softmax_scale, sinks=sinks_for(
+            b.q.shape[1]))
+        torch.testing.assert_close(out, oracle(b, sinks=sinks_for(b.q.shape[1]))[0], rtol=0, atol=1e-10)
+        rows = caches[name].flatten(0, 1)[slots]
+        assert torch.equal(rows, torch.cat([b.kv_c, b.k_pe], 1))  # written at the layer's own width

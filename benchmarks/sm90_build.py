@@ -51,6 +51,7 @@ INT_POINTERS = {"loc_ptr", "tokens_ptr", "block_table_ptr", "query_start_loc_ptr
                 "context_lens_ptr", "cu_k_ptr", "starts_ptr"}
 FP32_POINTERS = {"k_scale_ptr", "lse_ptr"}
 FLOATS = {"qk_scale"}
+WINDOWED = ("absorbed_attention", "context_attention", "suffix_attention")  # also built with a sliding window
 
 
 def signature(fn, constexprs: dict, unit_strides: Sequence[str], fp8_cache: bool = False):
@@ -93,7 +94,8 @@ def kernels(d: Dims, fp8: bool = False) -> dict:
         block_r = max(16, triton.next_power_of_2(d.rope))
         consts = dict(HEAD_L=d.latent, HEAD_R=d.rope, BLOCK_L=triton.next_power_of_2(d.latent), BLOCK_R=block_r,
                       BLOCK_DV=block_dv, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_N=block_n, PAGE_SIZE=PAGE,
-                      IS_FP8=cache_fp8, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", INTERPRETED=False)
+                      WINDOW=False, IS_FP8=cache_fp8, IS_DS_MLA=False, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32",
+                      INTERPRETED=False)
         unit = ["stride_qld", "stride_qpd", "stride_cache_col", "stride_table_col", "stride_qsl", "stride_lat",
                 "stride_ctx", "stride_old", "stride_lt"]
         out[f"absorbed_attention{'_fp8' if cache_fp8 else ''}"] = (absorbed._absorbed_fwd, consts, unit, warps,
@@ -102,12 +104,15 @@ def kernels(d: Dims, fp8: bool = False) -> dict:
     block_p, block_r, block_v = attention.head_blocks(d.nope, d.rope, d.value)
     for causal in (False, True):
         consts = dict(HEAD_P=d.nope, HEAD_R=d.rope, HEAD_V=d.value, BLOCK_P=block_p, BLOCK_R=block_r, BLOCK_V=block_v,
-                      BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, MERGE=not causal, DOT_DTYPE=tl.bfloat16,
-                      DOT_PRECISION="tf32", INTERPRETED=False)
+                      BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, MERGE=not causal, WINDOW=False,
+                      DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", INTERPRETED=False)
         unit = ["stride_qd", "stride_kd", "stride_pd", "stride_vd", "stride_od", "stride_lt", "stride_qsl",
-                "stride_cuk", "stride_starts"]
+                "stride_cuk", "stride_starts", "stride_ctx"]
         out["suffix_attention" if causal else "context_attention"] = (attention._attn_fwd, consts, unit, warps,
                                                                       stages, False)
+    for name in WINDOWED:  # a sliding window's variants (DESIGN §11): the same tiles, every key tile masked
+        fn, consts, *rest = out[name]
+        out[f"{name}_window"] = (fn, dict(consts, WINDOW=True), *rest)
     return out
 
 

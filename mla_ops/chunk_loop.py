@@ -49,7 +49,7 @@ class LayerCall(NamedTuple):
             out = q.new_empty(q.shape[0], dims.num_heads, dims.value)
             lse = q.new_empty(dims.num_heads, q.shape[0], dtype=lse_dtype(q.dtype))
             self.kernels.suffix_attention(q, k_nope, k_pe, v, self.plan.query_start_loc, self.softmax_scale, out,
-                                          lse)
+                                          lse, *self.window())
             return out, lse
         tokens = self.suffix_tokens
         rows = tokens.shape[0]
@@ -58,7 +58,8 @@ class LayerCall(NamedTuple):
         part_out = q.new_zeros(rows, dims.num_heads, dims.value)
         part_lse = q.new_full((dims.num_heads, rows), float("-inf"), dtype=lse_dtype(q.dtype))
         self.kernels.suffix_attention(q.index_select(0, tokens), k_nope, k_pe.index_select(0, tokens), v,
-                                      self.plan.suffix_query_start_loc, self.softmax_scale, part_out, part_lse)
+                                      self.plan.suffix_query_start_loc, self.softmax_scale, part_out, part_lse,
+                                      *self.window())
         out = q.new_zeros(q.shape[0], dims.num_heads, dims.value).index_copy_(0, tokens, part_out)
         lse = q.new_full((dims.num_heads, q.shape[0]), float("-inf"), dtype=part_lse.dtype)
         return out, lse.index_copy_(1, tokens, part_lse)
@@ -70,7 +71,18 @@ class LayerCall(NamedTuple):
         self.kernels.absorbed_context_attention(
             self.q, self.kv_cache, p.block_table, p.query_start_loc, p.absorbed_context_lens, self.weight,
             self.softmax_scale, self.k_scale, context_out, context_lse, p.absorbed_rows, p.absorbed_token_loc,
+            *self.window(),
         )
+
+    def window(self) -> tuple:
+        """The attention ops' trailing ``sliding_window`` argument where the plan has a window (DESIGN §11);
+        none otherwise, so a step without one calls (and traces) the ops as before."""
+        return (self.plan.sliding_window,) if self.plan.sliding_window else ()
+
+    def context_window(self, context_lens: torch.Tensor) -> tuple:
+        """``context_attention``'s trailing ``(context_lens, sliding_window)`` where the plan has a window:
+        the chunk's requests' context lengths place its rows and queries."""
+        return (context_lens, self.plan.sliding_window) if self.plan.sliding_window else ()
 
 
 def empty_partial(out: torch.Tensor, lse: torch.Tensor):
@@ -90,7 +102,8 @@ def attend_chunks(call: LayerCall, num_chunks: int, chunk_rows: Callable[..., to
         latent, rope = chunk_rows(k, cu_k, starts_k).split([dims.latent, dims.rope], dim=1)
         kernels.up_project(latent, call.weight, cu_k, kv)
         kernels.context_attention(call.q, chunk_k_nope, rope, chunk_v, call.plan.query_start_loc, cu_k, starts_k,
-                                  call.softmax_scale, context_out, context_lse)
+                                  call.softmax_scale, context_out, context_lse,
+                                  *call.context_window(call.plan.context_lens))
 
 
 def suffix_tokens(plan: PrefillPlan, num_tokens: int) -> torch.Tensor | None:
@@ -183,6 +196,7 @@ def host_context(call: LayerCall, suffix_out: torch.Tensor, suffix_lse: torch.Te
             q.narrow(0, chunk.token_start, tokens), chunk_k_nope, rope, chunk_v, chunk.query_start_loc,
             chunk.cu_seq_lens, chunk.starts, call.softmax_scale,
             context_out.narrow(0, chunk.token_start, tokens), context_lse.narrow(1, chunk.token_start, tokens),
+            *call.context_window(plan.context_lens.narrow(0, chunk.request_start, chunk.num_requests)),
         )
 
     merged, merged_lse = kernels.merge_attn_states(

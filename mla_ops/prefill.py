@@ -47,6 +47,7 @@ def plan_prefill(
     index_topk: int | None = None,
     index_scores_budget: int = PlanOptions.index_scores_budget,
     max_index_chunks: int | None = None,
+    sliding_window: int | None = None,
     options: PlanOptions | None = None,
 ) -> PrefillPlan:
     """Plan a prefill step once for all layers: the chunk schedule, the routing, the checked lengths.
@@ -71,7 +72,10 @@ def plan_prefill(
     (``index_topk`` selects their keys, ``run_prefill(topk_indices=)`` attends them), the others the
     dense paths; the plan holds the indexer's chunks, each scoring at most ``index_scores_budget``
     (query tokens x key rows); ``max_index_chunks``: the device form's indexer chunk slots (default
-    ``max_chunks``).
+    ``max_chunks``). ``sliding_window=w`` (DESIGN §11): query ``c_r + j`` sees only keys ``c_r + j - w + 1 ..
+    c_r + j``; each request's context is clamped to the rows its window covers (its last ``min(c_r, w - 1)``),
+    so the work grows with the window, not the context. A model whose layers have different windows (or none)
+    plans one step per kind of layer.
 
     Checks shapes and arguments always, and the lengths' values and the block ids the contexts use
     wherever they are readable for free (CPU tensors, not traced). Raises before anything runs.
@@ -81,7 +85,7 @@ def plan_prefill(
                            split_alignment=split_alignment, max_chunks=max_chunks,
                            absorb_max_query_len=absorb_max_query_len, max_absorbed_tokens=max_absorbed_tokens,
                            index_topk=index_topk, index_scores_budget=index_scores_budget,
-                           max_index_chunks=max_index_chunks)
+                           max_index_chunks=max_index_chunks, sliding_window=sliding_window)
     return plan_with_options(query_start_loc, context_lens, block_table, options, context_parallel)
 
 
@@ -100,6 +104,9 @@ def plan_with_options(query_start_loc, context_lens, block_table, options: PlanO
         if options.index_topk:
             raise ValueError("context_parallel does not serve DeepSeek Sparse Attention (index_topk) yet: plan a "
                              "DSA step on one device (docs/limitations.md)")
+        if options.sliding_window:
+            raise ValueError("context_parallel does not serve a sliding_window yet: plan a windowed step on one "
+                             "device (docs/limitations.md)")
         return plan_context_parallel(query_start_loc, context_lens, block_table, options, context_parallel)
     if options.device_form:
         return planning.plan_device(query_start_loc, context_lens, block_table, options)
@@ -122,6 +129,7 @@ def run_prefill(
     topk_indices: torch.Tensor | None = None,
     kv_cache_format: str = "auto",
     v_head_dim: int | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """Attention of each request's new tokens over its cached context and, causally, itself.
 
@@ -148,12 +156,16 @@ def run_prefill(
     (P = q's last dim - R, V = rows / N - P), which any P/V split fits. ``v_head_dim=V`` fixes V, and q's
     last dim is then checked to be P+R: pass it (or ``out=``) where q is not made from the same config.
 
+    ``sinks`` [N] float32 (DESIGN §11): a learned logit per head that joins every softmax as one more key
+    without a value: ``out * sigmoid(lse - sinks[h])``, and the returned ``lse`` includes it (``logaddexp(lse,
+    sinks[h])``). A plan with a ``sliding_window`` masks every path (``plan_prefill``).
+
     ``kv_cache_format="fp8_ds_mla"``: ``kv_cache`` in vLLM's DeepSeek-V3.2 layout ([num_blocks, block_size,
     656] uint8, a float32 scale per 128 values; L = 512, R = 64; no ``k_scale``), see ``begin_step``.
     """
     step = begin_step(plan, kv_cache, k_scale=k_scale, backend=backend, kv_cache_format=kv_cache_format)
     return step.run(q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, out=out, return_lse=return_lse,
-                    topk_indices=topk_indices, v_head_dim=v_head_dim)
+                    topk_indices=topk_indices, v_head_dim=v_head_dim, sinks=sinks)
 
 
 def mla_prefill(
@@ -178,12 +190,15 @@ def mla_prefill(
     plan: PrefillPlan | None = None,
     kv_cache_format: str = "auto",
     v_head_dim: int | None = None,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``plan_prefill`` + ``run_prefill`` in one call (see both).
 
     ``plan=``: a plan made once per step (then the planning arguments must be left at their
     defaults, and ``block_table``, ``query_start_loc``, ``context_lens`` must be the plan's).
-    ``v_head_dim``: V, to check q's P+R against (``run_prefill``).
+    ``v_head_dim``: V, to check q's P+R against (``run_prefill``). ``sliding_window`` (a planning option,
+    ``plan_prefill``) and ``sinks`` [N] float32 (``run_prefill``): DESIGN §11's attention variants.
     """
     checks.check_tensor(q, "q", 3, "[T, N, P+R]")
     for name, x, ndim, doc in (("block_table", block_table, 2, "[B, max_blocks]"),
@@ -191,7 +206,8 @@ def mla_prefill(
         checks.check_tensor(x, name, ndim, doc, q.device, "q")
     checks.check_tensor(kv_cache, "kv_cache", 3, "[num_blocks, block_size, L+R]")
     loose = dict(workspace_size=workspace_size, policy=policy, split_alignment=split_alignment, max_chunks=max_chunks,
-                 absorb_max_query_len=absorb_max_query_len, max_absorbed_tokens=max_absorbed_tokens)
+                 absorb_max_query_len=absorb_max_query_len, max_absorbed_tokens=max_absorbed_tokens,
+                 sliding_window=sliding_window)
     if plan is None:
         planning.check_inputs(query_start_loc, context_lens, block_table)
         options = options_from(None, block_size=kv_cache.shape[1], **loose)
@@ -212,4 +228,4 @@ def mla_prefill(
         planning.check_step_tensors(plan, block_table=block_table, query_start_loc=query_start_loc,
                                     context_lens=context_lens)
     return run_prefill(q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, plan, k_scale, backend,
-                       kv_cache_format=kv_cache_format, v_head_dim=v_head_dim)
+                       kv_cache_format=kv_cache_format, v_head_dim=v_head_dim, sinks=sinks)

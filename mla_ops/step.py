@@ -24,6 +24,7 @@ from .ops.cache import CACHE_DTYPES, check_slot_mapping, write_checked
 from .ops.cache_formats import check_latent_format
 from .ops.indexer import check_index_layer, check_index_step, index_topk_checked
 from .ops.layer_checks import check_layer
+from .ops.sinks import add_sinks, check_sinks
 from .ops.sparse import check_topk_indices, check_topk_values, topk_rows
 from .parallel.run import run_context_parallel
 from .planning import plan as planning
@@ -59,26 +60,28 @@ class PrefillStep:
     def attend(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                kv_b_proj_weight: torch.Tensor, softmax_scale: float, *, k_scale: float | torch.Tensor | None = None,
                out: torch.Tensor | None = None, return_lse: bool = False, topk_indices: torch.Tensor | None = None,
-               v_head_dim: int | None = None):
+               v_head_dim: int | None = None, sinks: torch.Tensor | None = None):
         """One layer's attention, no cache write: the new tokens' rows ``kv_c``, ``k_pe`` are read as given, the
         context's from ``kv_cache``. Returns ``out`` [T, N, V], or ``(out, lse)`` with ``return_lse=True``
         (``lse`` [N, T], float32 or float64 for float64 q, natural log). ``k_scale``: this layer's scale of a
         float8_e4m3fn cache (a float or a one-element float32 tensor), in place of the step's. ``topk_indices``
         [T, index_topk] int32: required with a DSA plan, refused without one (see ``run_prefill``).
-        ``v_head_dim``: V, to check q's P+R against (see ``run_prefill``). Checks only this layer's tensors."""
+        ``v_head_dim``: V, to check q's P+R against (see ``run_prefill``). ``sinks`` [N] float32: each head's sink
+        logit, one more term in every softmax (``ops/sinks.py``; ``lse`` includes it). Checks only this layer's
+        tensors."""
         call = self._layer_call(q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, k_scale, out, return_lse,
-                                topk_indices, v_head_dim)
-        return self._attend(call, kv_c, k_pe, topk_indices, out, return_lse)
+                                topk_indices, v_head_dim, sinks)
+        return self._attend(call, kv_c, k_pe, topk_indices, out, return_lse, sinks)
 
     def run(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
             kv_b_proj_weight: torch.Tensor, softmax_scale: float, *, k_scale: float | torch.Tensor | None = None,
             out: torch.Tensor | None = None, return_lse: bool = False, topk_indices: torch.Tensor | None = None,
-            v_head_dim: int | None = None):
+            v_head_dim: int | None = None, sinks: torch.Tensor | None = None):
         """``attend``, then the layer's new rows written into ``kv_cache`` at the step's slots (where the step
         has a slot mapping), with the same ``k_scale``. Everything is checked before anything is written."""
         call = self._layer_call(q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, k_scale, out, return_lse,
-                                topk_indices, v_head_dim)
-        result = self._attend(call, kv_c, k_pe, topk_indices, out, return_lse)
+                                topk_indices, v_head_dim, sinks)
+        result = self._attend(call, kv_c, k_pe, topk_indices, out, return_lse, sinks)
         if self.slot_mapping is not None:  # after the attention, which takes the new rows as given
             write_checked(kv_c, k_pe, self.slot_mapping, kv_cache, call.k_scale, self.kv_cache_format)
         return result
@@ -110,7 +113,7 @@ class PrefillStep:
         if self.slot_mapping is not None:
             write_checked(k_index, k_index[:, :0], self.slot_mapping, index_cache, scale, self.index_cache_format)
 
-    def _attend(self, call: LayerCall, kv_c, k_pe, topk_indices, out, return_lse):
+    def _attend(self, call: LayerCall, kv_c, k_pe, topk_indices, out, return_lse, sinks=None):
         suffix_out, suffix_lse = call.suffix(kv_c, k_pe)
         if self.plan.context_parallel is not None:  # a sharded cache
             result, lse = run_context_parallel(call, suffix_out, suffix_lse)
@@ -125,19 +128,22 @@ class PrefillStep:
             p = self.plan
             self.kernels.sparse_attention(call.q, kv_c, k_pe, call.kv_cache, p.block_table, p.query_start_loc,
                                           p.context_lens, self.sparse_rows, topk_indices, call.weight,
-                                          call.softmax_scale, call.k_scale, result, lse)
+                                          call.softmax_scale, call.k_scale, result, lse, *call.window())
+        if sinks is not None:  # one more term in every softmax: once, after every merge (ops/sinks.py)
+            result, lse = add_sinks(result, lse, sinks)
         if out is not None:
             result = out.copy_(result)
         return (result, lse) if return_lse else result
 
     def _layer_call(self, q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, k_scale, out, return_lse,
-                    topk_indices, v_head_dim) -> LayerCall:
+                    topk_indices, v_head_dim, sinks) -> LayerCall:
         """One layer's tensors checked against each other and the step, before anything runs; its call."""
         dims = check_layer(q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, device=self.plan.device,
                            device_of="plan", packed=self.kv_cache_format == "fp8_ds_mla", v_head_dim=v_head_dim,
                            out=out)
         self._check_cache(kv_cache)
         checks.check_bool(return_lse, "return_lse")
+        check_sinks(sinks, dims.num_heads, self.plan.device, "plan")
         num_tokens = q.shape[0]
         if self.plan.num_tokens is not None and self.plan.num_tokens != num_tokens:
             raise ValueError(f"plan was made for T={self.plan.num_tokens} tokens (its query_start_loc[-1]), but q has "
@@ -275,6 +281,9 @@ def begin_step(plan: PrefillPlan, kv_cache: torch.Tensor, slot_mapping: torch.Te
         raise ValueError("k_scale_index is the scale of a float8 index_cache: pass index_cache too")
     elif index_cache_format != "auto":
         raise ValueError(f"index_cache_format={index_cache_format!r} describes an index_cache: pass index_cache too")
+    if plan.sliding_window and backend == "flashmla":
+        raise ValueError("backend='flashmla' has no sliding window: plan the step without sliding_window, or use "
+                         "backend='auto' (Triton), 'triton' or 'torch'")
     if kv_cache_format != "auto" and backend == "flashmla":
         raise ValueError(f"backend='flashmla' does not read {kv_cache_format} caches through mla-ops yet: use "
                          "backend='auto' (Triton), 'triton' or 'torch'")

@@ -10,6 +10,9 @@ absorbed_rows    int, -1: T    a static bound of the tokens of the requests with
                                this many rows (tokens past it get no partial)
 absorbed_token_loc [B+1] int32 or None   ``_mla.absorbed_token_loc(query_start_loc, context_lens)``,
                                made once per step by the plan (None: the kernels make it)
+sliding_window   int           w (DESIGN §11; 0: none): query j of request r (position c_r + j) sees only
+                               context positions ``c_r + j - w + 1 ..``: the rows from ``max(0, c_r - w + 1)``
+                               are read, and a query that sees none gets ``0 / -inf``
 
 Dimensions come from shapes: ``L = weight.shape[1]``, ``R = kv_cache.shape[2] - L``,
 ``P = q.shape[2] - R``, ``V = weight.shape[0] // N - P``.
@@ -63,7 +66,7 @@ from .merge import poisoned_rows, scores_nan_for_neg_inf_
 
 
 def _absorbed(latent_attention, q, kv_cache, block_table, query_start_loc, context_lens, kv_b_proj_weight,
-              softmax_scale, k_scale, out, lse) -> None:
+              softmax_scale, k_scale, out, lse, sliding_window=0) -> None:
     """Fold the queries, attend in the latent space with ``latent_attention`` (the oracle or the CPU
     engine), unfold the rows of the requests with context."""
     acc = lse_dtype(q.dtype)
@@ -73,7 +76,7 @@ def _absorbed(latent_attention, q, kv_cache, block_table, query_start_loc, conte
     o_lat = folded.new_zeros(q.shape[0], num_heads, latent)
     lse_lat = folded.new_full((num_heads, q.shape[0]), float("-inf"))
     latent_attention(folded, kv_cache, block_table, query_start_loc, context_lens, softmax_scale, k_scale,
-                     o_lat, lse_lat)
+                     o_lat, lse_lat, sliding_window)
     bounds, contexts = query_start_loc.tolist(), context_lens.tolist()  # host reads: CPU / oracle path
     if bounds[-1] == q.shape[0] and min(contexts, default=1) > 0:  # every token has a partial (decode steps)
         out.copy_(unfold_outputs(o_lat.transpose(0, 1), w_uv).transpose(0, 1))
@@ -88,11 +91,11 @@ def _absorbed(latent_attention, q, kv_cache, block_table, query_start_loc, conte
 
 def absorbed_reference(
     q, kv_cache, block_table, query_start_loc, context_lens, kv_b_proj_weight, softmax_scale, k_scale, out, lse,
-    absorbed_rows=-1, absorbed_token_loc=None,
+    absorbed_rows=-1, absorbed_token_loc=None, sliding_window=0,
 ) -> None:
     del absorbed_rows, absorbed_token_loc  # the torch implementations pack nothing
     _absorbed(latent_attention_reference, q, kv_cache, block_table, query_start_loc, context_lens,
-              kv_b_proj_weight, softmax_scale, k_scale, out, lse)
+              kv_b_proj_weight, softmax_scale, k_scale, out, lse, sliding_window)
 
 
 @torch.library.custom_op("mla_ops::absorbed_context_attention", mutates_args=("out", "lse"))
@@ -109,22 +112,24 @@ def _absorbed_context_attention(
     lse: torch.Tensor,
     absorbed_rows: int = -1,
     absorbed_token_loc: torch.Tensor | None = None,
+    sliding_window: int = 0,
 ) -> None:
     del absorbed_rows, absorbed_token_loc  # the CPU engine packs nothing
     _absorbed(cpu_attention.latent_context_attention, q, kv_cache, block_table, query_start_loc, context_lens,
-              kv_b_proj_weight, softmax_scale, k_scale, out, lse)
+              kv_b_proj_weight, softmax_scale, k_scale, out, lse, sliding_window)
 
 
 @_absorbed_context_attention.register_fake
 def _(q, kv_cache, block_table, query_start_loc, context_lens, kv_b_proj_weight, softmax_scale, k_scale, out, lse,
-      absorbed_rows=-1, absorbed_token_loc=None):
+      absorbed_rows=-1, absorbed_token_loc=None, sliding_window=0):
     return None
 
 
 def latent_attention_reference(q, kv_cache, block_table, query_start_loc, context_lens, softmax_scale, k_scale,
-                               out, lse) -> None:
+                               out, lse, sliding_window=0) -> None:
     """The oracle of ``latent_context_attention``: per request, its context rows read through its block
-    table row by row, one softmax."""
+    table row by row, one softmax (``sliding_window`` w: query j masks positions before ``c + j - w + 1``;
+    one that sees none gets ``0 / -inf``)."""
     acc = lse_dtype(q.dtype)
     latent, block_size = out.shape[2], kv_cache.shape[1]
     bounds, contexts = query_start_loc.tolist(), context_lens.tolist()  # host reads
@@ -136,10 +141,17 @@ def latent_attention_reference(q, kv_cache, block_table, query_start_loc, contex
         x = latent_rows(kv_cache, block_table[r].long()[position // block_size], position % block_size, k_scale,
                         acc)  # [c, L+R]
         scores = scores_nan_for_neg_inf_(torch.einsum("mhd,cd->hmc", q[t0:t1].to(acc), x) * softmax_scale)  # [H, m, c]
+        empty = None
+        if sliding_window:
+            hidden = position < c + torch.arange(t1 - t0, device=q.device)[:, None] - sliding_window + 1  # [m, c]
+            scores.masked_fill_(hidden, float("-inf"))
+            empty = hidden.all(-1)  # [m]: queries that see no key
         part_lse = torch.logsumexp(scores, dim=-1)
-        bad = poisoned_rows(part_lse)  # a non-finite score: NaN out and lse
+        bad = poisoned_rows(part_lse, empty)  # a non-finite score: NaN out and lse
         lse[:, t0:t1] = part_lse.masked_fill_(bad, float("nan")).to(lse.dtype)
         probs = torch.softmax(scores, dim=-1).masked_fill_(bad.unsqueeze(-1), float("nan"))
+        if empty is not None:
+            probs.masked_fill_(empty[:, None], 0.0)  # a query that sees no key: the empty partial
         out[t0:t1] = torch.einsum("hmc,cl->mhl", probs, x[:, :latent]).to(out.dtype)
 
 

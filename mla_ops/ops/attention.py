@@ -12,6 +12,9 @@ v       [Tk, N, V]     values of n requests, rows cu_k[i]:cu_k[i+1]
 
 ``causal`` aligns the mask bottom-right: query j of m sees keys ``0 .. s - m + j`` of s.
 
+A sliding window (DESIGN §11; ``sliding_window`` w > 0, 0: none): a query at position ``c_r + j`` sees only keys
+at positions ``c_r + j - w + 1 ..``. Where a query sees no key of a call it gets the empty partial ``0 / -inf``.
+
 ``context_attention``: context attention of one chunk, folded into the running context partial.
 
 q               [Tq, N, P+R]  queries of the chunk's requests (the chunk's token range)
@@ -22,6 +25,8 @@ cu_seq_lens     [n+1] int32   the chunk's workspace row offsets
 starts          [n] int32     context offset of each request's rows in this chunk
 out             [Tq, N, V]    running context partial of the chunk's tokens (out=)
 lse             [N, Tq]       its LSE, float32 (float64 for float64 q) (out=)
+context_lens    [n] int32     (a sliding window only) each request's context length c_i
+sliding_window  int           w; 0: none
 
 Non-causal: request i's queries see all its rows of the chunk. A request whose rows continue an
 earlier chunk (``starts[i] > 0``; in a host schedule only ever the first) merges its partial into
@@ -29,6 +34,11 @@ earlier chunk (``starts[i] > 0``; in a host schedule only ever the first) merges
 request with no rows in the chunk is left untouched: the caller gives requests without context the
 empty partial ``0 / -inf`` once, and the same op then serves a schedule over the whole batch (the
 device form), where most requests have no rows in a given chunk.
+
+With a sliding window, row k of request i is context position ``starts[i] + k`` (a windowed plan reads a request's
+context from its window's first position ``max(0, c_i - w + 1)`` on), query j (position ``c_i + j``) sees it iff
+``starts[i] + k >= c_i + j - w + 1``, and a request continues an earlier chunk iff ``starts[i]`` is past its
+window's first position.
 
 ``suffix_attention``: causal attention of the new tokens over their own keys (the suffix partial).
 
@@ -38,6 +48,7 @@ v               [T, N, V]     up-projected values of the new tokens
 query_start_loc [B+1] int32   request boundaries (keys share them)
 out             [T, N, V]     (out=)
 lse             [N, T]        float32 (float64 for float64 q), natural log (out=)
+sliding_window  int           w: query j sees its request's new keys ``j - w + 1 .. j``; 0: ``0 .. j``
 """
 
 from __future__ import annotations
@@ -46,19 +57,21 @@ import torch
 
 from .._mla import lse_dtype
 from . import cpu_attention
+from .cpu_attention import window_starts
 from .merge import merge_states_reference, poisoned_rows, scores_nan_for_neg_inf_
 
 
-def varlen_attention_reference(q, k_nope, k_pe, v, cu_q, cu_k, softmax_scale, causal):
+def varlen_attention_reference(q, k_nope, k_pe, v, cu_q, cu_k, softmax_scale, causal, window_offsets=None):
     """The oracle: request i's queries ``cu_q[i]:cu_q[i+1]`` over its keys ``cu_k[i]:cu_k[i+1]``, one
     softmax each, in float32 (float64 for float64 q) -> ``(out, lse)``. Memory: N x m x s scores of
-    one request at a time (a checking tool, not a long-context engine)."""
+    one request at a time (a checking tool, not a long-context engine). ``window_offsets`` (a sliding
+    window): per request d_i, its query j sees only keys k >= j - d_i."""
     acc = lse_dtype(q.dtype)
     num_heads = q.shape[1]
     out = q.new_zeros(q.shape[0], num_heads, v.shape[-1], dtype=acc)
     lse = q.new_full((num_heads, q.shape[0]), float("-inf"), dtype=acc)
     q_bounds, k_bounds = cu_q.tolist(), cu_k.tolist()  # host reads
-    for t0, t1, s0, s1 in zip(q_bounds, q_bounds[1:], k_bounds, k_bounds[1:]):
+    for i, (t0, t1, s0, s1) in enumerate(zip(q_bounds, q_bounds[1:], k_bounds, k_bounds[1:])):
         if t1 == t0 or s1 == s0:
             continue
         k = torch.cat([k_nope[s0:s1], k_pe[s0:s1, None, :].expand(-1, num_heads, -1)], dim=-1)  # [s, N, P+R]
@@ -70,6 +83,11 @@ def varlen_attention_reference(q, k_nope, k_pe, v, cu_q, cu_k, softmax_scale, ca
             hidden = torch.arange(s, device=q.device) > torch.arange(m, device=q.device)[:, None] + (s - m)
             scores.masked_fill_(hidden, float("-inf"))
             empty = hidden.all(-1)  # [m]: queries that see no key
+        if window_offsets is not None:  # a sliding window: keys before j - d_i are out of it
+            below = torch.arange(s1 - s0, device=q.device) < torch.arange(t1 - t0, device=q.device)[:, None] - \
+                window_offsets[i]
+            scores.masked_fill_(below, float("-inf"))
+            empty = below.all(-1) if empty is None else empty | (below | hidden).all(-1)
         part_lse = torch.logsumexp(scores, dim=-1)
         bad = poisoned_rows(part_lse, empty)  # a non-finite score: NaN out and lse
         probs = torch.softmax(scores, dim=-1).masked_fill_(bad.unsqueeze(-1), float("nan"))
@@ -81,27 +99,31 @@ def varlen_attention_reference(q, k_nope, k_pe, v, cu_q, cu_k, softmax_scale, ca
 
 
 def context_attention_reference(
-    q, k_nope, k_pe, v, query_start_loc, cu_seq_lens, starts, softmax_scale, out, lse
+    q, k_nope, k_pe, v, query_start_loc, cu_seq_lens, starts, softmax_scale, out, lse, context_lens=None,
+    sliding_window=0,
 ) -> None:
     """The oracle of ``context_attention``: each request's partial over its rows of the chunk, merged
     into ``out``/``lse`` if it continues an earlier chunk, else written; requests without rows untouched."""
+    first, offsets = window_starts(starts, context_lens, sliding_window)
     part_out, part_lse = varlen_attention_reference(q, k_nope, k_pe, v, query_start_loc, cu_seq_lens,
-                                                    softmax_scale, causal=False)
+                                                    softmax_scale, causal=False, window_offsets=offsets)
     q_bounds, k_bounds = query_start_loc.tolist(), cu_seq_lens.tolist()  # host reads
     for r, start in enumerate(starts.tolist()):
         t0, t1 = q_bounds[r], q_bounds[r + 1]
         if k_bounds[r + 1] == k_bounds[r]:
             continue
         new_out, new_lse = part_out[t0:t1], part_lse[:, t0:t1]
-        if start > 0:
+        if start > first[r]:
             new_out, new_lse = merge_states_reference(out[t0:t1], lse[:, t0:t1], new_out, new_lse)
         out[t0:t1], lse[:, t0:t1] = new_out.to(out.dtype), new_lse.to(lse.dtype)
 
 
-def suffix_attention_reference(q, k_nope, k_pe, v, query_start_loc, softmax_scale, out, lse) -> None:
+def suffix_attention_reference(q, k_nope, k_pe, v, query_start_loc, softmax_scale, out, lse,
+                               sliding_window=0) -> None:
     """The oracle of ``suffix_attention``: causal per request; tokens without keys get 0 / -inf."""
+    offsets = [sliding_window - 1] * (query_start_loc.shape[0] - 1) if sliding_window else None
     part_out, part_lse = varlen_attention_reference(q, k_nope, k_pe, v, query_start_loc, query_start_loc,
-                                                    softmax_scale, causal=True)
+                                                    softmax_scale, causal=True, window_offsets=offsets)
     out.copy_(part_out)
     lse.copy_(part_lse)
 
@@ -118,12 +140,16 @@ def _context_attention(
     softmax_scale: float,
     out: torch.Tensor,
     lse: torch.Tensor,
+    context_lens: torch.Tensor | None = None,
+    sliding_window: int = 0,
 ) -> None:
-    cpu_attention.context_attention(q, k_nope, k_pe, v, query_start_loc, cu_seq_lens, starts, softmax_scale, out, lse)
+    cpu_attention.context_attention(q, k_nope, k_pe, v, query_start_loc, cu_seq_lens, starts, softmax_scale, out, lse,
+                                    context_lens, sliding_window)
 
 
 @_context_attention.register_fake
-def _(q, k_nope, k_pe, v, query_start_loc, cu_seq_lens, starts, softmax_scale, out, lse) -> None:
+def _(q, k_nope, k_pe, v, query_start_loc, cu_seq_lens, starts, softmax_scale, out, lse, context_lens=None,
+      sliding_window=0) -> None:
     return None
 
 
@@ -137,10 +163,11 @@ def _suffix_attention(
     softmax_scale: float,
     out: torch.Tensor,
     lse: torch.Tensor,
+    sliding_window: int = 0,
 ) -> None:
-    cpu_attention.suffix_attention(q, k_nope, k_pe, v, query_start_loc, softmax_scale, out, lse)
+    cpu_attention.suffix_attention(q, k_nope, k_pe, v, query_start_loc, softmax_scale, out, lse, sliding_window)
 
 
 @_suffix_attention.register_fake
-def _(q, k_nope, k_pe, v, query_start_loc, softmax_scale, out, lse) -> None:
+def _(q, k_nope, k_pe, v, query_start_loc, softmax_scale, out, lse, sliding_window=0) -> None:
     return None

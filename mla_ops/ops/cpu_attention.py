@@ -110,9 +110,11 @@ class PaddedRows:
 # ---- MHA: context_attention and suffix_attention ------------------------------------------------
 
 
-def attend(q, k_nope, k_pe, v, q_bounds, k_starts, key_lens, softmax_scale, causal, out, lse) -> None:
+def attend(q, k_nope, k_pe, v, q_bounds, k_starts, key_lens, softmax_scale, causal, out, lse,
+           window_offsets=None) -> None:
     """Request r's queries ``q_bounds[r]:q_bounds[r+1]`` over its ``key_lens[r]`` keys from row
-    ``k_starts[r]`` (host lists), written to its rows of ``out``/``lse``; other rows are untouched."""
+    ``k_starts[r]`` (host lists), written to its rows of ``out``/``lse``; other rows are untouched.
+    ``window_offsets`` (a sliding window): per request d_r >= 0, its query j sees only keys k >= j - d_r."""
     acc = lse_dtype(q.dtype)
     num_heads, nope = q.shape[1], k_nope.shape[-1]
     query_lens = [b - a for a, b in zip(q_bounds, q_bounds[1:])]
@@ -123,15 +125,17 @@ def attend(q, k_nope, k_pe, v, q_bounds, k_starts, key_lens, softmax_scale, caus
         n, m, s = len(batch), max(lens_q), max(lens_k)
         rows_q = PaddedRows([q_bounds[r] for r in batch], lens_q, 0, m, q.device)
         k_rows = [k_starts[r] for r in batch]
+        floor = None if window_offsets is None else [window_offsets[r] for r in batch]
         partial = None
-        if s == 1 and m == 1:  # one query over one key each (a decode step's suffix)
+        if s == 1 and m == 1:  # one query over one key each (a decode step's suffix; d_r >= 0: in any window)
             partial = _one_key(q, k_nope, k_pe, v, rows_q, PaddedRows(k_rows, lens_k, 0, 1, q.device),
                                softmax_scale, acc)
-        elif _flash_fits(q, n, s, max(q.shape[-1], v.shape[-1])) and (not causal or lens_q == lens_k):
+        elif floor is None and _flash_fits(q, n, s, max(q.shape[-1], v.shape[-1])) and (not causal or lens_q == lens_k):
             partial = _flash_attend(q, k_nope, k_pe, v, rows_q, PaddedRows(k_rows, lens_k, 0, s, q.device),
                                     softmax_scale, causal, acc)  # None: scores that may not be finite
         if partial is None:
-            partial = _key_blocks(q, k_nope, k_pe, v, rows_q, k_rows, lens_q, lens_k, softmax_scale, causal, acc)
+            partial = _key_blocks(q, k_nope, k_pe, v, rows_q, k_rows, lens_q, lens_k, softmax_scale, causal, acc,
+                                  floor)
         o_i, lse_i = partial
         rows_q.put(out, o_i, 0)
         rows_q.put(lse, lse_i, 1)
@@ -147,8 +151,9 @@ def _one_key(q, k_nope, k_pe, v, rows_q, rows_k, softmax_scale, acc):
     return values.flatten(0, 1), scores.masked_fill(bad, float("nan")).flatten(0, 1).t()
 
 
-def _key_blocks(q, k_nope, k_pe, v, rows_q, k_rows, lens_q, lens_k, softmax_scale, causal, acc):
-    """A padded batch over blocks of ``KEY_BLOCK`` keys, merged: scores stay N x n x m x KEY_BLOCK."""
+def _key_blocks(q, k_nope, k_pe, v, rows_q, k_rows, lens_q, lens_k, softmax_scale, causal, acc, window_offsets=None):
+    """A padded batch over blocks of ``KEY_BLOCK`` keys, merged: scores stay N x n x m x KEY_BLOCK.
+    ``window_offsets``: per request d (a sliding window: query j sees keys k >= j - d)."""
     num_heads, nope = q.shape[1], k_nope.shape[-1]
     n, m, s = len(lens_q), max(lens_q), max(lens_k)
     qi = rows_q.take(q).to(acc) * softmax_scale  # [n, m, N, P+R]
@@ -157,6 +162,9 @@ def _key_blocks(q, k_nope, k_pe, v, rows_q, k_rows, lens_q, lens_k, softmax_scal
     if causal and (m > 1 or min(lens_k) < s):  # bottom-right: query j of m_i sees keys 0 .. s_i - m_i + j
         last_key = torch.tensor([sk - mq for sk, mq in zip(lens_k, lens_q)], device=q.device)[:, None, None]
         last_key = last_key + torch.arange(m, device=q.device)[:, None]  # [n, m, 1]
+    if window_offsets is not None:  # query j of request i sees keys from j - d_i on
+        first_key = torch.arange(m, device=q.device)[:, None] - torch.tensor(window_offsets, device=q.device)[:, None,
+                                                                                                             None]
     partial = None  # ([n*m, N, V], [N, n*m]): the rows of merge_states_reference
     for b0 in range(0, s, KEY_BLOCK):
         b1 = min(b0 + KEY_BLOCK, s)
@@ -167,10 +175,13 @@ def _key_blocks(q, k_nope, k_pe, v, rows_q, k_rows, lens_q, lens_k, softmax_scal
         rope = q_pe @ rows_k.take(k_pe).to(acc).transpose(1, 2)  # [n, N*m, s]
         scores += rope.view(n, num_heads, m, -1).transpose(0, 1)
         scores_nan_for_neg_inf_(scores)
-        masked = rows_k.padded or (causal and m > 1)
+        masked = rows_k.padded or (causal and m > 1) or window_offsets is not None
         empty = None
         if masked:  # the causal mask also hides padding keys: they lie past every real query's last key
-            hidden = torch.arange(b0, b1, device=q.device) > last_key if causal else ~rows_k.valid[:, None, :]
+            hidden = (torch.arange(b0, b1, device=q.device) > last_key if causal and (m > 1 or min(lens_k) < s)
+                      else ~rows_k.valid[:, None, :] if rows_k.padded else torch.zeros((), dtype=torch.bool))
+            if window_offsets is not None:
+                hidden = hidden | (torch.arange(b0, b1, device=q.device) < first_key)
             scores.masked_fill_(hidden, float("-inf"))
             empty = hidden.all(-1)  # [n, m] or [n, 1]: queries that see no key of this block
         block_lse = torch.logsumexp(scores, dim=-1)  # [N, n, m]
@@ -223,47 +234,67 @@ def _flash_attend(q, k_nope, k_pe, v, rows_q, rows_k, softmax_scale, causal, acc
     return o[..., :value].transpose(1, 2).flatten(0, 1), lse.transpose(0, 1).flatten(1)
 
 
-def context_attention(q, k_nope, k_pe, v, query_start_loc, cu_seq_lens, starts, softmax_scale, out, lse) -> None:
+def window_starts(starts, context_lens, sliding_window: int):
+    """A chunk's sliding window on the host (CPU / oracle path): ``(first, offsets)`` per request, the position
+    its window's rows begin at (``max(0, c - w + 1)``; 0 without a window) and d with query j seeing the chunk's
+    rows k >= j - d (``starts + w - 1 - c``; None without a window)."""
+    if not sliding_window:
+        return [0] * starts.shape[0], None
+    if context_lens is None:
+        raise ValueError("context_attention with a sliding_window needs context_lens (the chunk's requests' [n])")
+    pairs = list(zip(starts.tolist(), context_lens.tolist()))  # host reads
+    return ([max(0, c - sliding_window + 1) for _, c in pairs],
+            [start + sliding_window - 1 - c for start, c in pairs])
+
+
+def context_attention(q, k_nope, k_pe, v, query_start_loc, cu_seq_lens, starts, softmax_scale, out, lse,
+                      context_lens=None, sliding_window=0) -> None:
     """``mla_ops::context_attention`` on CPU (arguments: ``ops/attention.py``)."""
     q_bounds, k_bounds = query_start_loc.tolist(), cu_seq_lens.tolist()  # host reads: CPU path
     key_lens = [b - a for a, b in zip(k_bounds, k_bounds[1:])]
-    continues = [start > 0 for start in starts.tolist()]
+    first, offsets = window_starts(starts, context_lens, sliding_window)
+    continues = [start > f for start, f in zip(starts.tolist(), first)]
     # A request starting here overwrites its rows (those without rows here are untouched) ...
     fresh = [0 if c else s for c, s in zip(continues, key_lens)]
-    attend(q, k_nope, k_pe, v, q_bounds, k_bounds, fresh, softmax_scale, False, out, lse)
+    attend(q, k_nope, k_pe, v, q_bounds, k_bounds, fresh, softmax_scale, False, out, lse, offsets)
     # ... one whose rows continue an earlier chunk folds its partial into what earlier chunks left.
     continuing = [s if c else 0 for c, s in zip(continues, key_lens)]
     if any(continuing):
         acc = lse_dtype(q.dtype)
         part_out = out.new_zeros(out.shape, dtype=acc)
         part_lse = lse.new_full(lse.shape, float("-inf"), dtype=acc)
-        attend(q, k_nope, k_pe, v, q_bounds, k_bounds, continuing, softmax_scale, False, part_out, part_lse)
+        attend(q, k_nope, k_pe, v, q_bounds, k_bounds, continuing, softmax_scale, False, part_out, part_lse, offsets)
         query_lens = query_start_loc[1:] - query_start_loc[:-1]
         rows = torch.repeat_interleave(torch.tensor(continuing, device=q.device) > 0, query_lens)
         rows = torch.cat([rows, rows.new_zeros(q.shape[0] - rows.shape[0])])  # tokens past query_start_loc[-1]
         out[rows], lse[:, rows] = merge_states_reference(out[rows], lse[:, rows], part_out[rows], part_lse[:, rows])
 
 
-def suffix_attention(q, k_nope, k_pe, v, query_start_loc, softmax_scale, out, lse) -> None:
+def suffix_attention(q, k_nope, k_pe, v, query_start_loc, softmax_scale, out, lse, sliding_window=0) -> None:
     """``mla_ops::suffix_attention`` on CPU (arguments: ``ops/attention.py``)."""
     out.zero_()  # tokens without keys (and past query_start_loc[-1]) get the empty partial
     lse.fill_(float("-inf"))
     bounds = query_start_loc.tolist()  # host read: CPU path
     key_lens = [b - a for a, b in zip(bounds, bounds[1:])]
-    attend(q, k_nope, k_pe, v, bounds, bounds, key_lens, softmax_scale, True, out, lse)
+    offsets = [sliding_window - 1] * len(key_lens) if sliding_window else None
+    attend(q, k_nope, k_pe, v, bounds, bounds, key_lens, softmax_scale, True, out, lse, offsets)
 
 
 # ---- latent: latent_context_attention (and through it absorbed_context_attention) ---------------
 
 
-def _context_rows(kv_cache, tables, context_lens, begin: int, end: int, k_scale, acc):
+def _context_rows(kv_cache, tables, context_lens, begin: int, end: int, k_scale, acc, first=None):
     """Context rows ``begin:end`` of each request (``tables`` [n, max_blocks] its block table rows),
     dequantized, in ``acc``: ``(rows [n, end - begin, L+R], valid [n, end - begin])``; rows past a
-    request's context repeat its first row (a valid block) and are not valid (None: no padding)."""
+    request's context repeat its first row (a valid block) and are not valid (None: no padding).
+    ``first``: per request, the context position its row 0 is (a sliding window's; None: 0), with
+    ``context_lens`` its rows from there."""
     position, valid = torch.arange(begin, end, device=kv_cache.device).expand(len(context_lens), -1), None
     if min(context_lens) < end:
         valid = position < torch.tensor(context_lens, device=kv_cache.device)[:, None]
         position = torch.where(valid, position, 0)
+    if first is not None:
+        position = position + torch.tensor(first, device=kv_cache.device)[:, None]
     block_size = kv_cache.shape[1]
     slots = tables.gather(1, position // block_size) * block_size + position % block_size
     # One gather of whole rows (flatten is a view for any cache whose blocks are evenly strided).
@@ -275,34 +306,44 @@ def _context_rows(kv_cache, tables, context_lens, begin: int, end: int, k_scale,
     return rows.to(acc), valid
 
 
-def _latent_partial(qr, rows, valid, latent: int):
+def _latent_partial(qr, rows, valid, latent: int, hidden=None):
     """Non-causal attention of a padded batch over one key block in the latent space.
 
-    qr [n, m, H, L+R]: scaled queries ``[q_lat | q_pe]``; rows [n, s, L+R], valid [n, s] or None
+    qr [n, m, H, L+R]: scaled queries ``[q_lat | q_pe]``; rows [n, s, L+R], valid [n, s] or None; hidden
+    [n, m, s] or None: keys a query may not see (a sliding window)
     -> ``(o_lat [n*m, H, L], lse [H, n*m])``, the layout of ``merge_states_reference``.
     """
     n, m, heads, _ = qr.shape
     scores = torch.bmm(qr.flatten(1, 2), rows.transpose(1, 2))  # [n, m*H, s]: q_lat . kv_c + q_pe . k_pe
     scores_nan_for_neg_inf_(scores)
     empty = None
-    if valid is not None:  # padding rows
+    if hidden is not None:  # padding rows too
+        valid = ~hidden if valid is None else valid[:, None, :] & ~hidden  # [n, m, s]
+        scores.view(n, m, heads, -1).masked_fill_(~valid[:, :, None, :], float("-inf"))
+        empty = (~valid.any(-1)).repeat_interleave(heads, 1)  # [n, m*H]: queries that see no key of the block
+    elif valid is not None:  # padding rows
         scores.masked_fill_(~valid[:, None, :], float("-inf"))
         empty = ~valid.any(1, keepdim=True)  # [n, 1]: a block past a short context
     block_lse = torch.logsumexp(scores, dim=-1)  # [n, m*H]
     block_lse.masked_fill_(poisoned_rows(block_lse, empty), float("nan"))  # a non-finite score: NaN
     probs = torch.exp(scores - block_lse.unsqueeze(-1))
-    if valid is not None:
+    if empty is not None:
         probs.masked_fill_(empty.unsqueeze(-1), 0.0)  # the empty partial
     return torch.bmm(probs, rows[..., :latent]).view(n * m, heads, latent), block_lse.view(n * m, heads).t()
 
 
 def latent_context_attention(q, kv_cache, block_table, query_start_loc, context_lens, softmax_scale, k_scale,
-                             out, lse) -> None:
-    """``mla_ops::latent_context_attention`` on CPU (arguments: ``ops/absorbed.py``)."""
+                             out, lse, sliding_window=0) -> None:
+    """``mla_ops::latent_context_attention`` on CPU (arguments: ``ops/absorbed.py``); ``sliding_window`` w: query
+    j of a request with c context rows reads only positions ``c + j - w + 1 ..`` (the rows from ``c - w + 1``)."""
     acc = lse_dtype(q.dtype)
     latent = out.shape[2]
     bounds, contexts = query_start_loc.tolist(), context_lens.tolist()  # host reads: CPU path
     query_lens = [b - a for a, b in zip(bounds, bounds[1:])]
+    first = None
+    if sliding_window:  # each request's window rows: its last min(c, w - 1), from position `first` on
+        first = [max(0, c - sliding_window + 1) for c in contexts]
+        contexts = [c - f for c, f in zip(contexts, first)]
     for batch in padded_batches(query_lens, contexts, q.shape[1] * (q.shape[2] + latent), KEY_BLOCK):
         # One attention per batch of requests padded to [n, m] queries and [n, s] context rows.
         lens_q, lens_k = [query_lens[r] for r in batch], [contexts[r] for r in batch]
@@ -311,10 +352,16 @@ def latent_context_attention(q, kv_cache, block_table, query_start_loc, context_
         qr = rows_q.take(q).to(acc) * softmax_scale  # [n, m, H, L+R]
         tables = block_table if batch == list(range(len(contexts))) else block_table.index_select(
             0, torch.tensor(batch, device=block_table.device))
+        firsts = None if first is None else [first[r] for r in batch]
+        if firsts is not None:  # query j sees row k iff k >= j - d, d = w - 1 - rows (positions c + j - w + 1 ..)
+            d = torch.tensor([sliding_window - 1 - n for n in lens_k], device=q.device)[:, None, None]
+            first_key = torch.arange(qr.shape[1], device=q.device)[:, None] - d  # [n, m, 1]
         partial = None
         for k0 in range(0, s, KEY_BLOCK):
-            rows, valid = _context_rows(kv_cache, tables, lens_k, k0, min(k0 + KEY_BLOCK, s), k_scale, acc)
-            partial = merge_into(partial, _latent_partial(qr, rows, valid, latent))
+            k1 = min(k0 + KEY_BLOCK, s)
+            rows, valid = _context_rows(kv_cache, tables, lens_k, k0, k1, k_scale, acc, firsts)
+            hidden = None if firsts is None else torch.arange(k0, k1, device=q.device) < first_key
+            partial = merge_into(partial, _latent_partial(qr, rows, valid, latent, hidden))
         o_lat, lse_lat = partial
         rows_q.put(out, o_lat, 0)
         rows_q.put(lse, lse_lat, 1)

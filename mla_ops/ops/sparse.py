@@ -8,10 +8,12 @@ topk_indices     [T, K] int32  per token, positions in its request's sequence (-
                                the indexer had no finite scores for the token, whose output is then NaN)
 kv_b_proj_weight [N*(P+V), L]  W_UK = [:, :P] [N, P, L], W_UV = [:, P:] [N, V, L] (``_mla.split_kv_b_proj``)
 k_scale          [1] float32 or None   dequantized = stored * k_scale (float8_e4m3fn caches only)
+sliding_window   int           w (DESIGN §11; 0: none): a selected key counts only if it lies in the query's window
 -> out           [T, N, V]   lse [N, T] float32 (float64 for float64 q), natural log   (out=)
 
 For token t of a request r with ``sparse[r]``, at position ``c_r + j`` of its sequence: its keys are
-the entries s of ``topk_indices[t]`` with ``0 <= s <= c_r + j`` (a position past the query's own is
+the entries s of ``topk_indices[t]`` with ``0 <= s <= c_r + j`` (and ``s >= c_r + j - w + 1`` under a sliding
+window w; the indexer selects among every candidate, the window masks the selection) (a position past the query's own is
 never attended; -1 pads; a position appears at most once in a row: refused on the CPU, a device assert
 under ``mla_ops.set_debug(True)``, else counted as often as it appears). Position s is the row ``[kv_c | k_pe]``
 
@@ -52,7 +54,7 @@ REFERENCE_ROWS = 1 << 15
 
 
 def sparse_reference(q, kv_c, k_pe, kv_cache, block_table, query_start_loc, context_lens, sparse, topk_indices,
-                     kv_b_proj_weight, softmax_scale, k_scale, out, lse) -> None:
+                     kv_b_proj_weight, softmax_scale, k_scale, out, lse, sliding_window=0) -> None:
     num_tokens, num_keys = topk_indices.shape
     if num_tokens == 0 or context_lens.shape[0] == 0 or q.shape[1] == 0:
         return
@@ -72,6 +74,8 @@ def sparse_reference(q, kv_c, k_pe, kv_cache, block_table, query_start_loc, cont
         context = context_lens.long()[r][:, None]  # [n, 1]
         s = topk_indices[t].long()  # [n, K]
         key_ok = (s >= 0) & (s <= context + position[t][:, None])
+        if sliding_window:  # and inside the query's window
+            key_ok &= s > context + position[t][:, None] - sliding_window
         in_cache = key_ok & (s < context)
         # Each selected row read once, from where it lives (host-read masks: the CPU / oracle path);
         # the unselected stay 0 (the cache may hold NaN there: 0 * NaN is NaN).
@@ -115,14 +119,15 @@ def _sparse_attention(
     k_scale: torch.Tensor | None,
     out: torch.Tensor,
     lse: torch.Tensor,
+    sliding_window: int = 0,
 ) -> None:
     sparse_reference(q, kv_c, k_pe, kv_cache, block_table, query_start_loc, context_lens, sparse, topk_indices,
-                     kv_b_proj_weight, softmax_scale, k_scale, out, lse)
+                     kv_b_proj_weight, softmax_scale, k_scale, out, lse, sliding_window)
 
 
 @_sparse_attention.register_fake
 def _(q, kv_c, k_pe, kv_cache, block_table, query_start_loc, context_lens, sparse, topk_indices, kv_b_proj_weight,
-      softmax_scale, k_scale, out, lse) -> None:
+      softmax_scale, k_scale, out, lse, sliding_window=0) -> None:
     return None
 
 
@@ -178,15 +183,17 @@ def check_topk_values(topk_indices, query_start_loc, context_lens, sparse, rows=
 
 
 def sparse_attention(q, kv_c, k_pe, kv_cache, block_table, query_start_loc, context_lens, sparse, topk_indices,
-                     kv_b_proj_weight, softmax_scale, k_scale=None, *, out=None, lse=None):
+                     kv_b_proj_weight, softmax_scale, k_scale=None, *, out=None, lse=None, sliding_window=None):
     """The sparse requests' attention over their selected keys (module doc): ``(out [T, N, V], lse [N, T])``.
 
     ``out`` / ``lse``: written in place where given (other tokens' rows untouched), else made with the
     empty partial ``0 / -inf``. ``k_scale``: a float or a one-element float32 tensor, required for a
-    float8_e4m3fn cache. Checks everything before anything is written; values (lengths, block ids,
+    float8_e4m3fn cache. ``sliding_window``: w, keys outside a query's window are not attended (None: no
+    window). Checks everything before anything is written; values (lengths, block ids,
     ``topk_indices`` ranges) only where they are free to read (CPU).
     """
     dims = check_layer(q, kv_c, k_pe, kv_cache, kv_b_proj_weight, softmax_scale, out=out)
+    window = checks.check_int(sliding_window, "sliding_window", 1, optional=True, most=checks.INT32_MAX) or 0
     device, (num_tokens, num_heads) = q.device, q.shape[:2]
     checks.check_int32(block_table, "block_table", 2, "[B, max_blocks]", device, "q")
     checks.check_int32(query_start_loc, "query_start_loc", 1, "[B+1]", device, "q")
@@ -218,6 +225,6 @@ def sparse_attention(q, kv_c, k_pe, kv_cache, block_table, query_start_loc, cont
         lse = q.new_full((num_heads, num_tokens), float("-inf"), dtype=acc)
     torch.ops.mla_ops.sparse_attention(q, kv_c, k_pe, kv_cache, block_table, query_start_loc, context_lens, sparse,
                                        topk_indices, kv_b_proj_weight, float(softmax_scale),
-                                       checks.k_scale_tensor(k_scale, kv_cache), out, lse)
+                                       checks.k_scale_tensor(k_scale, kv_cache), out, lse, window)
     return out, lse
 

@@ -42,6 +42,9 @@ class PlanOptions:
     max_index_chunks: the device form's static capacity of indexer chunks (DESIGN §12), apart from the
       chunk loop's ``max_chunks``: a long sparse prompt needs many indexer pieces but no attention chunk.
       None: ``max_chunks``. Only with ``max_chunks`` (the host form sizes both to the step).
+    sliding_window: w, a sliding window (DESIGN §11): query ``c_r + j`` sees only keys ``c_r + j - w + 1 ..
+      c_r + j``, so each request's context is clamped to its last ``w - 1`` rows (the work grows with the
+      window, not the context). None: no window. A model whose layers differ plans one step per kind.
     """
 
     block_size: int = 16
@@ -54,6 +57,7 @@ class PlanOptions:
     index_topk: int | None = None
     index_scores_budget: int = DEFAULT_INDEX_SCORES_BUDGET
     max_index_chunks: int | None = None
+    sliding_window: int | None = None
 
     def __post_init__(self):
         # Every size is compared with int32 lengths or becomes an int32 offset: bounded by int32, by name
@@ -91,6 +95,8 @@ class PlanOptions:
                                                       " (0 disables)")
         if self.max_absorbed_tokens is not None:
             normalized["max_absorbed_tokens"] = size(self.max_absorbed_tokens, "max_absorbed_tokens", 0)
+        if self.sliding_window is not None:
+            normalized["sliding_window"] = size(self.sliding_window, "sliding_window", 1, " (None: no window)")
         normalized["index_scores_budget"] = size(self.index_scores_budget, "index_scores_budget")
         if self.index_topk is not None:
             normalized["index_topk"] = size(self.index_topk, "index_topk")
@@ -123,6 +129,11 @@ class PlanOptions:
     def index_capacity(self) -> int | None:
         """The device form's indexer chunk slots: ``max_index_chunks``, else ``max_chunks``."""
         return self.max_chunks if self.max_index_chunks is None else self.max_index_chunks
+
+    @property
+    def window(self) -> int:
+        """The sliding window as the plan and the ops hold it: w, or 0 for none."""
+        return self.sliding_window or 0
 
     @property
     def index_tokens(self) -> int:

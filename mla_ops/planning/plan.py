@@ -17,6 +17,7 @@ frozen dataclass and a pytree whose leaves are its tensors and the sizes it was 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
@@ -80,6 +81,10 @@ class PrefillPlan:
     # index_topk. ``suffix_rows``: those tokens (host form), or -1: T slots (device form), the others padding.
     suffix_query_start_loc: torch.Tensor | None = None
     suffix_rows: int = -1
+    # A sliding window w (DESIGN §11; 0: none): query c_r + j sees keys c_r + j - w + 1 .. c_r + j. The
+    # schedules hold each request's last min(c_r, w - 1) context rows only (their ``starts`` are context
+    # positions); ``absorbed_context_lens`` keeps c_r, the absorbed kernel reads the window itself.
+    sliding_window: int = 0
 
     @property
     def num_requests(self) -> int:
@@ -120,6 +125,8 @@ class PrefillPlan:
             planned.append(f"index_topk={self.index_topk}")
             planned.append(f"{'index_chunks' if self.form == 'host' else 'max_index_chunks'}="
                            f"{self.index_schedule.max_chunks}")
+        if self.sliding_window:
+            planned.append(f"sliding_window={self.sliding_window}")
         if self.context_parallel is not None:
             planned.append(f"context_parallel=rank {self.context_parallel.rank} of {self.context_parallel.world_size}")
         planned += [f"workspace_size={self.workspace_size}", f"block_size={self.block_size}", f"device={self.device}",
@@ -203,6 +210,28 @@ def check_on_plan_device(query_start_loc, context_lens, block_table) -> None:
             )
 
 
+def window_rows(context_lens, window: int):
+    """``(rows, first)``: the context rows a sliding window of ``window`` keys covers per request, its last
+    ``min(c_r, window - 1)`` (query ``c_r`` sees ``c_r - window + 1 ..``, later queries fewer), and the position
+    of the first, ``c_r - rows``. Lists, int64 arrays or (device code) tensors, as given."""
+    if isinstance(context_lens, list):
+        rows = [min(c, window - 1) for c in context_lens]
+        return rows, [c - n for c, n in zip(context_lens, rows)]
+    rows = (torch.clamp(context_lens, max=window - 1) if isinstance(context_lens, torch.Tensor)
+            else np.minimum(context_lens, window - 1))
+    return rows, context_lens - rows
+
+
+def whole_context_where_routed(context_lens, routed):
+    """The absorbed lengths of a windowed plan: ``c_r`` (the absorbed kernel reads its window itself) where
+    the window's rows were routed there (``routed[r] > 0``), else 0."""
+    if isinstance(context_lens, list):
+        return [c if a else 0 for c, a in zip(context_lens, routed)]
+    if isinstance(context_lens, torch.Tensor):
+        return torch.where(routed > 0, context_lens, 0)
+    return np.where(routed > 0, context_lens, 0)
+
+
 # Requests up to which the value checks walk Python lists; numpy's per-call cost pays off beyond.
 LIST_CHECKS = 32
 
@@ -245,10 +274,17 @@ def plan_host(query_start_loc, context_lens, block_table, options: PlanOptions) 
             suffix_loc = torch.as_tensor(np.concatenate([[0], np.cumsum(dense_queries)]), dtype=torch.int32)
             suffix_loc = suffix_loc.to(device, non_blocking=True)
         sparse = sparse.to(device, non_blocking=True)
+    window_ctx = first = None
+    if options.window:  # only the rows the window covers are chunked or routed
+        window_ctx, (ctx, first) = ctx, window_rows(ctx, options.window)
     mha_lens, absorbed_lens = ctx, None
     if options.absorb_threshold:
         mha_lens, absorbed_lens = route_context(ctx, query_lens, options.absorb_threshold, options.absorbed_capacity)
+        if window_ctx is not None:
+            absorbed_lens = whole_context_where_routed(window_ctx, absorbed_lens)
     schedule = schedule_checked(mha_lens, query_lens, options.workspace_size, options.policy, options.split_alignment)
+    if first is not None:
+        schedule = schedule.offset_starts(first)
     if not block_table.is_cpu:
         schedule = schedule.to(device, non_blocking=True)
     absorbed = token_loc = None
@@ -277,7 +313,7 @@ def plan_host(query_start_loc, context_lens, block_table, options: PlanOptions) 
         absorbed_query_bound=max(routed, default=0), num_tokens=int(qsl[-1]), max_block_id=max_block_id,
         absorbed_rows=sum(routed), context_parallel=None, absorbed_token_loc=token_loc, options=options,
         index_topk=options.index_topk or 0, sparse=sparse, index_schedule=index_schedule,
-        suffix_query_start_loc=suffix_loc, suffix_rows=suffix_rows,
+        suffix_query_start_loc=suffix_loc, suffix_rows=suffix_rows, sliding_window=options.window,
     ))
 
 
@@ -301,13 +337,21 @@ def plan_device(query_start_loc, context_lens, block_table, options: PlanOptions
         index_schedule = device_index_schedule(query_start_loc, context_lens, sparse, options.workspace_size,
                                                options.index_tokens, options.index_capacity)
         mha_lens = torch.where(sparse, 0, context_lens)
+    first = None
+    if options.window:  # only the rows the window covers are chunked or routed
+        mha_lens, first = window_rows(mha_lens, options.window)
     if threshold and capacity:
         mha_lens, absorbed = route_context(mha_lens, query_start_loc[1:] - query_start_loc[:-1], threshold,
                                            capacity)
+        if first is not None:
+            absorbed = whole_context_where_routed(context_lens, absorbed)
     else:
         threshold = capacity = 0
         absorbed = torch.zeros_like(context_lens)
     schedule = plan_context_chunks_device(mha_lens, workspace_size, max_chunks)
+    if first is not None:  # the chunks' rows from each window's first position on
+        schedule = dataclasses.replace(
+            schedule, starts=torch.where(schedule.seq_lens > 0, schedule.starts + first, 0).to(torch.int32))
     if not torch.compiler.is_compiling():
         # Passed into a compiled function, K stays a constant: under dynamic=True, duck sizing
         # would otherwise tie a dynamic size equal to K (e.g. B+1 = K) to it and specialize both.
@@ -332,5 +376,5 @@ def plan_device(query_start_loc, context_lens, block_table, options: PlanOptions
         num_tokens=num_tokens, max_block_id=max_block_id, absorbed_rows=capacity,
         absorbed_token_loc=absorbed_token_loc(query_start_loc, absorbed) if capacity else None,
         options=options, index_topk=options.index_topk or 0, sparse=sparse, index_schedule=index_schedule,
-        suffix_query_start_loc=suffix_loc,
+        suffix_query_start_loc=suffix_loc, sliding_window=options.window,
     )

@@ -106,8 +106,26 @@ class ContextSchedule:
         moved = buffer.to(device, non_blocking=non_blocking)
         if moved is self._buffer:
             return self
+        return self._on(moved)
+
+    def offset_starts(self, first: Sequence[int] | np.ndarray) -> "ContextSchedule":
+        """The same chunks with each request's rows read from context position ``first[r]`` on (a sliding
+        window's first position, DESIGN §11): ``starts`` grow by ``first[r]`` where a chunk takes rows of
+        request r; the chunks, their sizes and ``is_continuation`` are unchanged. A host (CPU) schedule."""
+        if not self.chunks:
+            return self
+        counts = [c.num_requests for c in self.chunks]
+        covered = sum(counts)
+        buffer = self._buffer.clone()
+        request = torch.cat([torch.arange(c.request_start, c.request_end) for c in self.chunks])
+        shift = torch.as_tensor(np.asarray(first, dtype=np.int64))[request].to(torch.int32)
+        buffer[:covered] += torch.where(buffer[covered : 2 * covered] > 0, shift, 0).to(torch.int32)
+        return self._on(buffer)
+
+    def _on(self, buffer: torch.Tensor) -> "ContextSchedule":
+        """This schedule over ``buffer`` (laid out as its own: ``_views``)."""
         k = len(self.chunks)
-        views = _views(moved, [c.num_requests for c in self.chunks])
+        views = _views(buffer, [c.num_requests for c in self.chunks])
         chunks = tuple(
             frozen_instance(ContextChunk, {
                 **c.__dict__,
@@ -116,7 +134,7 @@ class ContextSchedule:
             })
             for i, c in enumerate(self.chunks)
         )
-        return dataclasses.replace(self, chunks=chunks, _buffer=moved)
+        return dataclasses.replace(self, chunks=chunks, _buffer=buffer)
 
 
 def frozen_instance(cls, fields: dict):

@@ -100,6 +100,7 @@ class Buckets(NamedTuple):
         take no chunk. ``stripe``: context parallel's ``interleave * D``, chunks holding whole stripes.
         A DeepSeek Sparse Attention step (``options.index_topk``): sparse requests take no attention chunk,
         and K must also hold the indexer's chunks of the padded step (the padding request may be sparse).
+        A sliding window chunks only the rows it covers.
         """
         tokens = smallest_at_least(self.tokens, int(query_start_loc[-1]))
         requests = smallest_at_least(self.requests, context_lens.size)
@@ -113,6 +114,8 @@ class Buckets(NamedTuple):
             index_chunks = pieces_needed(sequence_lens(qsl, ctx, sparse), ctx, qsl, sparse, options.workspace_size,
                                          options.index_tokens)
             context_lens = np.where(sparse.numpy()[: context_lens.size], 0, context_lens)  # no attention chunk
+        if options.sliding_window:  # a window's rows only (planning.plan.window_rows)
+            context_lens = np.minimum(context_lens, options.sliding_window - 1)
         chunked, _ = route_context(context_lens, np.diff(query_start_loc), options.absorb_threshold,
                                    options.absorbed_capacity)
         stripes = -(-chunked.astype(np.int64) // stripe)

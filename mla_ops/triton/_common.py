@@ -52,6 +52,17 @@ def online_softmax_step(qk, acc, l_i, m_i):
 
 
 @triton.jit
+def online_softmax_step_masked(qk, acc, l_i, m_i):
+    """``online_softmax_step`` where a row may have seen no key yet (a sliding window's mask): a max of -inf
+    stays -inf without ``exp2(nan)``, and such a row adds nothing."""
+    m_ij = tl.maximum(m_i, tl.max(qk, 1))
+    m_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+    p = tl.math.exp2(qk - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    return p, acc * alpha[:, None], l_i * alpha + tl.sum(p, 1), m_ij
+
+
+@triton.jit
 def find_request(offsets_ptr, stride, num_requests, target, TILE: tl.constexpr, SPARE_SLOT: tl.constexpr):
     """The last request i < num_requests with ``key(i) <= target`` (0 if none), elementwise for a block target.
 

@@ -9,6 +9,9 @@ k_scale          [1] float32 or None (float8_e4m3fn caches: dequantized = stored
                              are left untouched (out=)
 
 absorbed_rows    int: rows of the packed scratch (q_lat, o_lat), at least the routed tokens (-1: T)
+sliding_window   int w (0: none): query j of request r (position c_r + j) reads only positions ``c_r + j - w + 1
+                 ..``: a query tile's key loop starts at its first query's lowest, every tile masked; a row that
+                 sees no key gets 0 / -inf
 
 Oracle: ``absorbed_reference`` in ``mla_ops/ops/absorbed.py``. Only the tokens of requests with
 context ("routed" here) are touched. They are packed in request order at the device-computed
@@ -52,7 +55,7 @@ from .. import _mla
 from .._mla import MLADims, split_kv_b_proj
 from ._common import (
     LN2, LOG2E, device_guard, dot_dtype, dot_precision, ds_mla_latent, ds_mla_rope, e4m3fn_to_float32, find_request,
-    neg_inf_to_nan, online_softmax_step, persistent_grid, persistent_programs,
+    neg_inf_to_nan, online_softmax_step, online_softmax_step_masked, persistent_grid, persistent_programs,
 )
 from .rows_gemm import rows_gemm
 
@@ -66,9 +69,11 @@ def _absorbed_key_tile(
     stride_table_col, stride_cache_block, stride_cache_token,
     col_l, col_r, col_dv,  # [BLOCK_L, 1], [BLOCK_R, 1], [1, BLOCK_DV] int64 column offsets
     mask_l, mask_r, mask_dv,  # [BLOCK_L, 1], [BLOCK_R, 1], [1, BLOCK_DV] column bounds
+    key_floor,  # [ROWS] (WINDOW only) the lowest position each row sees
     start_n, offs_n, num_keys, qk_scale,  # offs_n: tl.arange(0, BLOCK_N), made once outside the loop
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     MASK_KEYS: tl.constexpr,  # key tiles may run past num_keys
+    WINDOW: tl.constexpr,  # a sliding window: position >= key_floor
     IS_FP8: tl.constexpr,
     IS_DS_MLA: tl.constexpr,  # fp8_ds_mla byte rows (column offsets are byte offsets), dequantized here
     DOT_DTYPE: tl.constexpr,
@@ -110,9 +115,13 @@ def _absorbed_key_tile(
     qk = neg_inf_to_nan(qk * qk_scale)  # base-2 logits; scaled before the max so any sign of the scale works
     if MASK_KEYS:
         qk = tl.where(key_ok[None, :], qk, float("-inf"))
-    # Every row sees key 0 in the first tile it processes, so the running max is finite from then on (or the
-    # row has a non-finite score and comes out NaN, out and lse).
-    p, acc, l_i, m_i = online_softmax_step(qk, acc, l_i, m_i)
+    if WINDOW:  # a row may see no key of this tile, nor of the ones before
+        qk = tl.where(keys[None, :] >= key_floor[:, None], qk, float("-inf"))
+        p, acc, l_i, m_i = online_softmax_step_masked(qk, acc, l_i, m_i)
+    else:
+        # Every row sees key 0 in the first tile it processes, so the running max is finite from then on (or the
+        # row has a non-finite score and comes out NaN, out and lse).
+        p, acc, l_i, m_i = online_softmax_step(qk, acc, l_i, m_i)
     acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
     return acc, l_i, m_i
 
@@ -125,10 +134,12 @@ def _absorbed_inner(
     table_row_ptr,  # [max_blocks] the request's block table row
     stride_table_col, stride_cache_block, stride_cache_token, stride_cache_col,
     offs_l, offs_r, offs_dv,  # [BLOCK_L], [BLOCK_R], [BLOCK_DV] column indices (offs_r from 0)
+    key_floor,  # [ROWS] (WINDOW only) the lowest position each row sees
     lo, hi, num_keys, qk_scale,
     HEAD_L: tl.constexpr, HEAD_R: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     MASK_KEYS: tl.constexpr,  # key tiles may run past num_keys
+    WINDOW: tl.constexpr,  # a sliding window: position >= key_floor
     IS_FP8: tl.constexpr,
     IS_DS_MLA: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
@@ -148,16 +159,16 @@ def _absorbed_inner(
         while start_n < hi:
             acc, l_i, m_i = _absorbed_key_tile(
                 acc, l_i, m_i, q_lat, q_pe, cache_ptr, table_row_ptr, stride_table_col, stride_cache_block,
-                stride_cache_token, col_l, col_r, col_dv, mask_l, mask_r, mask_dv, start_n, offs_n, num_keys, qk_scale,
-                BLOCK_N, PAGE_SIZE, MASK_KEYS, IS_FP8, IS_DS_MLA, DOT_DTYPE, DOT_PRECISION, HEAD_L,
+                stride_cache_token, col_l, col_r, col_dv, mask_l, mask_r, mask_dv, key_floor, start_n, offs_n, num_keys,
+                qk_scale, BLOCK_N, PAGE_SIZE, MASK_KEYS, WINDOW, IS_FP8, IS_DS_MLA, DOT_DTYPE, DOT_PRECISION, HEAD_L,
             )
             start_n += BLOCK_N
     else:
         for start_n in range(lo, hi, BLOCK_N):
             acc, l_i, m_i = _absorbed_key_tile(
                 acc, l_i, m_i, q_lat, q_pe, cache_ptr, table_row_ptr, stride_table_col, stride_cache_block,
-                stride_cache_token, col_l, col_r, col_dv, mask_l, mask_r, mask_dv, start_n, offs_n, num_keys, qk_scale,
-                BLOCK_N, PAGE_SIZE, MASK_KEYS, IS_FP8, IS_DS_MLA, DOT_DTYPE, DOT_PRECISION, HEAD_L,
+                stride_cache_token, col_l, col_r, col_dv, mask_l, mask_r, mask_dv, key_floor, start_n, offs_n, num_keys,
+                qk_scale, BLOCK_N, PAGE_SIZE, MASK_KEYS, WINDOW, IS_FP8, IS_DS_MLA, DOT_DTYPE, DOT_PRECISION, HEAD_L,
             )
     return acc, l_i, m_i
 
@@ -167,7 +178,7 @@ def _absorbed_tile(
     slot, head_group, dv_slice,
     q_lat_ptr, q_pe_ptr, cache_ptr, block_table_ptr, query_start_loc_ptr, latent_loc_ptr, context_lens_ptr,
     k_scale_ptr, o_lat_ptr, lse_ptr,
-    num_requests, num_heads, num_latent_rows, qk_scale,
+    num_requests, num_heads, num_latent_rows, window, qk_scale,
     stride_qlt, stride_qlh, stride_qld,
     stride_qpt, stride_qph, stride_qpd,
     stride_cache_block, stride_cache_token, stride_cache_col,
@@ -179,6 +190,7 @@ def _absorbed_tile(
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    WINDOW: tl.constexpr,
     IS_FP8: tl.constexpr,
     IS_DS_MLA: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
@@ -221,20 +233,34 @@ def _absorbed_tile(
         m_i = tl.full([BLOCK_M * BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M * BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M * BLOCK_H, BLOCK_DV], dtype=tl.float32)
-        full = (num_keys // BLOCK_N) * BLOCK_N
-        acc, l_i, m_i = _absorbed_inner(
-            acc, l_i, m_i, q_lat, q_pe, cache_ptr, table_row_ptr,
-            stride_table_col, stride_cache_block, stride_cache_token, stride_cache_col,
-            offs_l, offs_r, offs_dv, 0, full, num_keys, qk_scale * k_scale,
-            HEAD_L, HEAD_R, BLOCK_N, PAGE_SIZE, False, IS_FP8, IS_DS_MLA, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
-        )
-        acc, l_i, m_i = _absorbed_inner(
-            acc, l_i, m_i, q_lat, q_pe, cache_ptr, table_row_ptr,
-            stride_table_col, stride_cache_block, stride_cache_token, stride_cache_col,
-            offs_l, offs_r, offs_dv, full, num_keys, num_keys, qk_scale * k_scale,
-            HEAD_L, HEAD_R, BLOCK_N, PAGE_SIZE, True, IS_FP8, IS_DS_MLA, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
-        )
+        if WINDOW:  # row j sees positions c + j - w + 1 ..: from the tile's first query's lowest on, all masked
+            key_floor = num_keys + query_pos - window + 1
+            acc, l_i, m_i = _absorbed_inner(
+                acc, l_i, m_i, q_lat, q_pe, cache_ptr, table_row_ptr,
+                stride_table_col, stride_cache_block, stride_cache_token, stride_cache_col,
+                offs_l, offs_r, offs_dv, key_floor, tl.maximum(num_keys + m_start - window + 1, 0), num_keys,
+                num_keys, qk_scale * k_scale, HEAD_L, HEAD_R, BLOCK_N, PAGE_SIZE, True, True, IS_FP8, IS_DS_MLA,
+                DOT_DTYPE, DOT_PRECISION, INTERPRETED,
+            )
+        else:
+            full = (num_keys // BLOCK_N) * BLOCK_N
+            acc, l_i, m_i = _absorbed_inner(
+                acc, l_i, m_i, q_lat, q_pe, cache_ptr, table_row_ptr,
+                stride_table_col, stride_cache_block, stride_cache_token, stride_cache_col,
+                offs_l, offs_r, offs_dv, query_pos, 0, full, num_keys, qk_scale * k_scale,
+                HEAD_L, HEAD_R, BLOCK_N, PAGE_SIZE, False, False, IS_FP8, IS_DS_MLA, DOT_DTYPE, DOT_PRECISION,
+                INTERPRETED,
+            )
+            acc, l_i, m_i = _absorbed_inner(
+                acc, l_i, m_i, q_lat, q_pe, cache_ptr, table_row_ptr,
+                stride_table_col, stride_cache_block, stride_cache_token, stride_cache_col,
+                offs_l, offs_r, offs_dv, query_pos, full, num_keys, num_keys, qk_scale * k_scale,
+                HEAD_L, HEAD_R, BLOCK_N, PAGE_SIZE, True, False, IS_FP8, IS_DS_MLA, DOT_DTYPE, DOT_PRECISION,
+                INTERPRETED,
+            )
 
+        if WINDOW:  # a row that saw no key: the empty partial 0 / -inf (its max is -inf, its sum 1 here)
+            l_i = tl.where(l_i > 0, l_i, 1.0)
         acc = acc / l_i[:, None]
         if IS_FP8:
             acc = acc * k_scale
@@ -245,7 +271,7 @@ def _absorbed_tile(
             tl.store(lse_ptr + head * stride_lh + q_rows * stride_lt, lse.to(lse_ptr.dtype.element_ty), mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["num_requests", "num_latent_rows"])  # sizes change every step
+@triton.jit(do_not_specialize=["num_requests", "num_latent_rows", "window"])  # sizes change every step
 def _absorbed_fwd(
     q_lat_ptr,  # [M, N, L] rows in latent_loc order (a view of the launcher's buffer)
     q_pe_ptr,  # [T, N, R] (column view of q)
@@ -258,6 +284,7 @@ def _absorbed_fwd(
     o_lat_ptr,  # [M, N, L]
     lse_ptr,  # [N, T] float32, natural log
     num_requests, num_heads, num_latent_rows, num_head_groups, num_dv_slices,
+    window,  # w (WINDOW only)
     qk_scale,  # softmax_scale * LOG2E
     stride_qlt, stride_qlh, stride_qld,
     stride_qpt, stride_qph, stride_qpd,
@@ -270,6 +297,7 @@ def _absorbed_fwd(
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    WINDOW: tl.constexpr,
     IS_FP8: tl.constexpr,
     IS_DS_MLA: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
@@ -288,12 +316,12 @@ def _absorbed_fwd(
                 item // items_per_slot, (item % items_per_slot) // num_dv_slices, item % num_dv_slices,
                 q_lat_ptr, q_pe_ptr, cache_ptr, block_table_ptr, query_start_loc_ptr, latent_loc_ptr,
                 context_lens_ptr, k_scale_ptr, o_lat_ptr, lse_ptr,
-                num_requests, num_heads, num_latent_rows, qk_scale,
+                num_requests, num_heads, num_latent_rows, window, qk_scale,
                 stride_qlt, stride_qlh, stride_qld, stride_qpt, stride_qph, stride_qpd,
                 stride_cache_block, stride_cache_token, stride_cache_col, stride_table_row, stride_table_col,
                 stride_qsl, stride_lat, stride_ctx, stride_olt, stride_olh, stride_old, stride_lh, stride_lt,
                 HEAD_L, HEAD_R, BLOCK_L, BLOCK_R, BLOCK_DV, BLOCK_M, BLOCK_H, BLOCK_N,
-                PAGE_SIZE, IS_FP8, IS_DS_MLA, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
+                PAGE_SIZE, WINDOW, IS_FP8, IS_DS_MLA, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
             )
             item += tl.num_programs(0)
 
@@ -328,11 +356,12 @@ def tile_shape(dtype: torch.dtype, interpreted: bool, num_heads: int, latent: in
 
 
 def latent_attention(q_lat, q_pe, kv_cache, block_table, query_start_loc, context_lens, softmax_scale, k_scale,
-                     o_lat, lse, latent_loc=None) -> None:
+                     o_lat, lse, latent_loc=None, sliding_window=0) -> None:
     """The kernel over queries already in the latent space: q_lat [M, H, L], q_pe [T, H, R] (views
     welcome) -> o_lat [M, H, L], lse [H, T]. ``latent_loc`` [B+1] places request r's queries at
     rows ``latent_loc[r] ..`` of q_lat / o_lat (None: ``query_start_loc``, M = T); a request with
-    ``latent_loc[r+1] == latent_loc[r]`` or no context is skipped and its rows stay untouched."""
+    ``latent_loc[r+1] == latent_loc[r]`` or no context is skipped and its rows stay untouched.
+    ``sliding_window``: w (module doc; 0: none)."""
     num_rows, num_heads, latent = q_lat.shape
     rope, num_requests = q_pe.shape[2], context_lens.shape[0]
     if latent_loc is None:
@@ -352,13 +381,14 @@ def latent_attention(q_lat, q_pe, kv_cache, block_table, query_start_loc, contex
             k_scale if is_fp8 else lse,  # a never-read placeholder pointer otherwise
             o_lat, lse,
             num_requests, num_heads, num_rows, triton.cdiv(num_heads, block_h), triton.cdiv(latent, block_dv),
-            softmax_scale * LOG2E.value,
+            sliding_window, softmax_scale * LOG2E.value,
             *q_lat.stride(), *q_pe.stride(), *cache.stride(), *block_table.stride(),
             query_start_loc.stride(0), latent_loc.stride(0), context_lens.stride(0), *o_lat.stride(), *lse.stride(),
             HEAD_L=latent, HEAD_R=rope,
             BLOCK_L=max(16, triton.next_power_of_2(latent)), BLOCK_R=max(16, triton.next_power_of_2(rope)),
             BLOCK_DV=block_dv, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_N=block_n,
-            PAGE_SIZE=kv_cache.shape[1], IS_FP8=is_fp8, IS_DS_MLA=kv_cache.dtype == torch.uint8,
+            PAGE_SIZE=kv_cache.shape[1], WINDOW=sliding_window > 0, IS_FP8=is_fp8,
+            IS_DS_MLA=kv_cache.dtype == torch.uint8,
             DOT_DTYPE=dtype, DOT_PRECISION=dot_precision(dtype), INTERPRETED=interpreted,
             num_warps=num_warps, num_stages=num_stages,
         )
@@ -366,7 +396,7 @@ def latent_attention(q_lat, q_pe, kv_cache, block_table, query_start_loc, contex
 
 def absorbed_context_attention(
     q, kv_cache, block_table, query_start_loc, context_lens, kv_b_proj_weight, softmax_scale, k_scale, out, lse,
-    absorbed_rows=-1, absorbed_token_loc=None,
+    absorbed_rows=-1, absorbed_token_loc=None, sliding_window=0,
 ) -> None:
     """Same contract as ``torch.ops.mla_ops.absorbed_context_attention`` (module docstring)."""
     num_tokens = q.shape[0]
@@ -384,7 +414,7 @@ def absorbed_context_attention(
             loc = _mla.absorbed_token_loc(query_start_loc, context_lens)
         rows_gemm(q, w_uk.transpose(1, 2), q_lat, loc, query_start_loc, map_a=True)  # fold: q_nope @ W_UK
         latent_attention(q_lat, q[..., nope:], kv_cache, block_table, query_start_loc, context_lens,
-                         softmax_scale, k_scale, o_lat, lse, latent_loc=loc)
+                         softmax_scale, k_scale, o_lat, lse, latent_loc=loc, sliding_window=sliding_window)
         rows_gemm(o_lat, w_uv, out, loc, query_start_loc, map_c=True)  # unfold: o_lat @ W_UV^T
 
 

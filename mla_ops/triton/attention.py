@@ -7,6 +7,7 @@ query_start_loc [n+1] int32   query rows of request i: query_start_loc[i] .. que
 cu_seq_lens     [n+1] int32   key rows of request i (context); the suffix uses query_start_loc
 starts          [n] int32     context: > 0 means request i continues an earlier chunk (merge)
 -> out          [Tq, N, V]    any float dtype   lse [N, Tq] float32, natural log (out=)
+context_lens    [n] int32     (a sliding window's context only) c_i      sliding_window  int w (0: none)
 
 ``scores = softmax_scale * (q_nope . k_nope + q_pe . k_pe)``; a query with a NaN or inf score among its keys
 gets NaN (out and lse), as in the oracles; oracles: ``context_attention_reference``
@@ -35,6 +36,12 @@ Key loop per (query tile, head), as in Triton's fused-attention tutorial: full k
 masks, then the masked remainder. Causal (suffix, keys = queries of the same request): tiles left
 of the diagonal unmasked, the diagonal block masked, tiles past it skipped.
 
+A sliding window (DESIGN §11, ``WINDOW``): query j of a request sees its keys k >= j - d (suffix: d = w - 1;
+context: d = starts[i] + w - 1 - c_i, the chunk's row k being context position starts[i] + k), so a query
+tile reads the key tiles from its first query's lowest key on, every one masked; a row may see no key of the
+call (then 0 / -inf), and a request continues an earlier chunk when ``starts[i]`` is past its window's first
+position ``max(0, c_i - w + 1)``.
+
 Dtypes: q / k / v in float16, bfloat16 or float32 (float64 raises TypeError: the torch reference is
 the float64 path). 16-bit operands go to ``tl.dot`` as they are (fp32 accumulation; probabilities
 are rounded to the value dtype for the second product, as in FlashAttention); fp32 operands use
@@ -57,6 +64,7 @@ from ._common import (
     find_request,
     neg_inf_to_nan,
     online_softmax_step,
+    online_softmax_step_masked,
     persistent_grid,
     persistent_programs,
 )
@@ -72,10 +80,12 @@ def _attn_key_tile(
     stride_kt, stride_pt, stride_vt,
     mask_p, mask_r, mask_v,  # [BLOCK_P, 1], [BLOCK_R, 1], [1, BLOCK_V]: head-dim bounds
     query_pos,  # [BLOCK_M] positions of the tile's queries in their request
+    key_floor,  # [BLOCK_M] (WINDOW only) the lowest key each query sees
     start_n, offs_n, num_keys, qk_scale,  # offs_n: tl.arange(0, BLOCK_N), made once outside the loop
     BLOCK_N: tl.constexpr,
     DIAGONAL: tl.constexpr,  # causal mask: key <= query position
     MASK_KEYS: tl.constexpr,  # key tiles may run past num_keys
+    WINDOW: tl.constexpr,  # a sliding window: key >= key_floor
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -98,9 +108,13 @@ def _attn_key_tile(
         qk = tl.where(key_ok[None, :], qk, float("-inf"))
     if DIAGONAL:
         qk = tl.where(keys[None, :] <= query_pos[:, None], qk, float("-inf"))
-    # Every row sees a key in the first tile it processes, so the running max is finite from then on (or the
-    # row has a non-finite score and comes out NaN, out and lse).
-    p, acc, l_i, m_i = online_softmax_step(qk, acc, l_i, m_i)
+    if WINDOW:  # a row may see no key of this tile, nor of the ones before
+        qk = tl.where(keys[None, :] >= key_floor[:, None], qk, float("-inf"))
+        p, acc, l_i, m_i = online_softmax_step_masked(qk, acc, l_i, m_i)
+    else:
+        # Every row sees a key in the first tile it processes, so the running max is finite from then on (or the
+        # row has a non-finite score and comes out NaN, out and lse).
+        p, acc, l_i, m_i = online_softmax_step(qk, acc, l_i, m_i)
     acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
     return acc, l_i, m_i
 
@@ -115,10 +129,12 @@ def _attn_fwd_inner(
     stride_kt, stride_pt, stride_vt,
     mask_p, mask_r, mask_v,  # [BLOCK_P, 1], [BLOCK_R, 1], [1, BLOCK_V]: head-dim bounds
     query_pos,  # [BLOCK_M] positions of the tile's queries in their request
+    key_floor,  # [BLOCK_M] (WINDOW only) the lowest key each query sees
     lo, hi, num_keys, qk_scale,
     BLOCK_N: tl.constexpr,
     DIAGONAL: tl.constexpr,  # causal mask: key <= query position
     MASK_KEYS: tl.constexpr,  # key tiles may run past num_keys
+    WINDOW: tl.constexpr,  # a sliding window: key >= key_floor
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
@@ -130,16 +146,16 @@ def _attn_fwd_inner(
         while start_n < hi:
             acc, l_i, m_i = _attn_key_tile(
                 acc, l_i, m_i, q_nope, q_pe, k_nope_ptrs, k_pe_ptrs, v_ptrs, stride_kt, stride_pt, stride_vt,
-                mask_p, mask_r, mask_v, query_pos, start_n, offs_n, num_keys, qk_scale,
-                BLOCK_N, DIAGONAL, MASK_KEYS, DOT_DTYPE, DOT_PRECISION,
+                mask_p, mask_r, mask_v, query_pos, key_floor, start_n, offs_n, num_keys, qk_scale,
+                BLOCK_N, DIAGONAL, MASK_KEYS, WINDOW, DOT_DTYPE, DOT_PRECISION,
             )
             start_n += BLOCK_N
     else:
         for start_n in range(lo, hi, BLOCK_N):
             acc, l_i, m_i = _attn_key_tile(
                 acc, l_i, m_i, q_nope, q_pe, k_nope_ptrs, k_pe_ptrs, v_ptrs, stride_kt, stride_pt, stride_vt,
-                mask_p, mask_r, mask_v, query_pos, start_n, offs_n, num_keys, qk_scale,
-                BLOCK_N, DIAGONAL, MASK_KEYS, DOT_DTYPE, DOT_PRECISION,
+                mask_p, mask_r, mask_v, query_pos, key_floor, start_n, offs_n, num_keys, qk_scale,
+                BLOCK_N, DIAGONAL, MASK_KEYS, WINDOW, DOT_DTYPE, DOT_PRECISION,
             )
     return acc, l_i, m_i
 
@@ -157,7 +173,9 @@ def _attn_tile(
     query_start_loc_ptr,  # [n+1]
     cu_k_ptr,  # [n+1] key row offsets
     starts_ptr,  # [n] (MERGE only)
+    context_lens_ptr,  # [n] (WINDOW and MERGE only)
     num_requests,  # n
+    window,  # w (WINDOW only)
     qk_scale,  # softmax_scale * LOG2E
     stride_qt, stride_qh, stride_qd,
     stride_kt, stride_kh, stride_kd,
@@ -165,12 +183,13 @@ def _attn_tile(
     stride_vt, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od,
     stride_lh, stride_lt,
-    stride_qsl, stride_cuk, stride_starts,
+    stride_qsl, stride_cuk, stride_starts, stride_ctx,
     HEAD_P: tl.constexpr, HEAD_R: tl.constexpr, HEAD_V: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,  # suffix: query j sees keys 0..j of its request
     MERGE: tl.constexpr,  # context: fold into out/lse where starts[i] > 0
+    WINDOW: tl.constexpr,  # a sliding window (module doc)
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
@@ -212,53 +231,81 @@ def _attn_tile(
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
-        if CAUSAL:
+        first = 0  # the context position a request's (windowed) rows begin at
+        if WINDOW:
+            # Query j sees keys k >= j - shift: from the tile's first query's lowest key on, every tile masked.
+            shift = window - 1
+            if not CAUSAL:  # chunk row k is context position starts[i] + k, query j is position c_i + j
+                context = tl.load(context_lens_ptr + request * stride_ctx)
+                shift = tl.load(starts_ptr + request * stride_starts) + window - 1 - context
+                first = tl.maximum(context - window + 1, 0)
+            hi = num_keys
+            if CAUSAL:
+                hi = tl.minimum(m_start + BLOCK_M, num_keys)
+            acc, l_i, m_i = _attn_fwd_inner(
+                acc, l_i, m_i, q_nope, q_pe, k_nope_ptrs, k_pe_ptrs, v_ptrs, stride_kt, stride_pt, stride_vt,
+                mask_p, mask_r, mask_v, query_pos, query_pos - shift, tl.maximum(m_start - shift, 0), hi, num_keys,
+                qk_scale, BLOCK_N, CAUSAL, True, True, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
+            )
+        elif CAUSAL:
             # Keys left of the tile's diagonal block are visible to all its queries (and < num_keys).
             acc, l_i, m_i = _attn_fwd_inner(
                 acc, l_i, m_i, q_nope, q_pe, k_nope_ptrs, k_pe_ptrs, v_ptrs, stride_kt, stride_pt, stride_vt,
-                mask_p, mask_r, mask_v, query_pos, 0, m_start, num_keys, qk_scale,
-                BLOCK_N, False, False, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
+                mask_p, mask_r, mask_v, query_pos, query_pos, 0, m_start, num_keys, qk_scale,
+                BLOCK_N, False, False, False, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
             )
             acc, l_i, m_i = _attn_fwd_inner(
                 acc, l_i, m_i, q_nope, q_pe, k_nope_ptrs, k_pe_ptrs, v_ptrs, stride_kt, stride_pt, stride_vt,
-                mask_p, mask_r, mask_v, query_pos, m_start, tl.minimum(m_start + BLOCK_M, num_keys), num_keys,
-                qk_scale, BLOCK_N, True, True, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
+                mask_p, mask_r, mask_v, query_pos, query_pos, m_start, tl.minimum(m_start + BLOCK_M, num_keys),
+                num_keys, qk_scale, BLOCK_N, True, True, False, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
             )
         else:
             full = (num_keys // BLOCK_N) * BLOCK_N
             acc, l_i, m_i = _attn_fwd_inner(
                 acc, l_i, m_i, q_nope, q_pe, k_nope_ptrs, k_pe_ptrs, v_ptrs, stride_kt, stride_pt, stride_vt,
-                mask_p, mask_r, mask_v, query_pos, 0, full, num_keys, qk_scale,
-                BLOCK_N, False, False, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
+                mask_p, mask_r, mask_v, query_pos, query_pos, 0, full, num_keys, qk_scale,
+                BLOCK_N, False, False, False, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
             )
             acc, l_i, m_i = _attn_fwd_inner(
                 acc, l_i, m_i, q_nope, q_pe, k_nope_ptrs, k_pe_ptrs, v_ptrs, stride_kt, stride_pt, stride_vt,
-                mask_p, mask_r, mask_v, query_pos, full, num_keys, num_keys, qk_scale,
-                BLOCK_N, False, True, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
+                mask_p, mask_r, mask_v, query_pos, query_pos, full, num_keys, num_keys, qk_scale,
+                BLOCK_N, False, True, False, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
             )
 
         # Epilogue: normalize, optionally fold into the running partial, store a natural-log LSE.
-        acc = acc / l_i[:, None]
-        lse2 = m_i + tl.math.log2(l_i)  # base 2
+        if WINDOW:  # a row that saw no key: the empty partial 0 / -inf
+            has_keys = l_i > 0
+            acc = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+            lse2 = tl.where(has_keys, m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        else:
+            acc = acc / l_i[:, None]
+            lse2 = m_i + tl.math.log2(l_i)  # base 2
         out_ptrs = out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_v[None, :] * stride_od
         lse_ptrs = lse_ptr + head * stride_lh + q_rows * stride_lt
         out_mask = row_ok[:, None] & mask_v
         if MERGE:
-            if tl.load(starts_ptr + request * stride_starts) > 0:  # continuation: merge, as merge_states_reference
+            if tl.load(starts_ptr + request * stride_starts) > first:  # continuation: merge, as merge_states_reference
                 prev2 = tl.load(lse_ptrs, mask=row_ok, other=float("-inf")).to(tl.float32) * LOG2E
                 prev2 = tl.where((prev2 == float("inf")) | (prev2 == float("-inf")), float("-inf"), prev2)  # empty
                 prev_out = tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
-                m = tl.maximum(prev2, lse2)  # finite: this partial has keys
+                m = tl.maximum(prev2, lse2)  # finite: this partial has keys (WINDOW: maybe neither has)
+                if WINDOW:
+                    m = tl.where(m == float("-inf"), 0.0, m)
                 w_prev = tl.math.exp2(prev2 - m)
                 w_new = tl.math.exp2(lse2 - m)
                 total = w_prev + w_new
+                if WINDOW:  # two empty partials merge to 0 / -inf
+                    nonempty = total > 0
+                    total = tl.where(nonempty, total, 1.0)
                 acc = (prev_out * (w_prev / total)[:, None]) + acc * (w_new / total)[:, None]
                 lse2 = m + tl.math.log2(total)
+                if WINDOW:
+                    lse2 = tl.where(nonempty, lse2, float("-inf"))
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
         tl.store(lse_ptrs, (lse2 * LN2).to(lse_ptr.dtype.element_ty), mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["num_requests"])  # the batch size changes every step
+@triton.jit(do_not_specialize=["num_requests", "window"])  # the batch size changes every step
 def _attn_fwd(
     q_ptr,  # [Tq, N, P+R]
     k_nope_ptr,  # [S, N, P]
@@ -269,8 +316,10 @@ def _attn_fwd(
     query_start_loc_ptr,  # [n+1]
     cu_k_ptr,  # [n+1] key row offsets
     starts_ptr,  # [n] (MERGE only)
+    context_lens_ptr,  # [n] (WINDOW and MERGE only)
     num_requests,  # n
     num_heads,  # N
+    window,  # w (WINDOW only)
     qk_scale,  # softmax_scale * LOG2E
     stride_qt, stride_qh, stride_qd,
     stride_kt, stride_kh, stride_kd,
@@ -278,12 +327,13 @@ def _attn_fwd(
     stride_vt, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od,
     stride_lh, stride_lt,
-    stride_qsl, stride_cuk, stride_starts,
+    stride_qsl, stride_cuk, stride_starts, stride_ctx,
     HEAD_P: tl.constexpr, HEAD_R: tl.constexpr, HEAD_V: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,  # suffix: query j sees keys 0..j of its request
     MERGE: tl.constexpr,  # context: fold into out/lse where starts[i] > 0
+    WINDOW: tl.constexpr,  # a sliding window (module doc)
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
@@ -304,12 +354,12 @@ def _attn_fwd(
             _attn_tile(
                 slot_lo + item % num_slots, (item // num_slots).to(tl.int64),
                 q_ptr, k_nope_ptr, k_pe_ptr, v_ptr, out_ptr, lse_ptr, query_start_loc_ptr, cu_k_ptr, starts_ptr,
-                num_requests, qk_scale,
+                context_lens_ptr, num_requests, window, qk_scale,
                 stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_pt, stride_pd,
                 stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od, stride_lh, stride_lt,
-                stride_qsl, stride_cuk, stride_starts,
+                stride_qsl, stride_cuk, stride_starts, stride_ctx,
                 HEAD_P, HEAD_R, HEAD_V, BLOCK_P, BLOCK_R, BLOCK_V, BLOCK_M, BLOCK_N,
-                CAUSAL, MERGE, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
+                CAUSAL, MERGE, WINDOW, DOT_DTYPE, DOT_PRECISION, INTERPRETED,
             )
             item += tl.num_programs(0)
 
@@ -359,7 +409,8 @@ def grid(num_tokens: int, num_requests: int, num_heads: int, block_m: int, progr
     return persistent_grid(slots(num_tokens, num_requests, block_m) * num_heads, programs)
 
 
-def _launch(q, k_nope, k_pe, v, query_start_loc, cu_k, starts, softmax_scale, out, lse, causal: bool) -> None:
+def _launch(q, k_nope, k_pe, v, query_start_loc, cu_k, starts, softmax_scale, out, lse, causal: bool,
+            context_lens=None, window: int = 0) -> None:
     num_tokens, num_heads = q.shape[0], q.shape[1]
     num_requests = query_start_loc.shape[0] - 1
     with device_guard(q) as interpreted:
@@ -373,34 +424,43 @@ def _launch(q, k_nope, k_pe, v, query_start_loc, cu_k, starts, softmax_scale, ou
         merge = starts is not None
         if starts is None:
             starts = query_start_loc  # unused (MERGE is off); any valid pointer
+        if window and merge and context_lens is None:
+            raise ValueError("context_attention with a sliding_window needs context_lens (the chunk's requests' [n])")
+        if context_lens is None:
+            context_lens = query_start_loc  # unused (no window, or the suffix's); any valid pointer
 
         programs = persistent_programs(q, interpreted, per_sm)
         _attn_fwd[grid(num_tokens, num_requests, num_heads, block_m, programs)](
             q, k_nope, k_pe, v, out, lse,
-            query_start_loc, cu_k, starts,
-            num_requests, num_heads, softmax_scale * LOG2E.value,
+            query_start_loc, cu_k, starts, context_lens,
+            num_requests, num_heads, window, softmax_scale * LOG2E.value,
             *q.stride(), *k_nope.stride(), *k_pe.stride(), *v.stride(), *out.stride(), *lse.stride(),
-            query_start_loc.stride(0), cu_k.stride(0), starts.stride(0),
+            query_start_loc.stride(0), cu_k.stride(0), starts.stride(0), context_lens.stride(0),
             HEAD_P=nope_dim, HEAD_R=rope_dim, HEAD_V=value_dim,
             BLOCK_P=block_p, BLOCK_R=block_r, BLOCK_V=block_v, BLOCK_M=block_m, BLOCK_N=block_n,
-            CAUSAL=causal, MERGE=merge,
+            CAUSAL=causal, MERGE=merge, WINDOW=window > 0,
             DOT_DTYPE=dtype, DOT_PRECISION=dot_precision(dtype), INTERPRETED=interpreted,
             num_warps=num_warps, num_stages=num_stages,
         )
 
 
 def context_attention(
-    q, k_nope, k_pe, v, query_start_loc, cu_seq_lens, starts, softmax_scale, out, lse
+    q, k_nope, k_pe, v, query_start_loc, cu_seq_lens, starts, softmax_scale, out, lse, context_lens=None,
+    sliding_window=0,
 ) -> None:
     """Non-causal attention of each request's queries over its rows of the chunk, folded into out/lse.
 
     Request i (queries ``query_start_loc[i]:[i+1]``, keys ``cu_seq_lens[i]:[i+1]``) merges its
     partial into ``out``/``lse`` when ``starts[i] > 0`` (an ``±inf`` LSE there counts as empty),
-    overwrites its rows otherwise, and is left untouched when it has no rows in the chunk.
+    overwrites its rows otherwise, and is left untouched when it has no rows in the chunk. A sliding
+    window (``context_lens`` [n], ``sliding_window`` w): see the module doc.
     """
-    _launch(q, k_nope, k_pe, v, query_start_loc, cu_seq_lens, starts, softmax_scale, out, lse, causal=False)
+    _launch(q, k_nope, k_pe, v, query_start_loc, cu_seq_lens, starts, softmax_scale, out, lse, causal=False,
+            context_lens=context_lens, window=sliding_window)
 
 
-def suffix_attention(q, k_nope, k_pe, v, query_start_loc, softmax_scale, out, lse) -> None:
-    """Causal attention of each request's queries over its own keys (same rows); writes every token."""
-    _launch(q, k_nope, k_pe, v, query_start_loc, query_start_loc, None, softmax_scale, out, lse, causal=True)
+def suffix_attention(q, k_nope, k_pe, v, query_start_loc, softmax_scale, out, lse, sliding_window=0) -> None:
+    """Causal attention of each request's queries over its own keys (same rows); writes every token. With a
+    sliding window w, query j sees keys ``j - w + 1 .. j``."""
+    _launch(q, k_nope, k_pe, v, query_start_loc, query_start_loc, None, softmax_scale, out, lse, causal=True,
+            window=sliding_window)

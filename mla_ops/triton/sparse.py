@@ -8,6 +8,7 @@ sparse           [B] bool      topk_indices [T, K] int32 (positions in the reque
                                no finite selection, the token's out and lse are NaN)
 kv_b_proj_weight [N*(P+V), L]  W_UK [N, P, L], W_UV [N, V, L] (``mla_ops._mla.split_kv_b_proj``)
 -> out           [T, N, V]   lse [N, T] float32, natural log; other tokens' rows are left untouched (out=)
+sliding_window   int w (0: none): a selected key counts only at positions ``c_r + j - w + 1 ..``
 
 Oracle: ``sparse_reference`` in ``mla_ops/ops/sparse.py`` (the contract is its module doc). The sparse
 requests' tokens are packed in request order at the device-computed offsets ``loc =
@@ -86,7 +87,7 @@ def _sparse_item(
     row, head_group, dv_slice,
     q_lat_ptr, q_pe_ptr, kv_c_ptr, k_pe_ptr, cache_ptr, block_table_ptr, query_start_loc_ptr, loc_ptr,
     context_lens_ptr, topk_ptr, k_scale_ptr, o_lat_ptr, lse_ptr,
-    num_requests, num_heads, qk_scale,
+    num_requests, num_heads, window, qk_scale,
     stride_qlt, stride_qlh, stride_qld,
     stride_qpt, stride_qph, stride_qpd,
     stride_kvc_t, stride_kvc_d, stride_kpe_t, stride_kpe_d,
@@ -98,7 +99,7 @@ def _sparse_item(
     HEAD_L: tl.constexpr, HEAD_R: tl.constexpr, NUM_TOPK: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, IS_FP8: tl.constexpr, IS_DS_MLA: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, IS_FP8: tl.constexpr, IS_DS_MLA: tl.constexpr, WINDOW: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One (packed token row, head group, value slice) item over the token's selected keys."""
@@ -143,6 +144,8 @@ def _sparse_item(
                        mask=slot < NUM_TOPK, other=-1)
         no_finite = tl.maximum(no_finite, (keys == -2).to(tl.int32))
         key_ok = (keys >= 0) & (keys <= context + j)  # never a position past the query's own
+        if WINDOW:  # nor one before its window
+            key_ok = key_ok & (keys > context + j - window)
         if tl.max(key_ok.to(tl.int32), 0) > 0:
             seen = tl.maximum(seen, key_ok.to(tl.int32))
             in_cache = key_ok & (keys < context)
@@ -186,7 +189,7 @@ def _sparse_item(
         tl.store(lse_ptr + head * stride_lh + token * stride_lt, lse.to(lse_ptr.dtype.element_ty), mask=head_ok)
 
 
-@triton.jit(do_not_specialize=["num_requests", "num_rows_capacity"])  # sizes change every step
+@triton.jit(do_not_specialize=["num_requests", "num_rows_capacity", "window"])  # sizes change every step
 def _sparse_fwd(
     q_lat_ptr,  # [M, N, L] packed rows (loc order)
     q_pe_ptr,  # [T, N, R] (column view of q)
@@ -198,6 +201,7 @@ def _sparse_fwd(
     o_lat_ptr,  # [M, N, L]
     lse_ptr,  # [N, T] float32, natural log
     num_requests, num_heads, num_rows_capacity, num_head_groups, num_dv_slices,
+    window,  # w (WINDOW only)
     qk_scale,  # softmax_scale * LOG2E
     stride_qlt, stride_qlh, stride_qld,
     stride_qpt, stride_qph, stride_qpd,
@@ -210,7 +214,7 @@ def _sparse_fwd(
     HEAD_L: tl.constexpr, HEAD_R: tl.constexpr, NUM_TOPK: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, IS_FP8: tl.constexpr, IS_DS_MLA: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, IS_FP8: tl.constexpr, IS_DS_MLA: tl.constexpr, WINDOW: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Persistent: stride over the (packed token, head group, value slice) items of the sparse tokens;
@@ -223,14 +227,14 @@ def _sparse_fwd(
             item // items_per_row, (item % items_per_row) // num_dv_slices, item % num_dv_slices,
             q_lat_ptr, q_pe_ptr, kv_c_ptr, k_pe_ptr, cache_ptr, block_table_ptr, query_start_loc_ptr, loc_ptr,
             context_lens_ptr, topk_ptr, k_scale_ptr, o_lat_ptr, lse_ptr,
-            num_requests, num_heads, qk_scale,
+            num_requests, num_heads, window, qk_scale,
             stride_qlt, stride_qlh, stride_qld, stride_qpt, stride_qph, stride_qpd,
             stride_kvc_t, stride_kvc_d, stride_kpe_t, stride_kpe_d,
             stride_cache_block, stride_cache_token, stride_cache_col, stride_table_row, stride_table_col,
             stride_qsl, stride_loc, stride_ctx, stride_topk_t, stride_topk_k,
             stride_olt, stride_olh, stride_old, stride_lh, stride_lt,
             HEAD_L, HEAD_R, NUM_TOPK, BLOCK_L, BLOCK_R, BLOCK_DV, BLOCK_H, BLOCK_N,
-            PAGE_SIZE, IS_FP8, IS_DS_MLA, DOT_DTYPE, DOT_PRECISION,
+            PAGE_SIZE, IS_FP8, IS_DS_MLA, WINDOW, DOT_DTYPE, DOT_PRECISION,
         )
         item += tl.num_programs(0)
 
@@ -257,7 +261,7 @@ def tile_shape(dtype: torch.dtype, interpreted: bool, num_heads: int, latent: in
 
 
 def sparse_attention(q, kv_c, k_pe, kv_cache, block_table, query_start_loc, context_lens, sparse, topk_indices,
-                     kv_b_proj_weight, softmax_scale, k_scale, out, lse) -> None:
+                     kv_b_proj_weight, softmax_scale, k_scale, out, lse, sliding_window=0) -> None:
     """Same contract as ``torch.ops.mla_ops.sparse_attention`` (``mla_ops/ops/sparse.py``)."""
     num_tokens, num_topk = topk_indices.shape
     num_requests = context_lens.shape[0]
@@ -283,7 +287,7 @@ def sparse_attention(q, kv_c, k_pe, kv_cache, block_table, query_start_loc, cont
             k_scale if is_fp8 else lse,  # a never-read placeholder pointer otherwise
             o_lat, lse,
             num_requests, num_heads, num_tokens, head_groups, dv_slices,
-            softmax_scale * LOG2E.value,
+            sliding_window, softmax_scale * LOG2E.value,
             *q_lat.stride(), *q_pe.stride(), *kv_c.stride(), *k_pe.stride(), *cache.stride(), *block_table.stride(),
             query_start_loc.stride(0), loc.stride(0), context_lens.stride(0), *topk_indices.stride(),
             *o_lat.stride(), *lse.stride(),
@@ -291,7 +295,7 @@ def sparse_attention(q, kv_c, k_pe, kv_cache, block_table, query_start_loc, cont
             BLOCK_L=max(16, triton.next_power_of_2(latent)), BLOCK_R=max(16, triton.next_power_of_2(rope)),
             BLOCK_DV=block_dv, BLOCK_H=block_h, BLOCK_N=block_n,
             PAGE_SIZE=kv_cache.shape[1], IS_FP8=is_fp8, IS_DS_MLA=kv_cache.dtype == torch.uint8,
-            DOT_DTYPE=dtype, DOT_PRECISION=dot_precision(dtype),
+            WINDOW=sliding_window > 0, DOT_DTYPE=dtype, DOT_PRECISION=dot_precision(dtype),
             num_warps=num_warps, num_stages=num_stages,
         )
         rows_gemm(o_lat, w_uv, out, loc, query_start_loc, map_c=True)  # unfold: o_lat @ W_UV^T

@@ -195,12 +195,12 @@ def forward(self, arg0_1: "Sym(s85)", arg1_1: "f32[s85, 2, 10]", arg2_1: "Sym(s3
     getitem_5: "f32[s85, 2, 5]" = split_with_sizes[1];  split_with_sizes = None
     new_empty: "f32[s85, 2, 5]" = torch.ops.aten.new_empty.default(arg1_1, [arg0_1, 2, 5], pin_memory = False)
     new_empty_1: "f32[2, s85]" = torch.ops.aten.new_empty.default(arg1_1, [2, arg0_1], dtype = torch.float32, pin_memory = False);  arg0_1 = None
-    auto_functionalized_v2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.mla_ops.suffix_attention.default, q = arg1_1, k_nope = getitem_4, k_pe = arg8_1, v = getitem_5, query_start_loc = arg4_1, softmax_scale = 0.25, _out_base_index = 0, _lse_base_index = 1, _all_bases = [new_empty, new_empty_1]);  getitem_4 = arg8_1 = getitem_5 = new_empty = new_empty_1 = None
+    auto_functionalized_v2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.mla_ops.suffix_attention.default, q = arg1_1, k_nope = getitem_4, k_pe = arg8_1, v = getitem_5, query_start_loc = arg4_1, softmax_scale = 0.25, sliding_window = 0, _out_base_index = 0, _lse_base_index = 1, _all_bases = [new_empty, new_empty_1]);  getitem_4 = arg8_1 = getitem_5 = new_empty = new_empty_1 = None
     getitem_7: "f32[s85, 2, 5]" = auto_functionalized_v2[1]
     getitem_8: "f32[2, s85]" = auto_functionalized_v2[2];  auto_functionalized_v2 = None
     zeros_like_1: "f32[s85, 2, 5]" = torch.ops.aten.zeros_like.default(getitem_7, pin_memory = False)
     full_like: "f32[2, s85]" = torch.ops.aten.full_like.default(getitem_8, -inf, pin_memory = False)
-    auto_functionalized_v2_1 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.mla_ops.absorbed_context_attention.default, q = arg1_1, kv_cache = arg6_1, block_table = arg3_1, query_start_loc = arg4_1, context_lens = where_1, kv_b_proj_weight = arg9_1, softmax_scale = 0.25, k_scale = None, absorbed_rows = 4, absorbed_token_loc = cat, _out_base_index = 0, _lse_base_index = 1, _all_bases = [zeros_like_1, full_like]);  where_1 = cat = zeros_like_1 = full_like = None
+    auto_functionalized_v2_1 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.mla_ops.absorbed_context_attention.default, q = arg1_1, kv_cache = arg6_1, block_table = arg3_1, query_start_loc = arg4_1, context_lens = where_1, kv_b_proj_weight = arg9_1, softmax_scale = 0.25, k_scale = None, absorbed_rows = 4, absorbed_token_loc = cat, sliding_window = 0, _out_base_index = 0, _lse_base_index = 1, _all_bases = [zeros_like_1, full_like]);  where_1 = cat = zeros_like_1 = full_like = None
     getitem_10: "f32[s85, 2, 5]" = auto_functionalized_v2_1[1]
     getitem_11: "f32[2, s85]" = auto_functionalized_v2_1[2];  auto_functionalized_v2_1 = None
     new_empty_2: "f32[16, 16]" = torch.ops.aten.new_empty.default(arg1_1, [16, 16], pin_memory = False)
@@ -221,7 +221,7 @@ def forward(self, arg0_1: "Sym(s85)", arg1_1: "f32[s85, 2, 10]", arg2_1: "Sym(s3
     view_3: "f32[16, 2, 11]" = torch.ops.aten.view.default(getitem_21, [-1, 2, 11]);  getitem_21 = None
     split_with_sizes_6 = torch.ops.aten.split_with_sizes.default(view_3, [6, 5], -1);  view_3 = None
     getitem_27: "f32[16, 2, 5]" = split_with_sizes_6[1];  split_with_sizes_6 = None
-    auto_functionalized_v2_4 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.mla_ops.context_attention.default, q = arg1_1, k_nope = getitem_22, k_pe = getitem_25, v = getitem_27, query_start_loc = arg4_1, cu_seq_lens = select, starts = select_1, softmax_scale = 0.25, _out_base_index = 0, _lse_base_index = 1, _all_bases = [getitem_10, getitem_11]);  arg1_1 = getitem_22 = getitem_25 = getitem_27 = arg4_1 = select = select_1 = getitem_10 = getitem_11 = None
+    auto_functionalized_v2_4 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.mla_ops.context_attention.default, q = arg1_1, k_nope = getitem_22, k_pe = getitem_25, v = getitem_27, query_start_loc = arg4_1, cu_seq_lens = select, starts = select_1, softmax_scale = 0.25, context_lens = None, sliding_window = 0, _out_base_index = 0, _lse_base_index = 1, _all_bases = [getitem_10, getitem_11]);  arg1_1 = getitem_22 = getitem_25 = getitem_27 = arg4_1 = select = select_1 = getitem_10 = getitem_11 = None
     getitem_29: "f32[s85, 2, 5]" = auto_functionalized_v2_4[1]
     getitem_30: "f32[2, s85]" = auto_functionalized_v2_4[2];  auto_functionalized_v2_4 = None
     merge_attn_states = torch.ops.mla_ops.merge_attn_states.default(getitem_29, getitem_30, getitem_7, getitem_8);  getitem_29 = getitem_30 = getitem_7 = getitem_8 = None

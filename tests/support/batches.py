@@ -92,17 +92,24 @@ def _request_keys(r, q, kv_c, k_pe, kv_cache, block_table, qsl, ctx, k_scale):
     return latent, rope, q[s:e].double()
 
 
-def _mask(q_len, c):
-    """[q_len, c + q_len] bool: all context keys, causal over the new keys."""
+def _mask(q_len, c, sliding_window=None):
+    """[q_len, c + q_len] bool: all context keys, causal over the new keys; with a sliding window w, query
+    i (position c + i) sees only keys at positions c + i - w + 1 .. c + i."""
     i = torch.arange(q_len)[:, None]
     j = torch.arange(c + q_len)[None, :]
-    return (j < c) | (j - c <= i)
+    visible = (j < c) | (j - c <= i)
+    if sliding_window is not None:
+        visible &= j >= c + i - sliding_window + 1
+    return visible
 
 
 def dense_reference(q, kv_c, k_pe, kv_cache, block_table, query_start_loc, context_lens,
-                    kv_b_proj_weight, softmax_scale, k_scale=None, *, return_lse=False):
+                    kv_b_proj_weight, softmax_scale, k_scale=None, *, return_lse=False, sliding_window=None,
+                    sinks=None):
     """Float64 [T, N, V]: per request, all keys/values built at once, one masked softmax; with
-    ``return_lse``, also the softmax's log-sum-exp [N, T] (natural log)."""
+    ``return_lse``, also the softmax's log-sum-exp [N, T] (natural log). The attention variants of DESIGN
+    §11: ``sliding_window`` w masks keys before position c_r + j - w + 1; ``sinks`` [N] appends one more
+    score per head, ``sinks[n]``, to every softmax, a key whose value is 0."""
     N, L, P, R, V = _dims(q, k_pe, kv_cache, kv_b_proj_weight)
     qsl = [int(x) for x in query_start_loc.tolist()]
     ctx = [int(x) for x in context_lens.tolist()]
@@ -119,8 +126,13 @@ def dense_reference(q, kv_c, k_pe, kv_cache, block_table, query_start_loc, conte
         k = torch.cat([kv[..., :P], rope[:, None, :].expand(-1, N, R)], dim=-1)  # [S, N, P+R]
         v = kv[..., P:]  # [S, N, V]
         scores = torch.einsum("qnd,knd->nqk", qr, k) * softmax_scale  # [N, q_r, S]
-        scores = scores.masked_fill(~_mask(e - s, c), float("-inf"))
+        scores = scores.masked_fill(~_mask(e - s, c, sliding_window), float("-inf"))
+        if sinks is not None:  # the sink: one more column of scores, with no value
+            sink = sinks.double()[:, None, None].expand(N, e - s, 1)
+            scores = torch.cat([scores, sink], dim=-1)
         probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:
+            probs = probs[..., :-1]
         out[s:e] = torch.einsum("nqk,knd->qnd", probs, v)
         lse[:, s:e] = torch.logsumexp(scores, dim=-1)
     return (out, lse) if return_lse else out

@@ -41,10 +41,11 @@ def random_topk(context_lens, query_lens, k, *, seed, sparse=None, shuffle=True,
     return torch.stack(rows).to(torch.int32) if rows else torch.zeros(0, k, dtype=torch.int32)
 
 
-def masked_reference(batch, topk, sparse, k_scale=None):
+def masked_reference(batch, topk, sparse, k_scale=None, *, sliding_window=None, sinks=None):
     """float64 ``(out [T, N, V], lse [N, T], rows [T] bool)``: per token of a sparse request, MHA attention
     over all its c_r + j + 1 keys (up-projected, DESIGN §1) with the keys outside its selection masked;
-    ``rows`` marks those tokens (other rows are 0 / -inf here)."""
+    ``rows`` marks those tokens (other rows are 0 / -inf here). DESIGN §11: ``sliding_window`` w also masks
+    the keys before position c_r + j - w + 1; ``sinks`` [N] appends one more score per head (no value)."""
     q, kv_c, k_pe, cache = batch.q, batch.kv_c, batch.k_pe, batch.kv_cache
     N, L, P, R, V = _dims(q, k_pe, cache, batch.kv_b_proj_weight)
     qsl, ctx = batch.query_start_loc.tolist(), batch.context_lens.tolist()
@@ -68,9 +69,14 @@ def masked_reference(batch, topk, sparse, k_scale=None):
             picks = topk[t].long()
             picks = picks[(picks >= 0) & (picks <= c + j)]
             chosen[picks] = True
-            if not chosen.any():
-                continue
+            if sliding_window is not None:
+                chosen[: max(0, c + j - sliding_window + 1)] = False
             sc = scores[:, j, : c + j + 1].masked_fill(~chosen, -math.inf)
+            if sinks is not None:  # one more score, no value
+                sc = torch.cat([sc, sinks.double()[:, None]], dim=-1)
+            elif not chosen.any():
+                continue
             lse[:, t] = torch.logsumexp(sc, -1)
-            out[t] = torch.einsum("nk,knv->nv", torch.softmax(sc, -1), kv[: c + j + 1, :, P:])
+            probs = torch.softmax(sc, -1)[:, : c + j + 1]
+            out[t] = torch.einsum("nk,knv->nv", probs, kv[: c + j + 1, :, P:])
     return out, lse, rows

@@ -61,6 +61,8 @@ def test_deepseek_rows_served():
     for platform in ("cpu", "cuda"):
         for dtype in ("auto", "fp8", "fp8_e4m3"):
             settings.check_model(platform, **{**DEEPSEEK, "kv_cache_dtype": dtype})
+    settings.check_model("cpu", **DEEPSEEK, speculative=True)  # vLLM's decodes: its lengths are its business
+    settings.check_model("cuda", **{**DEEPSEEK, "kv_cache_dtype": "fp8"}, speculative=True)
 
 
 @pytest.mark.parametrize("change, match", [
@@ -70,6 +72,7 @@ def test_deepseek_rows_served():
     (dict(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype='fp8_e5m2'; on cpu the plugin serves auto, fp8, fp8_e4m3"),
     (dict(decode_context_parallel_size=2), "decode_context_parallel_size=2"),
     (dict(prefill_query_quantization=True), "use_prefill_query_quantization"),
+    (dict(kv_cache_dtype="fp8", speculative=True), "speculative decoding with kv_cache_dtype='fp8' on cpu"),
 ])
 def test_model_refused_by_name(change, match):
     with pytest.raises(ValueError, match=match):

@@ -77,7 +77,8 @@ class PlannedBuilder:
 
 class PrefillImpl:
     """Mixed in before a ``MLACommonImpl``: ``forward_mha`` (the step's prefill tokens of one layer) runs
-    the builder's ``PrefillStep``; ``forward_mqa`` (decodes) stays the backend's."""
+    the builder's ``PrefillStep``; ``forward_mqa`` (decodes) stays the backend's, and is not called where
+    the builder counts no decodes (``serve_fp8``)."""
 
     mla_ops_backend = "auto"  # the builder's (with_mla_ops sets both)
 

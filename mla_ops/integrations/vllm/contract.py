@@ -73,7 +73,7 @@ FIELDS = {
     f"{MLA}.MLAAttention": ("kv_cache", "impl", "attn_backend", "kv_lora_rank"),
     f"{MLA}.MLACommonMetadataBuilder": ("reorder_batch_threshold",),
     "vllm.config.vllm.VllmConfig": ("model_config", "cache_config", "scheduler_config", "parallel_config",
-                                    "attention_config", "compilation_config"),
+                                    "attention_config", "compilation_config", "speculative_config"),
     "vllm.config.compilation.CompilationConfig": ("static_forward_context",),
     "vllm.config.model.ModelConfig": ("model", "use_mla", "hf_text_config"),
     "vllm.config.cache.CacheConfig": ("cache_dtype", "enable_prefix_caching"),

@@ -68,7 +68,8 @@ def check_version(version: str, platform: str) -> None:
 
 def check_model(platform: str, *, model: str, use_mla: bool, kv_lora_rank: int | None, qk_rope_head_dim: int | None,
                 index_topk: int | None, kv_cache_dtype: str, decode_context_parallel_size: int = 1,
-                prefill_context_parallel_size: int = 1, prefill_query_quantization: bool = False) -> None:
+                prefill_context_parallel_size: int = 1, prefill_query_quantization: bool = False,
+                speculative: bool = False) -> None:
     """Refuse, by name, a model or engine setting the plugin cannot serve whole."""
     where = f"{ENABLE}=1 with model {model!r}"
     if not use_mla:
@@ -88,6 +89,11 @@ def check_model(platform: str, *, model: str, use_mla: bool, kv_lora_rank: int |
         raise ValueError(f"{where}: vLLM's context parallel (decode_context_parallel_size="
                          f"{decode_context_parallel_size}, prefill_context_parallel_size={prefill_context_parallel_size}) "
                          "is not wired to mla-ops' context parallel; run with both at 1")
+    if speculative and platform == "cpu" and kv_cache_dtype in FP8_CACHE_DTYPES:
+        # The plugin then serves the decodes, from the lengths vLLM holds on the host, which are upper bounds
+        # for a speculative decode's rows (every draft assumed accepted).
+        raise ValueError(f"{where}: speculative decoding with kv_cache_dtype={kv_cache_dtype!r} on cpu (mla-ops then "
+                         "serves the decodes, whose host lengths are upper bounds under speculation); drop one")
     if prefill_query_quantization:
         raise ValueError(f"{where}: attention_config.use_prefill_query_quantization (fp8 prefill queries) is not "
                          "served by mla-ops' prefill; turn it off")

@@ -118,20 +118,26 @@ class Probe:
         self.switches = dict(enable_prefix_caching=config.cache_config.enable_prefix_caching,
                              enable_chunked_prefill=config.scheduler_config.enable_chunked_prefill,
                              max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens)
-        self.plans, self.max_diff, self.mha_calls = [], 0.0, 0
+        self.plans, self.max_diff, self.mha_calls, self.mqa_calls = [], 0.0, 0, 0
+        probe = self
+        for impl_cls in {type(layer.impl) for layer in layers}:  # the decode kernel's calls (vLLM's, ours or stock)
+            def forward_mqa_counted(impl, *args, _forward_mqa=impl_cls.forward_mqa, **kwargs):
+                probe.mqa_calls += 1
+                return _forward_mqa(impl, *args, **kwargs)
+            impl_cls.forward_mqa = forward_mqa_counted
         if not any("mla_ops" in name for name in self.impls):
             return
         from mla_ops.integrations.vllm import attention
 
-        probe = self
         begin, forward_mha = attention.PlannedBuilder.begin_prefills, attention.PrefillImpl.forward_mha
 
         def begin_prefills(builder, m, metadata):
             step = begin(builder, m, metadata)
             plan = step.plan
             absorbed = int((plan.absorbed_context_lens > 0).sum())
+            decodes = int(((plan.query_start_loc.diff() == 1) & (plan.context_lens > 0)).sum())  # one new token
             probe.plans.append(dict(requests=int(plan.context_lens.numel()), with_context=int((plan.context_lens > 0).sum()),
-                                    absorbed=absorbed, chunks=plan.schedule.num_chunks))
+                                    absorbed=absorbed, decodes=decodes, chunks=plan.schedule.num_chunks))
             return step
 
         def forward_mha_beside_vllm(impl, q, kv_c, k_pe, cache, metadata, k_scale, output, output_scale=None):
@@ -147,7 +153,8 @@ class Probe:
 
     def report(self) -> dict:
         return dict(impls=self.impls, backends=self.backends, switches=self.switches, plans=self.plans,
-                    mha_calls=self.mha_calls, max_diff_vs_vllm=self.max_diff, k_scales=self.k_scales)
+                    mha_calls=self.mha_calls, mqa_calls=self.mqa_calls, max_diff_vs_vllm=self.max_diff,
+                    k_scales=self.k_scales)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,23 @@ def write_checkpoint(path: str, seed: int = 0, **overrides):
     return model.eval()
 
 
+def write_tokenizer(path: str) -> None:
+    """A character-level tokenizer for ``CONFIG``'s 512-token vocabulary (<unk>, <s>, </s>, printable ASCII,
+    the rest unused), saved beside a checkpoint: what lets a script written for a real model (text prompts)
+    run on the tiny one."""
+    import tokenizers
+    import transformers
+
+    chars = [chr(c) for c in range(32, 127)]
+    vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>", *chars])}
+    vocab.update({f"<unused{i}>": i for i in range(len(vocab), CONFIG["vocab_size"])})
+    model = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    model.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex("."), "isolated")  # one char a token
+    model.decoder = tokenizers.decoders.Fuse()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=model, unk_token="<unk>", bos_token="<s>",
+                                         eos_token="</s>").save_pretrained(path)
+
+
 def run(spec: dict) -> dict:
     os.environ.update(spec.get("env", {}))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

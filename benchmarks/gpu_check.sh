@@ -18,8 +18,9 @@
 # device_path_bench 40 (the device path at K = 1, 4, 16 against the host path), cuda_graphs 65
 # (those that do: CUDA graphs, torch.compile, PrefillGraphs), graphs_bench 45 / 120 (PrefillGraphs
 # replay vs eager), cuda_models 0 / 120 (--long only: the cuda tests of MoE, generation and context
-# parallel, named in $model_tests and left out of the two others), summary 15; 420 s in all (875 with --long: two device calls, or a 10-minute one without the model
-# tests), and `timeout -k 5` kills a step at most 5 s past its limit. A dry run allows 10x each
+# parallel, named in $model_tests and left out of the two others), vllm_<release> 0 / 240 for each CUDA
+# release the vLLM plugin serves (--long only; "not_run" at once without its wheels: below), summary 15; 420 s
+# in all (875 with --long and no vllm wheels: two device calls, or a 10-minute one without the model tests), and `timeout -k 5` kills a step at most 5 s past its limit. A dry run allows 10x each
 # limit: it checks the code paths, not the speed.
 #
 # Wheels in .whl/ are installed first (--no-deps, into /tmp/site): FlashMLA is measured only if
@@ -71,10 +72,11 @@ step() {
     tail -n 25 "$out/$name.log"
     case $rc in
         0) status=passed ;;
+        77) status=not_run ;;  # a step that cannot run on this device says why in its log
         124|137) status=timed_out ;;
         *) status=failed ;;
     esac
-    [ $rc -eq 0 ] || failed=1
+    [ $rc -eq 0 ] || [ $rc -eq 77 ] || failed=1
     printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$rc" "$((SECONDS - start))" "$limit" >> "$steps"
     echo "== $name: $status after $((SECONDS - start))s"
 }
@@ -108,19 +110,27 @@ step graphs_bench "$graphs_limit" "$PY" -m benchmarks.graphs_bench --json "$out/
 if [ "$long" = 1 ]; then
     step cuda_models 120 "$PY" -m pytest "${pytest_args[@]}" -k "$model_tests"
 fi
-# vllm (--long only): mla-ops as vLLM's MLA backend on CUDA (tests/integrations/vllm, marked cuda: TRITON_MLA,
-# and FLASHMLA on SM90) under vLLM's compilation and CUDA graphs. Needs the official vllm 0.32.0 wheel and what it
-# pins (torch==2.13.0 with CUDA, transformers<5.20, flashinfer-python 0.7.0.post1, ...) in .whl/vllm/; the vllm
-# wheel alone is 311 MiB, past a device call's 64 MiB carry, so on the lent machines this step reports the
-# missing wheels. Fetch them here: pip download --only-binary=:all: --python-version 3.12 --platform
-# manylinux_2_28_x86_64 -d .whl/vllm vllm==0.32.0
+# vllm_<release> (--long only): mla-ops as vLLM's MLA backend on CUDA (tests/integrations/vllm, marked cuda:
+# TRITON_MLA, and FLASHMLA on SM90) under vLLM's compilation and CUDA graphs, once for each CUDA release the
+# plugin serves (mla_ops/integrations/vllm/settings.py: RELEASES["cuda"]). Each needs its vllm wheel and what
+# it pins (torch with CUDA: 2.13.0 for 0.32.0, 2.14.0 for 0.33.0 and 0.34.0; transformers; flashinfer-python;
+# ...) in .whl/vllm-<release>/, installed --no-index into its own folder. The vllm wheels alone are 228-321 MiB,
+# past a device call's 64 MiB carry, and the lent machines reach no network: there every release's step says so
+# and ends "not_run" (exit 77), which fails nothing. Where the device can read a folder: fetch them with
+#   pip download --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+#       -d .whl/vllm-<release> vllm==<release>
 if [ "$long" = 1 ]; then
-    step vllm 240 bash -c 'if ! ls .whl/vllm/vllm-0.32.0-*.whl >/dev/null 2>&1; then
-            echo "no .whl/vllm/vllm-0.32.0-*.whl: the vllm step did not run"; exit 1; fi
-        "$0" -m pip install -q --no-index --no-compile --target "$1/vllm" .whl/vllm/*.whl &&
-        "$0" -m pip install -q --no-index --no-deps --no-build-isolation --target "$1/vllm" . &&  # the entry point
-        PYTHONPATH="$1/vllm:$PYTHONPATH" "$0" -m pytest -m cuda -p no:cacheprovider -v -rs tests/integrations/vllm' \
-        "$PY" "$site"
+    for release in $("$PY" -c 'from mla_ops.integrations.vllm import settings; print(*settings.RELEASES["cuda"])'); do
+        step "vllm_$release" 240 bash -c 'wheels=.whl/vllm-$2
+            if ! ls "$wheels"/vllm-"$2"-*.whl >/dev/null 2>&1; then
+                echo "vllm $2: not run: no $wheels/vllm-$2-*.whl. Its wheel and pinned dependencies (CUDA torch among"
+                echo "them) exceed a device call'"'"'s 64 MiB carry; fetch them into $wheels where the device can read them."
+                exit 77; fi
+            "$0" -m pip install -q --no-index --no-compile --target "$1/vllm-$2" "$wheels"/*.whl &&
+            "$0" -m pip install -q --no-index --no-deps --no-build-isolation --target "$1/vllm-$2" . &&  # the entry point
+            PYTHONPATH="$1/vllm-$2:$PYTHONPATH" "$0" -m pytest -m cuda -p no:cacheprovider -v -rs tests/integrations/vllm' \
+            "$PY" "$site" "$release"
+    done
 fi
 step summary 15 "$PY" -m benchmarks.gpu_summary summary --dir "$out" "${dry_flag[@]}"
 echo "results in $out"

@@ -25,6 +25,7 @@ NOT_RUN = {
     "docs/context-parallel.md": "its examples run under torchrun (an initialized process group)",
     "docs/design.md": "the design reference: signature blocks (SyntaxError as Python)",
     "docs/models.md": "its examples load a checkpoint directory",
+    "docs/vllm.md": "its script starts vLLM on two ranks: tests/integrations/vllm/test_docs.py runs it (make test-vllm)",
 }
 BLOCK = re.compile(r"^```python\n(.*?)^```\s*$", re.DOTALL | re.MULTILINE)
 

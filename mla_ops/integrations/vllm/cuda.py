@@ -4,7 +4,8 @@ FLASHMLA. vLLM runs MLA attention as one opaque custom op outside its compiled g
 full CUDA graphs of decode-only batches alone, so the host-form plan and the chunk loop run eagerly inside
 that op. ``register`` points the two ``AttentionBackendEnum`` members here.
 
-Written against vllm 0.32.0; not yet run on a GPU (benchmarks/gpu_check.sh has the step).
+Written against every CUDA release in ``settings.RELEASES``; not yet run on a GPU (benchmarks/gpu_check.sh has
+the step).
 """
 
 from vllm.v1.attention.backends.mla.flashmla import FlashMLABackend as _StockFlashMLABackend

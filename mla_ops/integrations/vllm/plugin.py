@@ -75,7 +75,8 @@ def check_engine(vllm_config, platform: str) -> None:
         kv_cache_dtype=vllm_config.cache_config.cache_dtype,
         decode_context_parallel_size=parallel.decode_context_parallel_size,
         prefill_context_parallel_size=parallel.prefill_context_parallel_size,
-        prefill_query_quantization=vllm_config.attention_config.use_prefill_query_quantization)
+        prefill_query_quantization=vllm_config.attention_config.use_prefill_query_quantization,
+        speculative=vllm_config.speculative_config is not None)
     attention = vllm_config.attention_config
     if attention.backend is None:
         # On CPUs with AMX vLLM would pick AMX_MLA, and on CUDA whichever MLA backend it ranks first.

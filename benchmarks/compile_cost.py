@@ -2,8 +2,11 @@
 
 Every measurement runs in a fresh process with an empty Inductor cache (a cold start), on the
 ``tiny`` preset with float32 weights, and reports the seconds to the first output, the graphs Dynamo
-made and its restarts ("Restarting analysis", e.g. when float attributes are tensorified); the by-layers
-rows also the steady step time after it (``step_ms``, one thread, the mean of 20 steps):
+made and its restarts ("Restarting analysis", e.g. when float attributes are tensorified), and where the
+compile's seconds went (``phases``: torch's own timers, ``phase_seconds``); the by-layers rows also the
+steady step time after it (``step_ms``, one thread, the mean of 20 steps). ``--repeats N`` runs each
+measurement N times (each its own process) and keeps the fastest first output (the least disturbed by
+other work on the machine), with every run's seconds in ``runs``:
 
 * ``whole`` (by layers): ``torch.compile(step, fullgraph=True, dynamic=True)`` of a step that plans
   on the device (``max_chunks=4``) and runs the model: one graph, each layer a nested compile region
@@ -18,6 +21,8 @@ rows also the steady step time after it (``step_ms``, one thread, the mean of 20
 
     python -m benchmarks.compile_cost --json benchmarks/results/compile_cost.json \
         --plot benchmarks/results/compile_cost.png
+    python -m benchmarks.compile_cost --layers 1 8 61 --whole-layers 1 8 61 --no-warmups --repeats 2 \
+        --json benchmarks/results/compile_cost_torch2.14.json   # by depth alone, one torch
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import mla_ops
+from mla_ops.models import regions
 from benchmarks._lib import plot as plotting
 from benchmarks._lib.batches import model_step
 from benchmarks._lib.report import write_json_atomic
@@ -87,6 +93,19 @@ def measure(kind: str, size: int) -> dict:
         dynamo_log.setLevel(level)
 
 
+def phase_seconds() -> dict:
+    """This process's compile seconds by phase, from torch's timers (``torch._dynamo.utils.calculate_time_spent``):
+    ``dynamo`` (bytecode tracing, guards: the frame's compile less its backend), ``aot_autograd`` (the backend less
+    Inductor: functionalization, the joint graph's passes), ``inductor`` (lowering, scheduling: Inductor less its
+    code generation) and ``codegen`` (Python and C++ source, the C++ compile, loading the modules)."""
+    spent = torch._dynamo.utils.calculate_time_spent()
+    frame, backend, inductor, codegen = (spent.get(key, 0.0) for key in (
+        "entire_frame_compile", "backend_compile", "inductor_compile", "code_gen"))
+    phases = dict(dynamo=frame - backend, aot_autograd=backend - inductor, inductor=inductor - codegen,
+                  codegen=codegen)
+    return {name: round(seconds, 2) for name, seconds in phases.items()}
+
+
 def _measure(kind: str, size: int, restarts: _Restarts) -> dict:
     block_size, workspace = 4, 64
     graphs = counters["stats"]["unique_graphs"]
@@ -129,7 +148,7 @@ def _measure(kind: str, size: int, restarts: _Restarts) -> dict:
             assert len(runner.built) == int(count)
             seconds, step_ms = time.perf_counter() - start, None
     row = dict(kind=kind, size=size, seconds=round(seconds, 2), graphs=counters["stats"]["unique_graphs"] - graphs,
-               restarts=restarts.count)
+               restarts=restarts.count, phases=phase_seconds())
     if step_ms is not None:
         row["step_ms"] = round(step_ms, 2)
     return row
@@ -144,18 +163,28 @@ def run_cold(kind: str, size: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def run(layers=LAYERS, whole_layers=WHOLE_LAYERS, whole_buckets: bool = False) -> dict:
+def run_fastest(kind: str, size: int, repeats: int = 1) -> dict:
+    """``run_cold`` ``repeats`` times: the run with the fastest first output, every run's seconds in ``runs``."""
+    done = [run_cold(kind, size) for _ in range(repeats)]
+    row = min(done, key=lambda r: r["seconds"])
+    if repeats > 1:
+        row["runs"] = [r["seconds"] for r in done]
+    return row
+
+
+def run(layers=LAYERS, whole_layers=WHOLE_LAYERS, whole_buckets: bool = False, warmups: bool = True,
+        repeats: int = 1) -> dict:
     rows = []
     by_layers = (("regional", layers),) + tuple((kind, whole_layers) for kind in WHOLE_KINDS)
     for kind, sizes in by_layers:
         for n in sizes:
-            rows.append(run_cold(kind, n))
+            rows.append(run_fastest(kind, n, repeats))
             print(rows[-1], flush=True)
-    warmups = ["warmup-regional-1", "warmup-regional-20"]
+    warmup_kinds = ["warmup-regional-1", "warmup-regional-20"] if warmups else []
     if whole_buckets:
-        warmups += ["warmup-whole-1", "warmup-whole-20"]
-    for kind in warmups:
-        rows.append(run_cold(kind, 0))
+        warmup_kinds += ["warmup-whole-1", "warmup-whole-20"]
+    for kind in warmup_kinds:
+        rows.append(run_fastest(kind, 0, repeats))
         print(rows[-1], flush=True)
     seconds = {(r["kind"], r["size"]): r["seconds"] for r in rows}
     ratios = {}
@@ -172,7 +201,8 @@ def run(layers=LAYERS, whole_layers=WHOLE_LAYERS, whole_buckets: bool = False) -
         if (f"warmup-{scope}-20", 0) in seconds:
             ratios[f"{scope}_20_buckets_over_1"] = round(
                 seconds[f"warmup-{scope}-20", 0] / seconds[f"warmup-{scope}-1", 0], 2)
-    return dict(benchmark="compile_cost", preset="tiny", torch=torch.__version__, rows=rows, ratios=ratios)
+    return dict(benchmark="compile_cost", preset="tiny", torch=torch.__version__,
+                writes_in_regions=regions.WRITES_IN_REGIONS, repeats=repeats, rows=rows, ratios=ratios)
 
 
 def plot(result: dict, path: str) -> None:
@@ -196,12 +226,14 @@ def main(argv=None) -> dict | None:
     parser.add_argument("--layers", type=int, nargs="+", default=list(LAYERS))
     parser.add_argument("--whole-layers", type=int, nargs="+", default=list(WHOLE_LAYERS))
     parser.add_argument("--whole-buckets", action="store_true", help="also whole steps per bucket (minutes)")
+    parser.add_argument("--no-warmups", action="store_true", help="by layers only: no PrefillGraphs warm-up rows")
+    parser.add_argument("--repeats", type=int, default=1, help="cold runs per measurement, the fastest kept")
     parser.add_argument("--measure", nargs=2, metavar=("KIND", "SIZE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.measure:
         print(json.dumps(measure(args.measure[0], int(args.measure[1]))))
         return None
-    result = run(args.layers, args.whole_layers, args.whole_buckets)
+    result = run(args.layers, args.whole_layers, args.whole_buckets, not args.no_warmups, args.repeats)
     print(result["ratios"])
     if args.json:
         write_json_atomic(args.json, result)

@@ -3,11 +3,13 @@ whole-model ``torch.compile``. The layers are written once, blind to all three; 
 
 Whole-model compile: every layer runs as one nested compile region (``torch.compiler.nested_compile_region``),
 which Dynamo traces once per layer kind and stamps out for every other layer of that kind (outside a compile
-it is a plain call). A layer writes nothing: it returns the rows it made (``NewRows``), and ``run_layer`` writes
-them after it (``ModelStep.write``), eagerly or between the regions, in the step's graph: a region may not write
-to its inputs while it holds the attention's out= ops (torch 2.13). (The attention never reads its own new rows
-from a cache, so a write after the layer is a write in time.) A region returns none of its inputs, only what
-the layer made, flattened (``_layer_body``) and rebuilt (``_rebuilt``). What a region is handed must compare from one
+it is a plain call). A layer writes nothing: it returns the rows it made (``NewRows``), and they are written
+after it (``ModelStep.write``, the one write): eagerly by ``run_layer``; under a whole-model compile inside the
+layer's region where torch lets a region that writes its inputs hold the attention's out= ops (2.14,
+pytorch#189543: ``WRITES_IN_REGIONS``), so the step's graph holds no per-layer write; on torch 2.13, which
+refuses that, between the regions, in the step's graph. (The attention never reads its own new rows from a
+cache, so a write after the layer is a write in time.) A region returns none of its inputs, only what the
+layer made, flattened (``_layer_body``) and rebuilt (``_rebuilt``). What a region is handed must compare from one
 layer to the next: tensors, ints, constants and modules, as pytrees (the step and its plan are); float
 attributes are ``StaticFloat`` (``static_floats``), and the caches' widths are checked before the first region
 (a region must meet no symbolic size that a guard inside it would fix). A context-parallel step, whose plan
@@ -43,6 +45,13 @@ def _torch_version() -> tuple[int, int]:
 
 # Whether this torch reuses nested regions (a constant: read while tracing).
 NESTED_REGIONS = hasattr(torch.compiler, "nested_compile_region") and _torch_version() >= NESTED_REGIONS_SINCE
+
+# The first torch whose regions may write their inputs (the caches) beside custom ops with out= arguments
+# (pytorch#189543: 2.13 refuses "a custom operator whose output has alias annotations" there).
+WRITES_IN_REGIONS_SINCE = (2, 14)
+# Whether a layer's region writes its rows itself (a constant: read while tracing); else they are written between
+# the regions.
+WRITES_IN_REGIONS = NESTED_REGIONS and _torch_version() >= WRITES_IN_REGIONS_SINCE
 
 
 class StaticFloat(float):
@@ -92,7 +101,8 @@ def checked_distinct_when_traced(named: list[tuple[str, torch.Tensor]]) -> bool:
 def run_layer(layer: nn.Module, x: torch.Tensor, caches: LayerCaches, step: ModelStep,
               carry: Carry) -> tuple[torch.Tensor, NewRows]:
     """``layer(x, caches, step, carry)``, then the rows it made written into its caches (``ModelStep.write``);
-    as a nested region under a whole-model compile, whose rows are written between the regions (module doc)."""
+    as a nested region under a whole-model compile, which writes them itself (torch >= 2.14) or whose rows are
+    written between the regions (module doc)."""
     if not torch.compiler.is_compiling():
         x, made = layer(x, caches, step, carry)
     elif not NESTED_REGIONS or step.attention.plan.context_parallel is not None:
@@ -101,13 +111,19 @@ def run_layer(layer: nn.Module, x: torch.Tensor, caches: LayerCaches, step: Mode
     else:
         with torch.no_grad():  # the attention ops have no backward; the writes after a region change what it read
             x, made = _rebuilt(_layer_region(layer, x, caches, step, carry), layer.num_kv_caches)
+        if WRITES_IN_REGIONS:
+            return x, made
     step.write(caches, made)
     return x, made
 
 
 def _layer_body(layer, x, caches, step, carry) -> tuple[torch.Tensor, ...]:
-    """The layer, its output flattened (a region returns tensors only): ``_rebuilt`` undoes it."""
+    """The layer, then its rows written where the region may write (``WRITES_IN_REGIONS``), its output flattened
+    (a region returns tensors only): ``_rebuilt`` undoes it. The rows are returned either way, for the layers
+    after it (``Carry``)."""
     x, made = layer(x, caches, step, carry)
+    if WRITES_IN_REGIONS:
+        step.write(caches, made)
     return (x, *(t for rows in made.latent for t in rows), *(t for t in (made.index, made.topk) if t is not None))
 
 

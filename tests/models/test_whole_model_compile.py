@@ -12,6 +12,7 @@ from torch._dynamo.testing import AotEagerAndRecordGraphs
 
 import mla_ops
 from mla_ops.models import regions
+from mla_ops.models.config import IndexerConfig
 from tests.support.batches import cache_list, clone_caches, model_step, normal_caches
 from tests.support.gpu import DEVICE, TOL, needs_cuda
 
@@ -20,6 +21,8 @@ from tests.support.gpu import DEVICE, TOL, needs_cuda
 MOE = dataclasses.replace(mla_ops.MLAConfig.from_name("tiny"), num_hidden_layers=4, first_k_dense_replace=2,
                           n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1)
 OPTIONS = mla_ops.PlanOptions(block_size=4, workspace_size=16, max_chunks=4, absorb_max_query_len=3)
+# The same layers with DeepSeek Sparse Attention's indexer: each layer writes a latent row and an index key per token.
+SPARSE = dataclasses.replace(MOE, indexer=IndexerConfig(index_topk=8, index_n_heads=4, index_head_dim=16))
 # Three requests every step (the cache's block size is 4, and so is B + 1: kept apart by marking nothing
 # static, a different B would only be another graph); contexts and queries vary, chunked and absorbed.
 MIXES = [([5, 0, 13], [3, 2, 4]), ([0, 0, 0], [6, 1, 2]), ([20, 9, 3], [1, 7, 2]), ([31, 0, 8], [2, 2, 9])]
@@ -145,3 +148,53 @@ def test_plan_sizes_held_in_closures_or_on_self_compile_under_dynamic_shapes(hol
         torch.testing.assert_close(out, step(ids, positions, expect_caches, slots, table, qsl, ctx),
                                    rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(cache_list(caches), cache_list(expect_caches), rtol=1e-5, atol=1e-5)
+
+
+def steps(model, config, backend=None) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """Every mix of MIXES on the same random caches, eagerly or compiled with ``backend``: each step's logits and
+    caches."""
+    options = dataclasses.replace(OPTIONS, index_topk=config.index_topk)
+
+    def step(ids, positions, caches, slots, table, qsl, ctx):
+        return model(ids, positions, caches, slots, mla_ops.plan_prefill(qsl, ctx, table, options=options))
+
+    if backend is not None:
+        step = torch.compile(step, backend=backend, fullgraph=True, dynamic=True)
+    torch.manual_seed(1)
+    base = normal_caches(model.allocate_kv_caches(64, 4))
+    done = []
+    for i, (context_lens, query_lens) in enumerate(MIXES):
+        ids, positions, slots, table, qsl, ctx = model_step(config, context_lens, query_lens, seed=i)
+        caches = clone_caches(base)
+        with torch.compiler.set_stance("fail_on_recompile" if i and backend is not None else "default"):
+            done.append((step(ids, positions, caches, slots, table, qsl, ctx), cache_list(caches)))
+    return done
+
+
+WRITES = (torch.ops.mla_ops.write_latent_cache.default, torch.ops.mla_ops.write_packed_cache.default)
+
+
+@torch.no_grad()
+@pytest.mark.skipif(not regions.NESTED_REGIONS, reason="this torch has no reusable nested regions")
+@pytest.mark.parametrize("config", [MOE, SPARSE], ids=["dense", "sparse"])
+def test_cache_writes_inside_and_between_the_regions_agree_bit_for_bit(config, monkeypatch):
+    """float64: a compiled step whose layers write their rows (latent rows; a sparse layer's index keys too) inside
+    their regions (torch >= 2.14: ``WRITES_IN_REGIONS``) and one whose rows are written between the regions (torch
+    2.13's path, the only one there) give eager's logits and caches bit for bit; with the writes inside, the step's
+    graph holds none of them (a write per layer and cache between the regions)."""
+    torch.manual_seed(0)
+    model = mla_ops.MLAForCausalLM(config).double().eval()
+    expect = steps(model, config)
+    for inside in (False, True) if regions.WRITES_IN_REGIONS else (False,):
+        monkeypatch.setattr(regions, "WRITES_IN_REGIONS", inside)
+        torch._dynamo.reset()
+        backend = AotEagerAndRecordGraphs()
+        for (out, caches), (expect_out, expect_caches) in zip(steps(model, config, backend), expect, strict=True):
+            assert torch.equal(out, expect_out), inside
+            assert all(torch.equal(a, b) for a, b in zip(caches, expect_caches, strict=True)), inside
+        (graph,) = backend.graphs
+        writes = [n for n in graph.graph.nodes if n.target in WRITES]
+        per_layer = 1 + (config.index_topk is not None)
+        assert len(writes) == (0 if inside else per_layer * config.num_hidden_layers), (inside, len(writes))
+        calls = [n for n in graph.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
+        assert len(calls) == config.num_hidden_layers

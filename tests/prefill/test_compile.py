@@ -21,7 +21,7 @@ from torch._inductor.utils import get_first_incompatible_cudagraph_node, run_and
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mla_ops
-from mla_ops.models.regions import NESTED_REGIONS
+from mla_ops.models.regions import NESTED_REGIONS, WRITES_IN_REGIONS
 from tests.support import REPO_ROOT
 from tests.support.batches import BUCKET_4, cache_list, clone_caches, make_batch, model_step, normal_caches
 
@@ -447,7 +447,8 @@ def test_the_whole_model_compiles_its_layer_once_plans_once_and_fuses_the_merge(
         torch.testing.assert_close(cache_list(caches), cache_list(expect_caches), rtol=1e-5, atol=1e-5)
         code = "\n".join(codes)
         kernels = re.findall(r"^(cpp_fused_\w+) = async_compile", code, flags=re.M)
-        return code, kernels, re.findall(r"= (repeated_subgraph\d+)\(", code)
+        # a region's code: torch 2.13's repeated_subgraph0, or 2.14's auto_functionalized_subgraph_0 (its writes inside)
+        return code, kernels, re.findall(r"= (repeated_subgraph\d+|auto_functionalized_subgraph_\d+)\(", code)
 
     (one_code, one_kernels, one_calls), (code, kernels, calls) = generated(2), generated(3)
     assert kernels == one_kernels  # nothing generated per layer
@@ -460,6 +461,9 @@ def test_the_whole_model_compiles_its_layer_once_plans_once_and_fuses_the_merge(
     assert len(re.findall(r"cpp_fused_\w*plan_context_chunks_device\w*\(", call)) == \
         len(re.findall(r"cpp_fused_\w*plan_context_chunks_device\w*\(", one_code[one_code.index("def call("):])) >= 1
     assert any("merge_attn_states" in k for k in kernels) and "torch.ops.mla_ops.merge_attn_states" not in code
+    # The cache writes: in the region's code (torch >= 2.14), else one per layer in the step's
+    assert call.count("mla_ops.write_latent_cache.default(") == (0 if WRITES_IN_REGIONS else 3)
+    assert code.count("mla_ops.write_latent_cache.default(") == (1 if WRITES_IN_REGIONS else 3)
 
 
 # ---- a changed lowering never reuses stale compiled code --------------------------------------

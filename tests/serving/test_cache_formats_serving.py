@@ -41,7 +41,7 @@ def test_generator_allocates_and_serves_the_packed_formats():
     tokens = eager.generate(PROMPTS, 3)
     latent, index = eager.kv_caches
     assert latent[0].dtype == torch.uint8 and latent[0].shape[-1] == 656 and latent[0].any()
-    assert index[0].dtype == torch.uint8 and index[0].shape[-1] == 64 + 4 and index[0].any()
+    assert index[0].dtype == torch.uint8 and index[0].shape[-1] == 128 + 4 and index[0].any()  # D_I + a scale
     compiled = mla_ops.Generator(model, block_size=BLOCK_SIZE, workspace_size=WORKSPACE, compile=True, **FORMATS)
     assert compiled.generate(PROMPTS, 3) == tokens
 

@@ -177,7 +177,8 @@ def _sparse_item(
                          input_precision=DOT_PRECISION)
 
     saw_key = tl.max(seen, 0) > 0
-    lse2 = m_i + tl.math.log2(l_i)  # [BLOCK_H]: -inf without keys; not finite where a score was not
+    lse2 = m_i + tl.math.log2(tl.where(l_i == 0, 1.0, l_i))  # [BLOCK_H]: -inf without keys (m_i); not finite
+    # where a score was not (l_i NaN, or m_i +inf)
     # NaN, out and lse: a head with a non-finite score (its LSE is not finite although the token saw a key), or
     # a token whose row holds -2 (no finite selection). No key: the empty partial, 0 / -inf.
     bad = (saw_key & ~(tl.abs(lse2) < float("inf"))) | (tl.max(no_finite, 0) > 0)

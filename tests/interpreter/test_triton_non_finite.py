@@ -88,6 +88,24 @@ def test_a_non_finite_query_of_a_sparse_token_gives_nan_in_its_token_and_head_on
     assert (got[0][5] == 0).all() and (got[1][:, 5] == float("-inf")).all()
 
 
+@pytest.mark.parametrize("value", list(VALUES))
+def test_a_non_finite_selected_key_gives_nan_in_the_sparse_tokens_that_select_it(value):
+    """A NaN or inf in a cached row that sparse token 3 selects among finite ones, token 4 not."""
+    batch = make_batch(CONTEXTS, QUERIES, seed=6, block_size=BLOCK, dtype=torch.float32)
+    plan = mla_ops.plan_prefill(batch.query_start_loc, batch.context_lens, batch.block_table, block_size=BLOCK,
+                                workspace_size=WORKSPACE, absorb_max_query_len=0, index_topk=8,
+                                index_scores_budget=32, max_chunks=12)
+    topk = random_topk(CONTEXTS, QUERIES, 8, seed=7, sparse=plan.sparse.tolist(), empty=0.0)
+    topk[3, :3] = torch.tensor([6, 0, 1], dtype=torch.int32)
+    topk[4] = torch.where(topk[4] == 6, -1, topk[4])
+    cache = batch.kv_cache.clone()
+    cache[batch.block_table[1, 6 // BLOCK], 6 % BLOCK, 1] = VALUES[value]
+    reached = torch.zeros(batch.q.shape[0], batch.q.shape[1], dtype=torch.bool)
+    reached[3:7] = (topk[3:7] == 6).any(1, keepdim=True)
+    assert reached[3].all() and not reached[4].any()
+    check(*run_both(batch, batch.q, cache, plan, topk_indices=topk), reached)
+
+
 def test_merge_keeps_a_nan_partial_nan():
     """A NaN partial (lse NaN, out NaN) merged with a finite one, an empty one or another NaN one: NaN, out and
     lse; two empty partials still give 0 / -inf."""

@@ -111,3 +111,27 @@ def test_a_row_without_keys_keeps_the_empty_partial():
     out, lse = mla_ops.run_prefill(*batch.args()[:4], batch.kv_b_proj_weight, batch.softmax_scale, plan,
                                    backend="torch", topk_indices=topk, return_lse=True)
     assert (out[4] == 0).all() and (lse[:, 4] == float("-inf")).all() and not out.isnan().any()
+
+
+@pytest.mark.parametrize("value", list(VALUES))
+@pytest.mark.parametrize("form", ["host", "device"])
+def test_a_non_finite_cached_key_gives_nan_in_the_sparse_tokens_that_select_it(form, value):
+    """A NaN or inf in request 1's context position 6 (a sparse request): exactly the tokens whose top-k row
+    selects it come out NaN, in every head; the others, which skip it, equal the masked reference."""
+    batch = make_batch(CONTEXTS, QUERIES, seed=6, block_size=BLOCK, dtype=torch.float64)
+    plan = plan_for(batch, form, "chunk loop", index_topk=8, index_scores_budget=32)
+    topk = random_topk(CONTEXTS, QUERIES, 8, seed=7, sparse=plan.sparse.tolist(), empty=0.0)
+    topk[3, :3] = torch.tensor([6, 0, 1], dtype=torch.int32)  # token 3 selects position 6 with finite ones
+    topk[4] = torch.where(topk[4] == 6, -1, topk[4])  # token 4 does not
+    sparse_out, sparse_lse, rows = masked_reference(batch, topk, plan.sparse)
+    dense_out, dense_lse = dense_reference(*batch.args(), return_lse=True)
+    want_out = torch.where(rows[:, None, None], sparse_out, dense_out)
+    want_lse = torch.where(rows, sparse_lse, dense_lse)
+    cache = batch.kv_cache.clone()
+    cache[batch.block_table[1, 6 // BLOCK], 6 % BLOCK, 1] = VALUES[value]
+    reached = torch.zeros(batch.q.shape[0], batch.q.shape[1], dtype=torch.bool)
+    reached[3:7] = (topk[3:7] == 6).any(1, keepdim=True)
+    assert reached[3].all() and not reached[4].any()
+    out, lse = mla_ops.run_prefill(batch.q, batch.kv_c, batch.k_pe, cache, batch.kv_b_proj_weight,
+                                   batch.softmax_scale, plan, backend="torch", topk_indices=topk, return_lse=True)
+    check(out, lse, reached, want_out, want_lse, torch.float64)

@@ -235,7 +235,7 @@ def begin_step(plan: PrefillPlan, kv_cache: torch.Tensor, slot_mapping: torch.Te
     ids the contexts use, where readable), the slots (by value where readable), the scales and the backend.
     ``kv_cache_format`` / ``index_cache_format``: ``"auto"`` (the caches above) or vLLM's packed layouts,
     ``"fp8_ds_mla"`` (``kv_cache`` [.., num_blocks, block_size, 656] uint8) and ``"fp8_per_token"``
-    (``index_cache`` [num_blocks, block_size, D_I + 4] uint8), which store their own scales
+    (``index_cache`` [num_blocks, block_size, D_I + D_I/128*4] uint8), which store their own scales
     (``mla_ops/ops/cache_formats.py``); every kernel but FlashMLA's dequantizes them as it reads.
     """
     if not isinstance(plan, PrefillPlan):

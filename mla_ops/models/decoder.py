@@ -127,7 +127,7 @@ class MLAModel(nn.Module):
         ``k_scale_index``): one for every layer, or a list of one per layer. KV-sharing layers
         (``kv_source_layers``) have no latent cache; a NoPE layer's (``no_rope_layers``, R = 0) is the first L
         columns of its L+R rows. ``kv_cache_format="fp8_ds_mla"`` / ``index_cache_format="fp8_per_token"``: vLLM's
-        packed uint8 layouts (656-byte latent rows, D_I + 4-byte index rows; ``mla_ops/ops/cache_formats.py``),
+        packed uint8 layouts (656-byte latent rows, index rows of D_I + D_I/128*4 bytes; ``ops/cache_formats.py``),
         which keep their own scales (``dtype`` then unused)."""
         weight = self.embed_tokens.weight
         return allocate(self.config, self.num_cache_layers, num_blocks, block_size, dtype or weight.dtype,

@@ -2,11 +2,13 @@
 
 Every measurement runs in a fresh process with an empty Inductor cache (a cold start), on the
 ``tiny`` preset with float32 weights, and reports the seconds to the first output, the graphs Dynamo
-made and its restarts ("Restarting analysis", e.g. when float attributes are tensorified), and where the
-compile's seconds went (``phases``: torch's own timers, ``phase_seconds``); the by-layers rows also the
-steady step time after it (``step_ms``, one thread, the mean of 20 steps). ``--repeats N`` runs each
-measurement N times (each its own process) and keeps the fastest first output (the least disturbed by
-other work on the machine), with every run's seconds in ``runs``:
+made and its restarts ("Restarting analysis", e.g. when float attributes are tensorified), the CPU seconds
+to the first output (``cpu_seconds``: this process's and the C++ compiler's, with one compile thread; on a
+machine shared with other work a steadier measure than the wall clock), and where the compile's seconds went
+(``phases``: torch's own timers, ``phase_seconds``); the by-layers rows also the steady step time after it
+(``step_ms`` and its CPU time ``step_cpu_ms``, one thread, the mean of 20 steps). ``--repeats N`` runs each
+measurement N times (each its own process) and keeps the run of least CPU time, with every run's wall and
+CPU seconds in ``runs``:
 
 * ``whole`` (by layers): ``torch.compile(step, fullgraph=True, dynamic=True)`` of a step that plans
   on the device (``max_chunks=4``) and runs the model: one graph, each layer a nested compile region
@@ -49,6 +51,9 @@ from benchmarks._lib.report import write_json_atomic
 LAYERS = (1, 2, 4, 8, 61)
 WHOLE_LAYERS = LAYERS
 WHOLE_KINDS = ("whole",)
+# The whole step with each layer's rows written between the regions, as on torch 2.13, where torch >= 2.14 would
+# write them inside (``regions.WRITES_IN_REGIONS``): what the writes inside change (``--between``).
+BETWEEN = "whole-between"
 STEPS = 20  # steps timed after the first output (and 3 warm ones): the steady step time
 
 
@@ -93,6 +98,13 @@ def measure(kind: str, size: int) -> dict:
         dynamo_log.setLevel(level)
 
 
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and its finished children (the C++ compiler): what a compile costs, apart
+    from the waits of a machine shared with other work."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def phase_seconds() -> dict:
     """This process's compile seconds by phase, from torch's timers (``torch._dynamo.utils.calculate_time_spent``):
     ``dynamo`` (bytecode tracing, guards: the frame's compile less its backend), ``aot_autograd`` (the backend less
@@ -111,9 +123,11 @@ def _measure(kind: str, size: int, restarts: _Restarts) -> dict:
     graphs = counters["stats"]["unique_graphs"]
     config = _config(1 if kind.startswith("warmup") else size)
     model = mla_ops.MLAModel(config).eval()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), _cpu_seconds()
     with torch.no_grad():
-        if kind in WHOLE_KINDS + ("regional",):
+        if kind == BETWEEN:
+            regions.WRITES_IN_REGIONS = False  # this process only
+        if kind in WHOLE_KINDS + (BETWEEN, "regional"):
             x = model_step(config, [9, 30, 0], [3, 5, 4], block_size, "cpu")
             caches = model.allocate_kv_caches(x["num_blocks"], block_size)
             for cache in caches.tensors:
@@ -123,20 +137,21 @@ def _measure(kind: str, size: int, restarts: _Restarts) -> dict:
                 plan = mla_ops.plan_prefill(qsl, ctx, table, 4, 64, max_chunks=4)
                 return model(ids, positions, caches, slots, plan)
 
-            if kind in WHOLE_KINDS:
+            if kind in WHOLE_KINDS + (BETWEEN,):
                 step = torch.compile(step, fullgraph=True, dynamic=True)
             else:
                 model.compile_layers()
             args = (x["input_ids"], x["positions"], caches, x["slot_mapping"], x["block_table"], x["query_start_loc"],
                     x["context_lens"])
             step(*args)
-            seconds = time.perf_counter() - start
+            seconds, cpu_seconds = time.perf_counter() - start, _cpu_seconds() - cpu_start
             for _ in range(3):  # warm
                 step(*args)
-            begin = time.perf_counter()
+            begin, cpu_begin = time.perf_counter(), time.process_time()
             for _ in range(STEPS):
                 step(*args)
             step_ms = (time.perf_counter() - begin) / STEPS * 1e3
+            step_cpu_ms = (time.process_time() - cpu_begin) / STEPS * 1e3
         else:  # "warmup-regional-20", "warmup-whole-1", ...
             _, scope, count = kind.split("-")
             buckets = dict(chunk_buckets=(1, 2, 4, 8, 16)) if count == "20" else \
@@ -146,36 +161,39 @@ def _measure(kind: str, size: int, restarts: _Restarts) -> dict:
                                            workspace_size=workspace, mode="compile", **buckets)
             runner.warmup(model.allocate_kv_caches(64, block_size))
             assert len(runner.built) == int(count)
-            seconds, step_ms = time.perf_counter() - start, None
-    row = dict(kind=kind, size=size, seconds=round(seconds, 2), graphs=counters["stats"]["unique_graphs"] - graphs,
+            seconds, cpu_seconds, step_ms = time.perf_counter() - start, _cpu_seconds() - cpu_start, None
+    row = dict(kind=kind, size=size, seconds=round(seconds, 2), cpu_seconds=round(cpu_seconds, 2), graphs=counters["stats"]["unique_graphs"] - graphs,
                restarts=restarts.count, phases=phase_seconds())
     if step_ms is not None:
-        row["step_ms"] = round(step_ms, 2)
+        row["step_ms"], row["step_cpu_ms"] = round(step_ms, 2), round(step_cpu_ms, 2)
     return row
 
 
 def run_cold(kind: str, size: int) -> dict:
     """``measure`` in a fresh interpreter with an empty Inductor cache."""
     with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
+        # One compile thread: the C++ builds run as this process's children, whose CPU time cpu_seconds counts.
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TORCHINDUCTOR_COMPILE_THREADS="1")
         done = subprocess.run([sys.executable, "-m", "benchmarks.compile_cost", "--measure", kind, str(size)],
                               env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def run_fastest(kind: str, size: int, repeats: int = 1) -> dict:
-    """``run_cold`` ``repeats`` times: the run with the fastest first output, every run's seconds in ``runs``."""
+    """``run_cold`` ``repeats`` times: the run whose first output took the least CPU time (the least disturbed by
+    other work), every run's wall and CPU seconds in ``runs``."""
     done = [run_cold(kind, size) for _ in range(repeats)]
-    row = min(done, key=lambda r: r["seconds"])
+    row = min(done, key=lambda r: r["cpu_seconds"])
     if repeats > 1:
-        row["runs"] = [r["seconds"] for r in done]
+        row["runs"] = [[r["seconds"], r["cpu_seconds"]] for r in done]
     return row
 
 
 def run(layers=LAYERS, whole_layers=WHOLE_LAYERS, whole_buckets: bool = False, warmups: bool = True,
-        repeats: int = 1) -> dict:
+        repeats: int = 1, between: bool = False) -> dict:
     rows = []
-    by_layers = (("regional", layers),) + tuple((kind, whole_layers) for kind in WHOLE_KINDS)
+    whole_kinds = WHOLE_KINDS + ((BETWEEN,) if between and regions.WRITES_IN_REGIONS else ())
+    by_layers = (("regional", layers),) + tuple((kind, whole_layers) for kind in whole_kinds)
     for kind, sizes in by_layers:
         for n in sizes:
             rows.append(run_fastest(kind, n, repeats))
@@ -188,15 +206,19 @@ def run(layers=LAYERS, whole_layers=WHOLE_LAYERS, whole_buckets: bool = False, w
         print(rows[-1], flush=True)
     seconds = {(r["kind"], r["size"]): r["seconds"] for r in rows}
     ratios = {}
-    for kind, sizes in by_layers:
-        if 1 in sizes and 8 in sizes:
-            ratios[f"{kind}_8_over_1_layers"] = round(seconds[kind, 8] / seconds[kind, 1], 2)
-        if 8 in sizes and 61 in sizes:
-            ratios[f"{kind}_61_over_8_layers"] = round(seconds[kind, 61] / seconds[kind, 8], 2)
-    step_ms = {(r["kind"], r["size"]): r["step_ms"] for r in rows if "step_ms" in r}
-    for n in sorted({size for kind, size in step_ms if kind == "whole"}):
-        if ("regional", n) in step_ms:
-            ratios[f"whole_over_regional_step_{n}_layers"] = round(step_ms["whole", n] / step_ms["regional", n], 2)
+    for suffix, field in (("", "seconds"), ("_cpu", "cpu_seconds")):
+        by = {(r["kind"], r["size"]): r[field] for r in rows}
+        for kind, sizes in by_layers:
+            if 1 in sizes and 8 in sizes:
+                ratios[f"{kind}_8_over_1_layers{suffix}"] = round(by[kind, 8] / by[kind, 1], 2)
+            if 8 in sizes and 61 in sizes:
+                ratios[f"{kind}_61_over_8_layers{suffix}"] = round(by[kind, 61] / by[kind, 8], 2)
+    for suffix, field in (("", "step_ms"), ("_cpu", "step_cpu_ms")):
+        step_ms = {(r["kind"], r["size"]): r[field] for r in rows if field in r}
+        for n in sorted({size for kind, size in step_ms if kind == "whole"}):
+            if ("regional", n) in step_ms:
+                ratios[f"whole_over_regional_step_{n}_layers{suffix}"] = round(
+                    step_ms["whole", n] / step_ms["regional", n], 2)
     for scope in ("regional", "whole"):
         if (f"warmup-{scope}-20", 0) in seconds:
             ratios[f"{scope}_20_buckets_over_1"] = round(
@@ -208,8 +230,10 @@ def run(layers=LAYERS, whole_layers=WHOLE_LAYERS, whole_buckets: bool = False, w
 def plot(result: dict, path: str) -> None:
     plt = plotting.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for kind in WHOLE_KINDS + ("regional",):
+    for kind in WHOLE_KINDS + (BETWEEN, "regional"):
         rows = [r for r in result["rows"] if r["kind"] == kind]
+        if not rows:
+            continue
         ax.plot([r["size"] for r in rows], [r["seconds"] for r in rows], "o-", label=kind)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("decoder layers (tiny preset)")
@@ -227,13 +251,15 @@ def main(argv=None) -> dict | None:
     parser.add_argument("--whole-layers", type=int, nargs="+", default=list(WHOLE_LAYERS))
     parser.add_argument("--whole-buckets", action="store_true", help="also whole steps per bucket (minutes)")
     parser.add_argument("--no-warmups", action="store_true", help="by layers only: no PrefillGraphs warm-up rows")
-    parser.add_argument("--repeats", type=int, default=1, help="cold runs per measurement, the fastest kept")
+    parser.add_argument("--repeats", type=int, default=1, help="cold runs per measurement, the least CPU time kept")
+    parser.add_argument("--between", action="store_true",
+                        help="also whole steps whose rows are written between the regions (torch >= 2.14)")
     parser.add_argument("--measure", nargs=2, metavar=("KIND", "SIZE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.measure:
         print(json.dumps(measure(args.measure[0], int(args.measure[1]))))
         return None
-    result = run(args.layers, args.whole_layers, args.whole_buckets, not args.no_warmups, args.repeats)
+    result = run(args.layers, args.whole_layers, args.whole_buckets, not args.no_warmups, args.repeats, args.between)
     print(result["ratios"])
     if args.json:
         write_json_atomic(args.json, result)

@@ -22,13 +22,13 @@ def test_prefill_graphs_pass_the_formats_to_the_model():
     caches = model.allocate_kv_caches(32, BLOCK_SIZE, **FORMATS)
     runner = mla_ops.PrefillGraphs(model.model, max_tokens=32, max_requests=4, max_blocks_per_request=8,
                                    block_size=BLOCK_SIZE, workspace_size=WORKSPACE, mode="eager",
-                                   chunk_buckets=(4, 16), **FORMATS)
+                                   chunk_buckets=(4, 16))
     for i, (context_lens, query_lens) in enumerate([([0, 0], [13, 5]), ([13, 5], [2, 3])]):
         ids, positions, slots, table, qsl, ctx = model_step(model.config, context_lens, query_lens, seed=0,
                                                             num_blocks=32, block_size=BLOCK_SIZE, max_blocks=8)
         expect_caches = clone_caches(caches)
         plan = mla_ops.plan_prefill(qsl, ctx, table, BLOCK_SIZE, WORKSPACE, index_topk=4)
-        expect = model.model(ids, positions, expect_caches, slots, table, plan, **FORMATS)
+        expect = model.model(ids, positions, expect_caches, slots, plan)
         got = runner(ids, positions, caches, slots, table, qsl, ctx)
         torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
         for a, b in zip((*caches.latent, *caches.index), (*expect_caches.latent, *expect_caches.index)):

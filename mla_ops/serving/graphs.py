@@ -367,19 +367,19 @@ class PrefillGraphs:
         if not isinstance(kv_caches, KVCaches):
             return kv_caches
 
-        def on_device(scale):
+        def on_device(scale, name):
             if isinstance(scale, (list, tuple)):
-                return [on_device(s) for s in scale]
+                return [on_device(s, name) for s in scale]
             if scale is None or isinstance(scale, torch.Tensor):
                 return scale
-            checks.check_scale(scale, "k_scale", self.device)
+            checks.check_scale(scale, name, self.device)
             key = float(scale)
             if key not in self._scales:
                 self._scales[key] = torch.tensor([key], dtype=torch.float32, device=self.device)
             return self._scales[key]
 
-        return dataclasses.replace(kv_caches, k_scale=on_device(kv_caches.k_scale),
-                                   k_scale_index=on_device(kv_caches.k_scale_index))
+        return dataclasses.replace(kv_caches, k_scale=on_device(kv_caches.k_scale, "k_scale"),
+                                   k_scale_index=on_device(kv_caches.k_scale_index, "k_scale_index"))
 
     def _check_caches(self, kv_caches) -> None:
         """Buckets are built for one cache: its memory and scales (captured) or its geometry (compiled). A

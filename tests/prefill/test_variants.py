@@ -11,11 +11,11 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import mla_ops
 import mla_ops.ops.gather as gather_module
 from mla_ops.serving.buckets import Buckets
+from tests.prefill.test_compile import HOST_SYNC_OPS, RecordOps
 from tests.support.batches import TOL, assert_close_to_reference, dense_reference, make_batch, random_lens
 from tests.support.sparse import masked_reference, random_topk
 
@@ -294,20 +294,6 @@ def test_context_parallel_refuses_a_window():
 
 
 # ---- the device path: no host sync, one graph ----------------------------------------------------
-
-HOST_SYNC_OPS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "masked_select", "tolist",
-                 "_assert_async", "repeat_interleave"}
-
-
-class RecordOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.__name__.split(".")[0])
-        return func(*args, **(kwargs or {}))
-
 
 def test_device_path_with_window_and_sinks_makes_no_host_sync():
     batch = make_batch(CTX, QLENS, seed=15, block_size=BLOCK, dtype=torch.float32)

@@ -77,21 +77,25 @@ def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tupl
 
 # The attention's projections with RoPE rows; self_attn.{i}: one of LongCat-Flash's two attentions.
 _QUERY = re.compile(r"\.self_attn(\.\d+)?\.(q_proj|q_b_proj)\.weight$")
+_K_ROPE_NORM = re.compile(r"\.self_attn\.k_rope_only_layernorm\.weight$")
 _LATENT = re.compile(r"\.self_attn(\.\d+)?\.kv_a_proj_with_mqa\.weight$")
 
 
 def _convert(config: MLAConfig, source: Source, tensor: torch.Tensor) -> torch.Tensor:
     """RoPE rows to halves (``tensor`` already dequantized; whole heads, all or a rank's; a NoPE layer has none)."""
     layer = LAYER.match(source.target)
-    P, R = config.layer_dims(int(layer.group(1))) if layer else (config.qk_nope_head_dim, config.qk_rope_head_dim)
+    dims = config.attention_dims(int(layer.group(1))) if layer else config.attention_dims(0)
+    P, R = dims.qk_nope_head_dim, dims.qk_rope_head_dim
     if config.rope_interleave and R:
         order = deinterleave_index(R)
         if _QUERY.search(source.target):
             heads = tensor.view(-1, P + R, tensor.shape[-1])  # [N, P+R, in]
             tensor = torch.cat([heads[:, :P], heads[:, P:][:, order]], dim=1).reshape(tensor.shape)
         elif _LATENT.search(source.target):
-            L = config.kv_lora_rank
+            L = dims.kv_lora_rank
             tensor = torch.cat([tensor[:L], tensor[L:][order]])
+        elif _K_ROPE_NORM.search(source.target):  # dots3_note's norm of k_pe, before RoPE: permuted with it
+            tensor = tensor[order]
     return convert_interleaved(config, source.target, tensor)  # GLM-5's indexer rows
 
 

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from .. import _checks
 from ..planning.routing import default_threshold
@@ -66,18 +66,19 @@ _TOP2_GROUPS = ("noaux_tc", "group_top2")  # groups ranked by their two best sco
 MLP_LAYER_TYPES = ("dense", "sparse")  # mlp_layer_types' entries: the dense MLP, or the experts
 DECODER_LAYERS = ("deepseek", "longcat")  # the layer structures (decoder.LAYER_CLASSES)
 INDEXER_TYPES = ("full", "shared")  # indexer_types' entries: a layer's own indexer, or the previous full one's top-k
+ATTENTION_TYPES = ("full", "sliding")  # attention_types' entries: the config's own attention, or sliding_attention's
 
 # MLAConfig's integer fields and their least value.
 _INTS = dict(hidden_size=1, num_attention_heads=1, kv_lora_rank=1, qk_nope_head_dim=1, qk_rope_head_dim=1,
              v_head_dim=1, intermediate_size=1, num_hidden_layers=1, vocab_size=1, max_position_embeddings=1,
              num_experts_per_tok=1, moe_intermediate_size=0, n_shared_experts=0, first_k_dense_replace=0,
              moe_layer_freq=1, n_group=1, topk_group=1, zero_expert_num=0)
-_OPTIONAL_INTS = ("q_lora_rank", "n_routed_experts")  # None, or at least 1
+_OPTIONAL_INTS = ("q_lora_rank", "n_routed_experts", "shared_expert_intermediate_size")  # None, or at least 1
 # Real fields: True if they must be > 0, False if >= 0.
 _REALS = dict(rope_theta=True, rms_norm_eps=True, lora_norm_eps=True, routed_scaling_factor=True,
               initializer_range=False)
 _BOOLS = ("rope_interleave", "tie_word_embeddings", "norm_topk_prob", "post_mlp_layernorm", "optional_correction_bias",
-          "learned_rope_frequencies")
+          "learned_rope_frequencies", "k_rope_norm", "head_gate")
 
 
 @dataclass
@@ -114,13 +115,16 @@ class Scalings:
     query_scale: Optional[QueryScale] = None  # Mistral 4's per-position query scale; a dict is read as its fields
     # Mistral Large 4's learned per-head query scale s * log(position + 1) + b, in the attention and the indexer
     learned_query_scale: bool = False
+    # dots3_note's: the q-LoRA latent times sqrt(hidden_size / q_lora_rank) (before q_b_proj and the indexer's
+    # wq_b) and the latent kv_c times sqrt(hidden_size / kv_lora_rank) (before it is cached), at each layer's ranks
+    lora_latent_scales: bool = False
 
     def __post_init__(self):
         for name in ("embedding_scale", "residual_scale", "logits_scaling"):
             setattr(self, name, _checks.check_real(getattr(self, name), name))
         self.final_logit_softcapping = _checks.check_real(self.final_logit_softcapping, "final_logit_softcapping",
                                                           optional=True)
-        for name in ("mla_scale_q_lora", "mla_scale_kv_lora", "learned_query_scale"):
+        for name in ("mla_scale_q_lora", "mla_scale_kv_lora", "learned_query_scale", "lora_latent_scales"):
             _checks.check_bool(getattr(self, name), name)
         self.query_scale = _record(self.query_scale, QueryScale, "query_scale")
 
@@ -135,6 +139,46 @@ class LayerKinds:
     indexer_types: Optional[tuple[str, ...]] = None
     no_rope_layers: Optional[tuple[int, ...]] = None  # 1: RoPE, 0: NoPE (Mistral Large 4's, transformers' convention)
     kv_source_layers: Optional[tuple[int, ...]] = None  # the layer whose latent cache each layer attends
+    # "full" (the config's own attention) / "sliding" (MLAConfig.sliding_attention's), dots3_note's; None: all full
+    attention_types: Optional[tuple[str, ...]] = None
+
+
+@dataclass
+class SlidingAttention:
+    """The attention of the "sliding" layers (``layer_kinds.attention_types``; dots3_note's): query ``c_r + j``
+    sees the last ``sliding_window`` keys, with a geometry of its own where a field is set (None: the config's).
+    Its caches are ``kv_lora_rank + qk_rope_head_dim`` wide; it has no indexer, plain RoPE of its ``rope_theta``
+    (no scaling) and a softmax scale of 1/sqrt(P+R)."""
+
+    sliding_window: int
+    num_attention_heads: Optional[int] = None
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: Optional[int] = None
+    qk_nope_head_dim: Optional[int] = None
+    qk_rope_head_dim: Optional[int] = None
+    v_head_dim: Optional[int] = None
+    rope_theta: Optional[float] = None
+
+    def __post_init__(self):
+        self.sliding_window = _checks.check_int(self.sliding_window, "sliding_window", 1)
+        for name in ("num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                     "v_head_dim"):
+            setattr(self, name, _checks.check_int(getattr(self, name), f"sliding_attention.{name}", 1, optional=True))
+        self.rope_theta = _checks.check_real(self.rope_theta, "sliding_attention.rope_theta", optional=True)
+
+
+class AttentionDims(NamedTuple):
+    """One layer's attention geometry (``MLAConfig.attention_dims``)."""
+
+    num_heads: int  # N
+    q_lora_rank: Optional[int]
+    kv_lora_rank: int  # L
+    qk_nope_head_dim: int  # P (P + R for a NoPE layer)
+    qk_rope_head_dim: int  # R (0 for a NoPE layer)
+    v_head_dim: int  # V
+    cache_width: int  # its cache rows: L + R (a NoPE layer's keep the R columns it does not read)
+    sliding_window: int  # 0: none
+    kind: int  # 0: the config's own attention, 1: sliding_attention's (its steps are planned apart)
 
 
 def _record(value, cls, name: str):
@@ -208,6 +252,14 @@ class MLAConfig:
     # residual add; and a checkpoint may leave out e_score_correction_bias (zeros: its releases have none).
     post_mlp_layernorm: bool = False
     optional_correction_bias: bool = False
+    # dots3_note's attention: an RMSNorm (self_attn.k_rope_only_layernorm, eps rms_norm_eps) on k_pe before RoPE,
+    # and a per-head sigmoid gate on the attention output (self_attn.g_proj: hidden_size -> N), before o_proj
+    k_rope_norm: bool = False
+    head_gate: bool = False
+    # The shared experts' intermediate size, times n_shared_experts (None: moe_intermediate_size; dots3_note's own)
+    shared_expert_intermediate_size: Optional[int] = None
+    # A second kind of attention layer (layer_kinds.attention_types "sliding"): a window and its own geometry
+    sliding_attention: Optional[SlidingAttention] = None
     # The optional parts, each a small record (a dict is read as its fields): DeepSeek Sparse Attention's
     # indexer (None: dense MLA), the families' scalings, and what differs from layer to layer.
     indexer: Optional[IndexerConfig] = None
@@ -251,6 +303,7 @@ class MLAConfig:
         self._check_layer_structure()
         self._check_indexer()
         _check_mistral_large4_layers(self)
+        _check_sliding_attention(self)
         if self.n_routed_experts is None:
             return
         if self.scoring_func not in SCORING_FUNCS:
@@ -291,6 +344,9 @@ class MLAConfig:
         if self.post_mlp_layernorm and longcat:
             raise ValueError("post_mlp_layernorm=True norms the MoE output of decoder_layer 'deepseek' (A.X-K1's); "
                              "decoder_layer 'longcat' has none")
+        if self.scalings.lora_latent_scales and (longcat or self.q_lora_rank is None):
+            raise ValueError("lora_latent_scales=True scales the q-LoRA latent of decoder_layer 'deepseek': it needs "
+                             "q_lora_rank set (LongCat-Flash's scalings are mla_scale_*)")
         if self.scalings.mla_scale_q_lora and self.q_lora_rank is None:
             raise ValueError("mla_scale_q_lora=True scales q by sqrt(hidden_size / q_lora_rank): q_lora_rank must be "
                              "set")
@@ -331,9 +387,40 @@ class MLAConfig:
         return None if self.indexer is None else self.indexer.index_topk
 
     def has_indexer(self, layer_idx: int) -> bool:
-        """Layer ``layer_idx`` runs its own indexer (a "full" layer of a sparse model)."""
+        """Layer ``layer_idx`` runs its own indexer (a "full" layer of a sparse model; never a sliding layer)."""
         types = self.layer_kinds.indexer_types
-        return self.is_sparse and (types is None or types[layer_idx] == "full")
+        return self.is_sparse and not self.is_sliding(layer_idx) and (types is None or types[layer_idx] == "full")
+
+    def reuses_topk(self, layer_idx: int) -> bool:
+        """Layer ``layer_idx`` attends the last full layer's top-k (a "shared" layer of a sparse model)."""
+        return self.is_sparse and not self.is_sliding(layer_idx) and not self.has_indexer(layer_idx)
+
+    def is_sliding(self, layer_idx: int) -> bool:
+        """Layer ``layer_idx`` is a sliding-window layer (``sliding_attention``'s geometry and window)."""
+        types = self.layer_kinds.attention_types
+        return types is not None and types[layer_idx] == "sliding"
+
+    def attention_dims(self, layer_idx: int) -> AttentionDims:
+        """Layer ``layer_idx``'s attention geometry: the config's own, or ``sliding_attention``'s where set."""
+        s = self.sliding_attention if self.is_sliding(layer_idx) else None
+        pick = lambda name: getattr(self, name) if s is None or getattr(s, name) is None else getattr(s, name)  # noqa: E731
+        L, R = pick("kv_lora_rank"), pick("qk_rope_head_dim")
+        P, rope = (pick("qk_nope_head_dim"), R) if self.uses_rope(layer_idx) else (pick("qk_nope_head_dim") + R, 0)
+        return AttentionDims(pick("num_attention_heads"), self.q_lora_rank if s is None or s.q_lora_rank is None
+                             else s.q_lora_rank, L, P, rope, pick("v_head_dim"), L + R,
+                             0 if s is None else s.sliding_window, int(s is not None))
+
+    def layer_softmax_scale(self, layer_idx: int) -> float:
+        """Layer ``layer_idx``'s softmax scale: ``softmax_scale``, or 1/sqrt(P+R) of a sliding layer (no YaRN)."""
+        if not self.is_sliding(layer_idx):
+            return self.softmax_scale
+        dims = self.attention_dims(layer_idx)
+        return (dims.qk_nope_head_dim + dims.qk_rope_head_dim) ** -0.5
+
+    @property
+    def attention_kinds(self) -> tuple[int, ...]:
+        """The kinds of attention the layers have (0: the config's own, 1: sliding): a step is planned per kind."""
+        return tuple(sorted({self.attention_dims(i).kind for i in range(self.num_hidden_layers)}))
 
     @property
     def num_index_layers(self) -> int:
@@ -433,6 +520,28 @@ def _check_mistral_large4_layers(c: MLAConfig) -> None:
             raise ValueError(f"kv_source_layers[{i}] is {s}, but the last shared layer of layer {i}'s kind "
                              f"({'RoPE' if c.uses_rope(i) else 'NoPE'}, no_rope_layers) before it is "
                              f"{last_owner.get(c.uses_rope(i))}: a layer shares the latest such layer's cache")
+
+
+def _check_sliding_attention(c: MLAConfig) -> None:
+    """``sliding_attention`` and ``layer_kinds.attention_types`` (dots3_note's): both or neither; only DeepSeek's
+    layer without KV sharing or NoPE layers, and with a q-LoRA in both kinds if in one."""
+    c.sliding_attention = _record(c.sliding_attention, SlidingAttention, "sliding_attention")
+    has_types = _check_layer_list(c, "attention_types", ATTENTION_TYPES)
+    if (c.sliding_attention is None) != (not has_types or "sliding" not in c.layer_kinds.attention_types):
+        raise ValueError("sliding_attention and layer_kinds.attention_types go together: the 'sliding' layers take "
+                         "sliding_attention's window and geometry (set both, or neither)")
+    if c.sliding_attention is None:
+        return
+    kinds = c.layer_kinds
+    if c.decoder_layer != "deepseek" or kinds.kv_source_layers is not None or kinds.no_rope_layers is not None:
+        raise ValueError("sliding_attention: only decoder_layer 'deepseek' layers without kv_source_layers or "
+                         "no_rope_layers have sliding layers")
+    s = c.sliding_attention
+    if s.qk_rope_head_dim is not None and s.qk_rope_head_dim % 2:
+        raise ValueError(f"sliding_attention.qk_rope_head_dim must be even, got {s.qk_rope_head_dim}")
+    if s.q_lora_rank is not None and c.q_lora_rank is None:
+        raise ValueError("sliding_attention.q_lora_rank is set but q_lora_rank is None: both kinds of layer have a "
+                         "q-LoRA, or neither")
 
 
 def _check_layer_list(c: MLAConfig, name: str, choices) -> bool:

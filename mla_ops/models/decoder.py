@@ -42,6 +42,7 @@ from .. import _checks
 from ..parallel import ContextParallel
 from ..parallel.tensor_parallel import check_divisible
 from ..planning.plan import PrefillPlan
+from ..prefill import plan_with_options
 from . import regions
 from .config import MLAConfig
 from .kv_caches import KVCaches, allocate, check_caches
@@ -103,6 +104,14 @@ class MLAModel(nn.Module):
         # The rotary frequencies, built once (Mistral Large 4's learned ones: model.rotary_emb.alpha)
         self.rotary_emb = RotaryEmbedding(config.qk_rope_head_dim, config.rope_theta, config.rope_scaling,
                                           learned=config.learned_rope_frequencies)
+        # The sliding layers' (sliding_attention: dots3_note's), plain RoPE of their own R and theta; None: none
+        sliding = config.sliding_attention
+        self.sliding_rotary_emb = None if sliding is None else RotaryEmbedding(
+            sliding.qk_rope_head_dim or config.qk_rope_head_dim, sliding.rope_theta or config.rope_theta)
+        # Each attention kind's first cache layer, against which its step is checked (every layer of a kind alike)
+        self.first_cache_of_kind = {}
+        for wiring in self.wiring:
+            self.first_cache_of_kind.setdefault(wiring.kind, wiring.latent[0])
         query_scale = config.scalings.query_scale  # Mistral 4's; None: none
         self.position_scale = None if query_scale is None else PositionScale(query_scale)
         self.embedding_scale = config.scalings.embedding_scale  # MiniCPM3's; 1: none
@@ -149,23 +158,46 @@ class MLAModel(nn.Module):
         caches = check_caches(kv_caches, self.config, self.num_cache_layers, (weight.dtype, weight.device))
         check_plan(plan, self.config)
         check_step_inputs(input_ids, positions, plan, self.embed_tokens.num_embeddings)
-        step = ModelStep.begin(self, positions, plan, caches, slot_mapping, backend)  # once, not per layer
+        # once per attention kind, not per layer: the sliding layers' step on the plan of their window
+        steps = {kind: ModelStep.begin(self, positions, kind_plan, caches, slot_mapping, backend, kind)
+                 for kind, kind_plan in kind_plans(plan, self.config).items()}
         x = scaled(self.embed_tokens(input_ids), self.embedding_scale)  # [T, H]
         passed = Passed()
         for layer, wiring in zip(self.layers, self.wiring):
-            x, made = regions.run_layer(layer, x, wiring.caches(caches), step, wiring.carry(passed))
+            x, made = regions.run_layer(layer, x, wiring.caches(caches), steps[wiring.kind], wiring.carry(passed))
             passed = wiring.passed_on(passed, made)
         return self.norm(x)  # [T, H]
 
 
 def check_plan(plan: PrefillPlan, config: MLAConfig) -> None:
-    """A plan, made with the model's ``index_topk``."""
+    """A plan, made with the model's ``index_topk`` and no window (a model plans its sliding layers itself)."""
     if not isinstance(plan, PrefillPlan):
         raise TypeError(f"plan must be a PrefillPlan (mla_ops.plan_prefill), got {type(plan).__name__}")
+    if plan.sliding_window:
+        raise ValueError(f"plan was made with sliding_window={plan.sliding_window}, but the model's plan is its full "
+                         "layers' (no window): a model with sliding layers plans their step itself, from this plan "
+                         "and its config's window (sliding_attention.sliding_window)")
     if plan.index_topk != (config.index_topk or 0):
         raise ValueError(f"plan was made with index_topk={plan.index_topk or None}, but the model selects "
                          f"index_topk={config.index_topk}: plan the step with plan_prefill(..., index_topk="
                          f"{config.index_topk}) (config.index_topk)")
+
+
+def kind_plans(plan: PrefillPlan, config: MLAConfig) -> dict[int, PrefillPlan]:
+    """The step's plan of each attention kind (``MLAConfig.attention_kinds``): the caller's for the config's own
+    layers (0), and for the sliding layers (1) one of the same lengths, block table and options with their window
+    and no indexer (planned here once per step: the device form reads nothing on the host, so it compiles)."""
+    plans = {0: plan}
+    if 1 in config.attention_kinds:
+        if plan.options is None or plan.context_parallel is not None:
+            raise ValueError("a model with sliding layers (sliding_attention) plans their step from the plan's "
+                             "options on one device: pass a plan_prefill plan without context_parallel")
+        options = dataclasses.replace(plan.options, index_topk=None, max_index_chunks=None,
+                                      sliding_window=config.sliding_attention.sliding_window)
+        plans[1] = plan_with_options(plan.query_start_loc, plan.context_lens, plan.block_table, options)
+    if 0 not in config.attention_kinds:
+        del plans[0]
+    return plans
 
 
 def refuse_block_table(plan, stale: tuple) -> None:
@@ -183,6 +215,9 @@ def local_config(config: MLAConfig, context_parallel: ContextParallel) -> MLACon
     if not isinstance(context_parallel, ContextParallel):
         raise TypeError(f"context_parallel must be a mla_ops.ContextParallel or None, got "
                         f"{type(context_parallel).__name__}")
+    if config.sliding_attention is not None:
+        raise ValueError("context_parallel does not serve sliding-window layers (sliding_attention) yet: their "
+                         "geometry is not sharded (docs/limitations.md)")
     if config.is_sparse:
         raise ValueError("context_parallel does not serve DeepSeek Sparse Attention models (index_topk) yet: "
                          "their index cache and top-k are not sharded (docs/limitations.md)")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from .. import _checks
-from . import mistral4, mistral_large4
+from . import dots3_note, mistral4, mistral_large4
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,8 @@ class Wrapper:
     tie_word_embeddings: bool  # the wrapper's default for its top-level key
     # name -> the decoder's name or None (skipped), where the names differ past their prefixes; replaces names
     rename: Optional[Callable[[str], Optional[str]]] = None
+    # Without ``text_config`` the text model's keys are the top level's (dots3_note's release), these left out
+    top_level_text: Optional[tuple[str, ...]] = None
 
 
 def shared_keys(c: dict) -> dict:
@@ -278,6 +280,24 @@ FAMILIES = {
         text_config="text_config", text_model_type="mistral",
         names=(("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")),
         tie_word_embeddings=True,
+    )),
+    # dots3_note's text model (transformers' Dots3NoteTextConfig): DSA layers (GLM-5's interleaved indexer) and
+    # sliding-window layers of a second geometry (mla_ops.models.dots3_note reads both), V3's gate without a
+    # scaling factor, latent scales, an RMSNorm on k_pe, a per-head output gate; its LoRA norms take rms_norm_eps.
+    "dots3_note_text": Family(gate=Gate("sigmoid", "noaux_tc", True, 1.0), prepare=dots3_note.prepare,
+                              keys=(shared_keys, dots3_note.config_kwargs),
+                              fixed=dict(rope_interleave=True, k_rope_norm=True, head_gate=True,
+                                         lora_latent_scales=True)),
+    # dots3_note: vision and audio towers around a dots3_note_text model. transformers' save_pretrained writes
+    # model.language_model.*; the release keeps the text model's names (model.layers.*) and its keys at the top
+    # level; the towers (vision_encoder / audio_encoder / model.vision_tower / ...) and the MTP layers are left out.
+    "dots3_note": Family(wrapper=Wrapper(
+        text_config="text_config", text_model_type="dots3_note_text",
+        names=(("model.language_model.", "model."), ("model.layers.", "model.layers."),
+               ("model.embed_tokens.", "model.embed_tokens."), ("model.norm.", "model.norm."), ("lm_head.", "lm_head.")),
+        tie_word_embeddings=False,
+        top_level_text=("model_type", "architectures", "vision_config", "audio_config", "image_token_id",
+                        "video_token_id", "audio_token_id"),
     )),
     # Mistral Large 4: a Pixtral vision tower around a mistral_large4_text model; the release and transformers'
     # save_pretrained both write Mistral's native names (tok_embeddings, layers.{i}.attention.wq, ...).

@@ -1,6 +1,7 @@
 """The paged caches of a model step, as one record: ``KVCaches``.
 
-latent  cache_layers x [num_blocks, block_size, L+R]   one latent row per token and attention
+latent  cache_layers x [num_blocks, block_size, L+R]   one latent row per token and attention (each layer at its
+                                                      own L + R where its kind's differ: dots3_note's sliding layers)
 index   index_layers x [num_blocks, block_size, D_I]   a sparse (DSA) model's index keys, one per full layer
 
 Each part is a list of one tensor per layer, as engines that bind a cache to each attention layer keep them.
@@ -108,6 +109,9 @@ def cache_widths(config, kv_cache_format: str, index_cache_format: str) -> tuple
             raise ValueError(f"kv_cache_format='fp8_ds_mla' holds kv_lora_rank {DS_MLA_LATENT} and qk_rope_head_dim "
                              f"{DS_MLA_ROPE} in every layer (DeepSeek-V3.2's), but the model has "
                              f"{c.kv_lora_rank} and {c.qk_rope_head_dim}{' with NoPE layers' if nope_layers else ''}")
+        if c.sliding_attention is not None:
+            raise ValueError("kv_cache_format='fp8_ds_mla' holds DeepSeek-V3.2's dims in every layer, but the model's "
+                             "sliding layers (sliding_attention) have a geometry of their own")
         latent = DS_MLA_ROW_BYTES
     if not c.is_sparse:
         if index_cache_format != "auto":
@@ -118,6 +122,14 @@ def cache_widths(config, kv_cache_format: str, index_cache_format: str) -> tuple
     if index_cache_format == "fp8_per_token" and width % 128:
         raise ValueError(f"index_cache_format='fp8_per_token' needs index_head_dim a multiple of 128, got {width}")
     return latent, width + (width // 32 if index_cache_format == "fp8_per_token" else 0)  # a float32 per 128
+
+
+def latent_widths(config, num_cache_layers: int, width: int) -> tuple[int, ...]:
+    """Each cache layer's row width: ``width`` (``cache_widths``') for all, or each layer's own L + R in a model with
+    sliding layers of another geometry (``MLAConfig.attention_dims``; their format is "auto")."""
+    if config.sliding_attention is None:
+        return (width,) * num_cache_layers
+    return tuple(config.attention_dims(i).cache_width for i in config.latent_layers)
 
 
 def allocate(config, num_cache_layers: int, num_blocks: int, block_size: int, dtype: torch.dtype, device, *,
@@ -131,15 +143,20 @@ def allocate(config, num_cache_layers: int, num_blocks: int, block_size: int, dt
         return [torch.zeros(num_blocks, block_size, width, dtype=torch.uint8 if packed else dtype, device=device)
                 for _ in range(layers)]
 
-    latent = zeros(num_cache_layers, latent_width, kv_cache_format != "auto")
+    latent = [t for width in latent_widths(config, num_cache_layers, latent_width)
+              for t in zeros(1, width, kv_cache_format != "auto")]
     index = zeros(config.num_index_layers, index_width, index_cache_format != "auto") if config.is_sparse else None
     return KVCaches(latent, index, kv_cache_format, index_cache_format, k_scale, k_scale_index)
 
 
-def _check_layer_caches(caches, name: str, layers: int, width: int) -> tuple[torch.Tensor, ...]:
-    """``caches``: a list (or tuple) of ``layers`` tensors ``[num_blocks, block_size, width]`` of one shape, dtype
-    and device (in eager code also one stacked ``[layers, num_blocks, block_size, width]``). Returns the list."""
-    form = f"a list of {layers} [num_blocks, block_size, {width}]"
+def _check_layer_caches(caches, name: str, layers: int, width: int | tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """``caches``: a list (or tuple) of ``layers`` tensors ``[num_blocks, block_size, width]`` of one block shape,
+    dtype and device, ``width`` one for all or one per layer (in eager code, with one width, also one stacked
+    ``[layers, num_blocks, block_size, width]``). Returns the list."""
+    widths = width if isinstance(width, tuple) else (width,) * layers
+    width = widths[0] if widths and len(set(widths)) == 1 else "width"
+    form = f"a list of {layers} [num_blocks, block_size, {width}]" + ("" if width != "width" else
+                                                                      f" (widths {list(widths)})")
     if isinstance(caches, torch.Tensor):
         if caches.dim() != 4 or caches.shape[0] != layers or caches.shape[3] != width:
             raise ValueError(f"{name} must be {form}, got shape {tuple(caches.shape)} (see allocate_kv_caches)")
@@ -150,9 +167,9 @@ def _check_layer_caches(caches, name: str, layers: int, width: int) -> tuple[tor
         raise ValueError(f"{name} must be {form}, got a list of {len(caches)}")
     first = caches[0] if caches else None
     for i, t in enumerate(caches):
-        if t.dim() != 3 or t.shape[2] != width or t.shape != first.shape or t.dtype != first.dtype \
+        if t.dim() != 3 or t.shape[2] != widths[i] or t.shape[:2] != first.shape[:2] or t.dtype != first.dtype \
                 or t.device != first.device:
-            raise ValueError(f"{name}[{i}] must be [num_blocks, block_size, {width}] like {name}[0] "
+            raise ValueError(f"{name}[{i}] must be [num_blocks, block_size, {widths[i]}] like {name}[0] "
                              f"({tuple(first.shape)} {first.dtype} on {first.device}), got {tuple(t.shape)} "
                              f"{t.dtype} on {t.device}")
     return tuple(caches)
@@ -171,7 +188,8 @@ def check_caches(caches, config, num_cache_layers: int, model: tuple[torch.dtype
     caches = as_kv_caches(caches)
     formats = (caches.kv_cache_format, caches.index_cache_format)
     latent_width, index_width = cache_widths(config, *formats)
-    latent = _check_layer_caches(caches.latent, "kv_caches.latent", num_cache_layers, latent_width)
+    latent = _check_layer_caches(caches.latent, "kv_caches.latent", num_cache_layers,
+                                 latent_widths(config, num_cache_layers, latent_width))
     parts = [("kv_caches.latent", latent, formats[0], caches.k_scale, "k_scale")]
     if config.is_sparse:
         if caches.index is None:

@@ -83,17 +83,19 @@ class ModelStep(NamedTuple):
 
     @classmethod
     def begin(cls, model, positions: torch.Tensor, plan: PrefillPlan, caches, slot_mapping: torch.Tensor,
-              backend: str) -> ModelStep:
+              backend: str, kind: int = 0) -> ModelStep:
         """``model``'s step (an ``MLAModel``: its rotary frequencies, position scales and dtype) over its checked
-        ``caches`` (a ``KVCaches`` of one scale per layer); the attention step is checked once, against the first
-        latent and index caches (every layer's shares their geometry)."""
-        index = caches.index is not None
-        attention = begin_step(plan, caches.latent[0], slot_mapping, k_scale=caches.k_scale[0], backend=backend,
-                               index_cache=caches.index[0] if index else None,
+        ``caches`` (a ``KVCaches`` of one scale per layer) for the layers of attention ``kind`` (0: the config's
+        own, 1: its sliding layers', whose ``plan`` has their window); the attention step is checked once, against
+        the kind's first latent cache and the index caches (every layer of a kind shares their geometry)."""
+        index = caches.index is not None and kind == 0
+        first = model.first_cache_of_kind[kind]
+        attention = begin_step(plan, caches.latent[first], slot_mapping, k_scale=caches.k_scale[first],
+                               backend=backend, index_cache=caches.index[0] if index else None,
                                k_scale_index=caches.k_scale_index[0] if index else None,
                                kv_cache_format=caches.kv_cache_format, index_cache_format=caches.index_cache_format)
         dtype = model.embed_tokens.weight.dtype
-        cos, sin = model.rotary_emb(positions, dtype)
+        cos, sin = (model.rotary_emb if kind == 0 else model.sliding_rotary_emb)(positions, dtype)
         q_scale = None if model.position_scale is None else model.position_scale(positions, dtype)
         logs = log_positions(positions, dtype) if model.config.scalings.learned_query_scale else None
         return cls(cos, sin, attention, q_scale, logs)
@@ -127,30 +129,38 @@ class MLAAttention(nn.Module):
         super().__init__()
         c, std = config, config.initializer_range
         self.tp_group = tp_group
-        self.num_heads = c.num_attention_heads
-        self.kv_lora_rank = c.kv_lora_rank
-        # A NoPE layer's (no_rope_layers): P + R nope dims, R = 0 (an L-wide latent row, nothing rotated)
-        self.qk_nope_head_dim, self.qk_rope_head_dim = c.layer_dims(layer_idx)
-        self.v_head_dim = c.v_head_dim
+        # The layer's geometry: the config's, or its sliding_attention's (dots3_note's sliding layers). A NoPE
+        # layer's (no_rope_layers): P + R nope dims, R = 0 (an L-wide latent row, nothing rotated)
+        dims = c.attention_dims(layer_idx)
+        self.num_heads, self.kv_lora_rank, self.v_head_dim = dims.num_heads, dims.kv_lora_rank, dims.v_head_dim
+        self.qk_nope_head_dim, self.qk_rope_head_dim = dims.qk_nope_head_dim, dims.qk_rope_head_dim
         # KV sharing (kv_source_layers): a layer that attends an earlier layer's latent cache makes no latent rows
         self.owns_kv = c.kv_source(layer_idx) == layer_idx
-        self.softmax_scale = c.softmax_scale  # 1/sqrt(P+R), times YaRN's mscale correction
+        self.softmax_scale = c.layer_softmax_scale(layer_idx)  # 1/sqrt(P+R), times YaRN's mscale correction
 
-        self.q_lora_rank = c.q_lora_rank
-        if c.q_lora_rank is None:
-            self.q_proj = linear(c.hidden_size, c.num_attention_heads * c.qk_head_dim, std)
+        N, Q, L, P, R, V = (dims.num_heads, dims.q_lora_rank, dims.kv_lora_rank, self.qk_nope_head_dim,
+                            self.qk_rope_head_dim, dims.v_head_dim)
+        self.q_lora_rank = Q
+        if Q is None:
+            self.q_proj = linear(c.hidden_size, N * (P + R), std)
         else:
-            self.q_a_proj = linear(c.hidden_size, c.q_lora_rank, std)
-            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.lora_norm_eps)
-            self.q_b_proj = linear(c.q_lora_rank, c.num_attention_heads * c.qk_head_dim, std)
-        P, R = self.qk_nope_head_dim, self.qk_rope_head_dim
+            self.q_a_proj = linear(c.hidden_size, Q, std)
+            self.q_a_layernorm = RMSNorm(Q, c.lora_norm_eps)
+            self.q_b_proj = linear(Q, N * (P + R), std)
         if self.owns_kv:
-            self.kv_a_proj_with_mqa = linear(c.hidden_size, c.kv_lora_rank + R, std)
-            self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.lora_norm_eps)
-        self.kv_b_proj = linear(c.kv_lora_rank, c.num_attention_heads * (P + c.v_head_dim), std)
-        self.o_proj = linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, std)
+            self.kv_a_proj_with_mqa = linear(c.hidden_size, L + R, std)
+            self.kv_a_layernorm = RMSNorm(L, c.lora_norm_eps)
+        self.kv_b_proj = linear(L, N * (P + V), std)
+        self.o_proj = linear(N * V, c.hidden_size, std)
+        # dots3_note's latent scales (lora_latent_scales): 1.0 where none
+        scaled = c.scalings.lora_latent_scales
+        self.q_lora_scale = (c.hidden_size / Q) ** 0.5 if scaled and Q else 1.0
+        self.latent_scale = (c.hidden_size / L) ** 0.5 if scaled else 1.0
+        # dots3_note's RMSNorm on k_pe before RoPE (k_rope_norm) and per-head output gate (head_gate), or None
+        self.k_rope_only_layernorm = RMSNorm(R, c.rms_norm_eps) if c.k_rope_norm and self.owns_kv else None
+        self.g_proj = linear(c.hidden_size, N, std) if c.head_gate else None
         # Mistral Large 4's learned per-head query scale (mla_ops.models.mistral_large4), or None
-        self.softmax_scaling = LogPositionScale(c.num_attention_heads) if c.scalings.learned_query_scale else None
+        self.softmax_scaling = LogPositionScale(N) if c.scalings.learned_query_scale else None
         # DeepSeek Sparse Attention: a layer's own indexer, or None (dense, or a "shared" layer of a sparse model)
         self.indexer = Indexer(c, layer_idx) if c.has_indexer(layer_idx) else None
 
@@ -175,6 +185,8 @@ class MLAAttention(nn.Module):
         out = step.attention.attend(self.scaled_queries(q, step), kv_c, k_pe, caches.latent, self.kv_b_proj.weight,
                                     self.softmax_scale, k_scale=caches.k_scale, topk_indices=topk,
                                     v_head_dim=self.v_head_dim)  # [T, N, V]
+        if self.g_proj is not None:  # dots3_note's per-head gate, in the model's dtype as transformers'
+            out = out * self.g_proj(hidden).sigmoid()[:, :, None]
         return all_reduce(self.o_proj(out.flatten(1)), self.tp_group), made
 
     def project(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -189,6 +201,8 @@ class MLAAttention(nn.Module):
             q_resid = None  # an indexer then reads the layer input itself (indexer_q_norm)
         else:
             q_resid = self.q_a_layernorm(self.q_a_proj(hidden))  # [T, q_lora_rank]
+            if self.q_lora_scale != 1.0:  # dots3_note's: the indexer reads the scaled latent too
+                q_resid = q_resid * self.q_lora_scale
             q = self.q_b_proj(q_resid)  # [T, N*(P+R)]
         if R:  # a NoPE layer (R = 0) rotates nothing
             q_nope, q_pe = q.view(num_tokens, N, P + R).split([P, R], dim=-1)  # [T, N, P], [T, N, R]
@@ -198,7 +212,12 @@ class MLAAttention(nn.Module):
         latent = (q, None, None)  # a KV-sharing layer's keys are its source layer's
         if self.owns_kv:
             kv_c, k_pe = self.kv_a_proj_with_mqa(hidden).split([L, R], dim=-1)  # [T, L], [T, R]
-            latent = (q, self.kv_a_layernorm(kv_c), apply_rotary_emb(k_pe, cos, sin) if R else k_pe)
+            kv_c = self.kv_a_layernorm(kv_c)
+            if self.latent_scale != 1.0:
+                kv_c = kv_c * self.latent_scale
+            if self.k_rope_only_layernorm is not None:
+                k_pe = self.k_rope_only_layernorm(k_pe)
+            latent = (q, kv_c, apply_rotary_emb(k_pe, cos, sin) if R else k_pe)
         return latent if self.indexer is None else latent + self.indexer(hidden, q_resid, cos, sin)
 
     def scaled_queries(self, q: torch.Tensor, step: ModelStep) -> torch.Tensor:

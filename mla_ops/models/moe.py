@@ -154,7 +154,8 @@ class MoE(nn.Module):
         self.experts = Experts(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, c.initializer_range)
         self.shared_experts = None
         if c.n_shared_experts:
-            self.shared_experts = FeedForward(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts,
+            shared = c.shared_expert_intermediate_size or c.moe_intermediate_size  # dots3_note's own size
+            self.shared_experts = FeedForward(c.hidden_size, shared * c.n_shared_experts,
                                               c.initializer_range)
         self.zero_expert_num = c.zero_expert_num
         self.impl = impl

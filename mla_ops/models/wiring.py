@@ -2,7 +2,8 @@
 is built (``MLAModel.wiring``), so a step only follows it.
 
 Per layer (``LayerWiring``): the cache layers its attentions attend (its own, one per attention, or a KV-sharing
-layer's source's), the row width it reads there (L for a NoPE layer), its index cache (a layer with an indexer of
+layer's source's), the row width it reads there (its kind's L + R; L for a NoPE layer), its attention kind (the step
+it runs on: dots3_note's sliding layers have their own), its index cache (a layer with an indexer of
 its own), whether it selects a top-k or reuses the last full layer's (GLM-5's "shared" layers), and whose new
 latent rows it attends or keeps for a later layer (Mistral Large 4's KV sharing).
 """
@@ -33,6 +34,7 @@ class LayerWiring(NamedTuple):
     source: int | None  # a KV-sharing layer: the layer whose new rows it attends; None: its own
     reuses_topk: bool  # a shared DSA layer: it attends the last full layer's top-k
     keeps_rows: bool  # a later layer attends its cache: its new rows are passed on
+    kind: int = 0  # its attention kind (MLAConfig.attention_dims): the step it runs on
 
     def caches(self, kv_caches: KVCaches) -> LayerCaches:
         """This layer's view of the step's checked caches (``kv_caches.check_caches``: one scale per layer)."""
@@ -67,10 +69,11 @@ def wire_layers(config: MLAConfig, kv_caches_per_layer: list[int]) -> tuple[Laye
         own[i] = tuple(range(first, first + n))
         first += n
         source = c.kv_source(i)
+        dims = c.attention_dims(i)
         wiring.append(LayerWiring(
             layer=i, latent=own[source][:1] if source != i else own[i],
-            width=c.kv_lora_rank + c.layer_dims(i)[1], index=index if c.has_indexer(i) else None,
-            source=None if source == i else source, reuses_topk=c.is_sparse and not c.has_indexer(i),
-            keeps_rows=i in sources[i + 1:]))
+            width=dims.kv_lora_rank + dims.qk_rope_head_dim, index=index if c.has_indexer(i) else None,
+            source=None if source == i else source, reuses_topk=c.reuses_topk(i),
+            keeps_rows=i in sources[i + 1:], kind=dims.kind))
         index += c.has_indexer(i)
     return tuple(wiring)

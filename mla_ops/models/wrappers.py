@@ -36,6 +36,8 @@ def unwrap(config: dict) -> tuple[dict, str | None]:
     if w is None:
         return config, None
     text = config.get(w.text_config)
+    if text is None and w.top_level_text is not None:  # the text model's keys at the top level (dots3_note's release)
+        text = {key: value for key, value in config.items() if key not in w.top_level_text}
     if not isinstance(text, dict):
         raise ValueError(f"{w.text_config} must be an object (the text model of model_type {model_type!r}), "
                          f"got {text!r}")

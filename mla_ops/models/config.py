@@ -38,6 +38,14 @@ required); ``indexer_rope_interleave`` (bool): GLM-5's indexer rows are interlea
 ``layer_kinds.indexer_types``: None (every layer "full") or one of "full" / "shared" per layer, layer 0 "full" (a shared
 layer reuses the previous full layer's top-k, and has no indexer of its own). Only the deepseek layer has one.
 
+Two kinds of attention layer (dots3_note's): ``sliding_attention`` (``SlidingAttention``: a ``sliding_window`` and,
+where set, the layers' own ``num_attention_heads``, ``q_lora_rank``, ``kv_lora_rank``, ``qk_nope_head_dim``,
+``qk_rope_head_dim`` (even), ``v_head_dim``, ``rope_theta``) on the layers ``layer_kinds.attention_types`` marks
+"sliding" (the others "full"); both or neither, DeepSeek's layer only, without NoPE or KV-sharing layers. A sliding
+layer has no indexer; ``attention_dims(i)`` is each layer's geometry, its caches ``L + R`` of its kind.
+``k_rope_norm`` / ``head_gate`` (bool) / ``shared_expert_intermediate_size`` (None or at least 1) and
+``Scalings.lora_latent_scales`` (needs ``q_lora_rank``) are dots3_note's attention and experts.
+
 LongCat-Flash's layer (``decoder_layer="longcat"``, ``mla_ops.models.longcat``) needs experts; identity
 experts (``zero_expert_num``) need ``n_group`` 1; ``mla_scale_q_lora`` (which needs ``q_lora_rank``) and
 ``mla_scale_kv_lora`` are its layer's only.
@@ -403,11 +411,13 @@ class MLAConfig:
     def attention_dims(self, layer_idx: int) -> AttentionDims:
         """Layer ``layer_idx``'s attention geometry: the config's own, or ``sliding_attention``'s where set."""
         s = self.sliding_attention if self.is_sliding(layer_idx) else None
-        pick = lambda name: getattr(self, name) if s is None or getattr(s, name) is None else getattr(s, name)  # noqa: E731
+
+        def pick(name):
+            return getattr(self, name) if s is None or getattr(s, name) is None else getattr(s, name)
+
         L, R = pick("kv_lora_rank"), pick("qk_rope_head_dim")
         P, rope = (pick("qk_nope_head_dim"), R) if self.uses_rope(layer_idx) else (pick("qk_nope_head_dim") + R, 0)
-        return AttentionDims(pick("num_attention_heads"), self.q_lora_rank if s is None or s.q_lora_rank is None
-                             else s.q_lora_rank, L, P, rope, pick("v_head_dim"), L + R,
+        return AttentionDims(pick("num_attention_heads"), pick("q_lora_rank"), L, P, rope, pick("v_head_dim"), L + R,
                              0 if s is None else s.sliding_window, int(s is not None))
 
     def layer_softmax_scale(self, layer_idx: int) -> float:
@@ -612,6 +622,22 @@ mla_configs = {
         first_k_dense_replace=0, moe_layer_freq=1, scoring_func="softmax", topk_method="group_top2", n_group=1,
         topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0, tie_word_embeddings=False,
         dtype="bfloat16", scalings=dict(query_scale=dict(beta=0.1, original_max_position_embeddings=8192)),
+    ),
+    # dots3_note's layer kinds at tiny dims (tests, examples): DSA layers 0, 1, 5 (N 4, L 32, P 16, R 8, an indexer
+    # of 16 x 16 selecting 8 keys) and sliding-window layers 2-4 (window 6, N 2, q-LoRA 24, L 48, P 24, V 8, theta
+    # 50,000: 56-wide cache rows beside 40-wide ones); its latent scales, k_pe norm, per-head gate and experts.
+    "dots3-note-tiny": dict(
+        hidden_size=64, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, rope_theta=80_000_000.0, rms_norm_eps=1e-5, lora_norm_eps=1e-5,
+        intermediate_size=96, num_hidden_layers=6, vocab_size=96, max_position_embeddings=128, n_routed_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, shared_expert_intermediate_size=24,
+        scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True, k_rope_norm=True, head_gate=True,
+        indexer=dict(index_topk=8, index_n_heads=16, index_head_dim=16, indexer_rope_interleave=True),
+        scalings=dict(lora_latent_scales=True),
+        layer_kinds=dict(mlp_layer_types=("dense",) + ("sparse",) * 5,
+                         attention_types=("full", "full", "sliding", "sliding", "sliding", "full")),
+        sliding_attention=dict(sliding_window=6, num_attention_heads=2, q_lora_rank=24, kv_lora_rank=48,
+                               qk_nope_head_dim=24, qk_rope_head_dim=8, v_head_dim=8, rope_theta=50_000.0),
     ),
     "tiny": dict(  # for tests: dense, no YaRN
         hidden_size=64, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32,

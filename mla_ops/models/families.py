@@ -294,7 +294,8 @@ FAMILIES = {
     "dots3_note": Family(wrapper=Wrapper(
         text_config="text_config", text_model_type="dots3_note_text",
         names=(("model.language_model.", "model."), ("model.layers.", "model.layers."),
-               ("model.embed_tokens.", "model.embed_tokens."), ("model.norm.", "model.norm."), ("lm_head.", "lm_head.")),
+               ("model.embed_tokens.", "model.embed_tokens."), ("model.norm.", "model.norm."),
+               ("lm_head.", "lm_head.")),
         tie_word_embeddings=False,
         top_level_text=("model_type", "architectures", "vision_config", "audio_config", "image_token_id",
                         "video_token_id", "audio_token_id"),

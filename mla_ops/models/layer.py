@@ -154,8 +154,8 @@ class MLAAttention(nn.Module):
         self.o_proj = linear(N * V, c.hidden_size, std)
         # dots3_note's latent scales (lora_latent_scales): 1.0 where none
         scaled = c.scalings.lora_latent_scales
-        self.q_lora_scale = (c.hidden_size / Q) ** 0.5 if scaled and Q else 1.0
-        self.latent_scale = (c.hidden_size / L) ** 0.5 if scaled else 1.0
+        self.lora_q_scale = (c.hidden_size / Q) ** 0.5 if scaled and Q else 1.0
+        self.lora_kv_scale = (c.hidden_size / L) ** 0.5 if scaled else 1.0
         # dots3_note's RMSNorm on k_pe before RoPE (k_rope_norm) and per-head output gate (head_gate), or None
         self.k_rope_only_layernorm = RMSNorm(R, c.rms_norm_eps) if c.k_rope_norm and self.owns_kv else None
         self.g_proj = linear(c.hidden_size, N, std) if c.head_gate else None
@@ -201,8 +201,8 @@ class MLAAttention(nn.Module):
             q_resid = None  # an indexer then reads the layer input itself (indexer_q_norm)
         else:
             q_resid = self.q_a_layernorm(self.q_a_proj(hidden))  # [T, q_lora_rank]
-            if self.q_lora_scale != 1.0:  # dots3_note's: the indexer reads the scaled latent too
-                q_resid = q_resid * self.q_lora_scale
+            if self.lora_q_scale != 1.0:  # dots3_note's: the indexer reads the scaled latent too
+                q_resid = q_resid * self.lora_q_scale
             q = self.q_b_proj(q_resid)  # [T, N*(P+R)]
         if R:  # a NoPE layer (R = 0) rotates nothing
             q_nope, q_pe = q.view(num_tokens, N, P + R).split([P, R], dim=-1)  # [T, N, P], [T, N, R]
@@ -213,8 +213,8 @@ class MLAAttention(nn.Module):
         if self.owns_kv:
             kv_c, k_pe = self.kv_a_proj_with_mqa(hidden).split([L, R], dim=-1)  # [T, L], [T, R]
             kv_c = self.kv_a_layernorm(kv_c)
-            if self.latent_scale != 1.0:
-                kv_c = kv_c * self.latent_scale
+            if self.lora_kv_scale != 1.0:
+                kv_c = kv_c * self.lora_kv_scale
             if self.k_rope_only_layernorm is not None:
                 k_pe = self.k_rope_only_layernorm(k_pe)
             latent = (q, kv_c, apply_rotary_emb(k_pe, cos, sin) if R else k_pe)

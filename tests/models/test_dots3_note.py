@@ -7,6 +7,7 @@ sqrt(H / L), an RMSNorm on k_pe before RoPE, a per-head sigmoid gate, shared exp
 prompts of 13 and 21 tokens take the sparse path in the DSA layers and outgrow the window in the sliding ones.
 """
 
+import dataclasses
 import json
 import os
 
@@ -31,6 +32,14 @@ SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermedia
              swa_num_attention_heads=2, swa_num_key_value_heads=2, swa_q_lora_rank=24, swa_kv_lora_rank=48,
              swa_head_dim=32, swa_qk_nope_head_dim=24, swa_v_head_dim=8)
 KINDS = ("full", "full", "sliding", "sliding", "sliding", "full")
+
+
+# The multimodal wrapper's towers, tiny (their output widths the text model's hidden size).
+VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=2,
+              moe_intermediate_size=8, mlp_layer_types=["dense"], num_local_experts=2, adapter_in_dim=16,
+              adapter_out_dim=64)
+AUDIO = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, feature_size=16,
+             downsample_hidden_size=8, adapter_input_size=16, adapter_out_dim=64)
 
 
 def make_dots3(seed, **change):
@@ -65,6 +74,16 @@ def test_config_reads_both_kinds_of_layer(checkpoint):
     assert config.indexer.indexer_rope_interleave and config.k_rope_norm and config.head_gate
     assert config.scalings.lora_latent_scales and config.layer_kinds.mlp_layer_types == ("dense",) + ("sparse",) * 5
     assert config.layer_softmax_scale(2) == 32 ** -0.5 and config.layer_softmax_scale(0) == 24 ** -0.5  # no mscale
+
+
+def test_the_tiny_preset_is_the_checkpoints_config(checkpoint):
+    preset = MLAConfig.from_name("dots3-note-tiny")
+    assert preset == dataclasses.replace(MLAConfig.from_hf(checkpoint[0]), dtype=None, initializer_range=0.02,
+                                         first_k_dense_replace=0)
+    model = mla_ops.MLAForCausalLM(preset)
+    with torch.no_grad():
+        (logits,) = step(model, model.allocate_kv_caches(4, 4), [[5, 6, 7, 8, 9, 10, 11, 12, 13]], [0], index_topk=8)
+    assert logits.shape == (9, 96) and bool(logits.isfinite().all())
 
 
 def test_caches_hold_each_layer_at_its_own_width(checkpoint):
@@ -145,3 +164,96 @@ def test_greedy_generation_matches_transformers_and_reuses_prefixes(checkpoint):
 
 def test_cli_generates(checkpoint, capsys):
     check_cli(checkpoint[0], capsys)
+
+
+def test_the_whole_model_compiles_with_a_region_per_layer_kind(model64):
+    """torch.compile of the whole step, both plans made inside it (the sliding layers' from the caller's): one
+    region for the DSA MoE layers (1, 5), one for the sliding ones (2-4); layer 0 (dense MLP) is inlined."""
+    check_whole_model_compile(model64, prompts_of([9, 14, 3], model64.config.vocab_size, seed=5), [4, 10, 0],
+                              max_regions=2)
+
+
+@pytest.fixture(scope="module")
+def multimodal(tmp_path_factory):
+    """The multimodal model, saved by transformers (text_config nested; the text model's names are the release's,
+    model.layers.*, beside vision_encoder.* and audio_encoder.*), and the same checkpoint with the release's
+    config.json: the text model's keys at the top level, in the release's own names."""
+    config = dots3.Dots3NoteConfig(text_config=dict(SHAPE), vision_config=VISION, audio_config=AUDIO)
+    config.text_config._attn_implementation = config._attn_implementation = "eager"
+    config.text_config._experts_implementation = "eager"
+    torch.manual_seed(3)
+    hf = spread_weights(dots3.Dots3NoteForConditionalGeneration(config), 4)
+    path = tmp_path_factory.mktemp("dots3_mm")
+    hf.save_pretrained(path / "transformers")
+    release = path / "release"
+    release.mkdir()
+    for name in os.listdir(path / "transformers"):
+        if name != "config.json":
+            os.link(path / "transformers" / name, release / name)
+    flat = {"model_type": "dots3_note", "vision_config": VISION, "audio_config": AUDIO, **SHAPE, "use_dsa": True,
+            "sliding_window_size": SHAPE["sliding_window"], "swa_rope_theta": 50000.0, "rope_theta": 80_000_000.0,
+            "moe_shared_expert_intermediate_size": 24, "first_k_dense_replace": 1, "moe_layer_freq": 1}
+    for key in ("sliding_window", "shared_experts_intermediate_size"):
+        del flat[key]
+    with open(release / "config.json", "w") as f:
+        json.dump(flat, f)
+    return str(path / "transformers"), str(release), hf
+
+
+def test_the_multimodal_checkpoint_keeps_the_towers_and_the_release_names(multimodal):
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(multimodal[0], "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert any(n.startswith("vision_encoder.") for n in names) and any(n.startswith("audio_encoder.") for n in names)
+    assert "model.layers.2.self_attn.g_proj.weight" in names and "lm_head.weight" in names
+
+
+def test_the_release_config_reads_as_transformers_reads_it(multimodal):
+    """The release's top-level keys (swa_*, use_dsa, sliding_window_size, swa_rope_theta, ...) read as
+    transformers' Dots3NoteConfig reads them, equal to the config transformers writes."""
+    ours = MLAConfig.from_hf(multimodal[1])
+    with open(os.path.join(multimodal[1], "config.json")) as f:
+        flat = {k: v for k, v in json.load(f).items() if k != "model_type"}
+    theirs = dots3.Dots3NoteConfig(**flat).text_config
+    assert theirs.layer_types == ["indexed_attention"] * 2 + ["sliding_attention"] * 3 + ["indexed_attention"]
+    text = dataclasses.replace(MLAConfig.from_hf(theirs.to_dict()), wrapper="dots3_note")  # their text config alone
+    assert ours == text == dataclasses.replace(MLAConfig.from_hf(multimodal[0]), dtype=ours.dtype)
+    assert MLAConfig.from_hf(multimodal[0]).wrapper == ours.wrapper == "dots3_note"
+
+
+@pytest.mark.parametrize("layout", [0, 1], ids=["transformers", "release"])
+def test_the_text_model_of_the_multimodal_checkpoint_matches_transformers(multimodal, layout):
+    """Loaded by name (the towers left out), its logits equal the multimodal model's on text."""
+    print(f"dots3_note ({['transformers', 'release'][layout]} layout): largest logit difference "
+          f"{check_logits(multimodal[layout], multimodal[2], rtol=3e-6):.2e}")
+
+
+def test_the_release_defaults_are_transformers(checkpoint):
+    """A release config.json that leaves out the sliding layers' keys takes Dots3NoteTextConfig's defaults (64
+    heads, LoRA 1024, P 192, R 64, V 128, window 512, theta 50,000)."""
+    flat = {key: value for key, value in SHAPE.items() if not key.startswith("swa_") and key != "sliding_window"}
+    s = MLAConfig.from_hf(dict(flat, model_type="dots3_note_text")).sliding_attention
+    theirs = dots3.Dots3NoteTextConfig(**flat).per_layer_config[2]
+    assert (s.num_attention_heads, s.q_lora_rank, s.kv_lora_rank, s.qk_nope_head_dim, s.qk_rope_head_dim,
+            s.v_head_dim, s.sliding_window, s.rope_theta) == (
+        theirs.num_attention_heads, theirs.q_lora_rank, theirs.kv_lora_rank, theirs.qk_nope_head_dim,
+        theirs.qk_rope_head_dim, theirs.v_head_dim, theirs.sliding_window, 50000.0) == (
+        64, 1024, 1024, 192, 64, 128, 512, 50000.0)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(layer_types=["indexed_attention"] * 5), "layer_types must list num_hidden_layers=6"),
+    (dict(layer_types=["indexed_attention", "full_attention"] + ["sliding_attention"] * 4), "mixes"),
+    (dict(per_layer_config={"0": {"num_attention_heads": 2}}), r"per_layer_config\[0\] changes layer 0"),
+    (dict(per_layer_config={str(i): {"num_attention_heads": 2 + (i == 3)} for i in (2, 3, 4)}),
+     r"per_layer_config\[3\] differs"),
+    (dict(per_layer_config={str(i): {"sliding_window": 4} for i in (2, 3, 4)}), r"sets \['sliding_window'\]"),
+    (dict(rope_parameters={"indexed_attention": {"rope_type": "yarn", "factor": 2.0},
+                           "sliding_attention": {"rope_type": "default"}}), "must be 'default'"),
+])
+def test_config_errors_name_the_key(checkpoint, change, match):
+    with open(os.path.join(checkpoint[0], "config.json")) as f:
+        config = json.load(f)
+    with pytest.raises(ValueError, match=match):
+        MLAConfig.from_hf(dict(config, **change))

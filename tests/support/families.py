@@ -147,8 +147,12 @@ def check_cli(path, capsys):
 
 @torch.no_grad()
 def stacked(caches):
-    """A model's caches as stacked tensors (a copy), whether stacked or per layer (``allocate_kv_caches``)."""
-    stack = lambda part: part.clone() if isinstance(part, torch.Tensor) else torch.stack(part)  # noqa: E731
+    """A model's caches as stacked tensors (a copy), whether stacked or per layer (``allocate_kv_caches``); layers
+    of different widths (dots3_note's two geometries) as a list of copies."""
+    def stack(part):
+        if isinstance(part, torch.Tensor):
+            return part.clone()
+        return torch.stack(part) if len({t.shape for t in part}) == 1 else [t.clone() for t in part]
     return replace(caches, latent=stack(caches.latent), index=None if caches.index is None else stack(caches.index))
 
 

@@ -92,6 +92,8 @@ def test_caches_hold_each_layer_at_its_own_width(checkpoint):
     assert [t.shape[-1] for t in caches.latent] == [40, 40, 56, 56, 56, 40]  # L + R of each layer's kind
     assert [t.shape for t in caches.index] == [(5, 4, 16)] * 3  # the DSA layers' only
     assert [layer.self_attn.indexer is None for layer in model.model.layers] == [k == "sliding" for k in KINDS]
+    with pytest.raises(ValueError, match="kv_caches.latent must be a list of 6"):  # no one stacked tensor of two widths
+        step(model, mla_ops.KVCaches(torch.zeros(6, 5, 4, 40), caches.index), [[1, 2, 3]], [0], index_topk=8)
     wrong = mla_ops.KVCaches([t.new_zeros(5, 4, 40) for t in caches.latent], caches.index)
     with pytest.raises(ValueError, match=r"kv_caches.latent\[2\] must be \[num_blocks, block_size, 56\]"):
         step(model, wrong, [[1, 2, 3]], [0], index_topk=8)
@@ -257,3 +259,13 @@ def test_config_errors_name_the_key(checkpoint, change, match):
         config = json.load(f)
     with pytest.raises(ValueError, match=match):
         MLAConfig.from_hf(dict(config, **change))
+
+
+def test_compiled_generation_equals_eager(checkpoint):
+    """Generator(compile=True): each bucket's step (both kinds' device plans made inside) compiled, the greedy
+    tokens those of eager steps."""
+    model = mla_ops.MLAForCausalLM.from_pretrained(checkpoint[0], dtype=torch.float32)
+    prompts = prompts_of([13, 5, 21], 96, seed=8)
+    expect = mla_ops.Generator(model, block_size=4).generate(prompts, 4)
+    torch._dynamo.reset()
+    assert mla_ops.Generator(model, block_size=4, compile=True).generate(prompts, 4) == expect

@@ -128,6 +128,9 @@ def _mlp_layer_types(c: dict, layers: int) -> list[str]:
 def prepare(c: dict) -> dict:
     """config.json -> what hf_config reads: the release's keys renamed, the layer kinds and the sliding layers'
     geometry gathered under ``_dots3_note`` (read by ``config_kwargs``), the full layers' RoPE flattened."""
+    if "q_lora_rank" in c and c["q_lora_rank"] is None:
+        raise ValueError("config.json sets q_lora_rank=null: a dots3_note model's attention always has a q_lora_rank "
+                         "(Dots3NoteTextConfig refuses it too)")
     c = {**DEFAULTS, **{k: v for k, v in c.items() if v is not None}}
     layers = _checks.check_int(c["num_hidden_layers"], "num_hidden_layers", 1)
     types = _layer_types(c, layers)

@@ -246,6 +246,7 @@ def test_the_release_defaults_are_transformers(checkpoint):
 
 @pytest.mark.parametrize("change, match", [
     (dict(layer_types=["indexed_attention"] * 5), "layer_types must list num_hidden_layers=6"),
+    (dict(q_lora_rank=None), "q_lora_rank=null"),
     (dict(layer_types=["indexed_attention", "full_attention"] + ["sliding_attention"] * 4), "mixes"),
     (dict(per_layer_config={"0": {"num_attention_heads": 2}}), r"per_layer_config\[0\] changes layer 0"),
     (dict(per_layer_config={str(i): {"num_attention_heads": 2 + (i == 3)} for i in (2, 3, 4)}),

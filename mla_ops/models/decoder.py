@@ -23,8 +23,9 @@ stored in the modules. ``MLAModel`` begins the step once per attention kind (``M
 ``mla_ops.begin_step``'s checked attention step; dots3_note's sliding layers have a kind, and a plan, of their
 own) and every layer makes its attention calls on its kind's: with a device plan (``max_chunks=K``) the whole step
 reads no device value and compiles to one graph, the planner running once per kind however many layers there
-are. One loop runs every kind of layer, handing each its caches and what the layers before it made for it (``layer.Carry``), as wired once at construction (``wiring``);
-``mla_ops.models.regions`` decides how each layer runs and when its new rows are written.
+are. One loop runs every kind of layer, handing each its caches and what the layers before it made for it
+(``layer.Carry``), as wired once at construction (``wiring``); ``mla_ops.models.regions`` decides how each layer
+runs and when its new rows are written.
 
 A sparse model (DeepSeek Sparse Attention: ``MLAConfig.index_topk``, DeepSeek-V3.2, GLM-5) keeps index caches
 beside the latent ones (``KVCaches.index``) and needs a plan made with its ``index_topk``; a full layer's top-k

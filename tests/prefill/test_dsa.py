@@ -200,8 +200,8 @@ def test_a_step_checks_its_index_cache_once_and_each_layer_selects_on_it():
 
 
 def dsa_layer(pad_cols=2):
-    """A float64 DSA step with a slot per new token (the index cache one block larger than the contexts use, as the
-    latent cache): ``(batch, plan, step, (q_index, weights, k_index), index_cache)``."""
+    """A float64 DSA step begun with its index cache, new token t at slot t: ``(batch, plan, step, (q_index,
+    weights, k_index), index_cache)``."""
     batch = make_batch(CONTEXTS, QUERIES, seed=3, block_size=4, dtype=torch.float64, N=2, L=16, P=8, R=4, V=8,
                        pad_cols=pad_cols)
     q_index, weights, k_index, index_cache, _, _ = index_side(batch, seed=4)
@@ -246,9 +246,9 @@ BAD_WRITES = {  # write_index alone: the keys against the index cache and the st
 def test_a_dsa_layer_whose_index_cache_is_not_the_steps_is_refused_before_anything_runs(case, call):
     """Issue 48 items 2, 7, 8, 9: a layer's index cache is the one the step was checked for, in blocks and dtype
     (``index_topk`` refuses another block size by name; a step checks the index cache once, in begin_step, so
-    each layer's must be shaped like it). Refused by name before anything runs or is written: a cache too small
-    raised an IndexError after part of the keys landed, another geometry selected wrong keys or raised an
-    IndexError, a float8 cache without a scale an AttributeError."""
+    each layer's must be shaped like it). Refused by name before anything runs or is written: before, a cache too
+    small raised an IndexError after part of the keys landed, and another geometry of the same memory selected
+    other keys (21 of 61 rows here) or raised an IndexError."""
     batch, plan, step, (q_index, weights, k_index), index_cache = dsa_layer(pad_cols=40)  # room for 2x the blocks
     change, error, match = BAD_INDEX_LAYERS[case]
     q_index, weights, k_index, cache = change(q_index, weights, k_index, index_cache.clone())

@@ -20,8 +20,9 @@ from . import _checks as checks
 from .chunk_loop import LayerCall, device_context, host_context, suffix_tokens, truncated_tokens
 from .ops import backends
 from .ops.backends import BACKENDS
-from .ops.cache import CACHE_DTYPES, check_slot_mapping, write_checked
-from .ops.cache_formats import check_latent_format
+from .ops import cache as cache_writes
+from .ops.cache import CACHE_DTYPES, check_slot_mapping, check_write_rows, write_checked
+from .ops.cache_formats import check_index_format, check_latent_format
 from .ops.indexer import check_index_layer, check_index_step, index_topk_checked
 from .ops.layer_checks import check_layer
 from .ops.sinks import add_sinks, check_sinks
@@ -56,6 +57,7 @@ class PrefillStep:
     tokens_known: bool
     kv_cache_format: str = "auto"
     index_cache_format: str = "auto"
+    index_dtype: torch.dtype | None = None  # the dtype of the index cache begin_step checked; None: none given
 
     def attend(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                kv_b_proj_weight: torch.Tensor, softmax_scale: float, *, k_scale: float | torch.Tensor | None = None,
@@ -89,17 +91,19 @@ class PrefillStep:
     def write(self, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, *,
               k_scale: float | torch.Tensor | None = None) -> None:
         """A layer's new rows into ``kv_cache`` at the step's slots (nothing without a slot mapping), stored with
-        the layer's ``k_scale`` (or the step's). The rows are checked by the layer's ``attend``."""
+        the layer's ``k_scale`` (or the step's). Everything is checked before anything is written."""
         self._check_cache(kv_cache)
         scale = self._layer_scale(k_scale, kv_cache, self.k_scale, self.kv_cache_format, LATENT)
         if self.slot_mapping is not None:
+            check_write_rows(kv_c, k_pe, self.slot_mapping, kv_cache, cache_writes.LATENT, self.kv_cache_format)
             write_checked(kv_c, k_pe, self.slot_mapping, kv_cache, scale, self.kv_cache_format)
 
     def select(self, q_index: torch.Tensor, index_weights: torch.Tensor, k_index: torch.Tensor,
                index_cache: torch.Tensor, *, k_scale_index: float | torch.Tensor | None = None) -> torch.Tensor:
         """One DSA layer's top-k (``mla_ops.index_topk``) on the step its index cache was checked for once
         (``begin_step(..., index_cache=)``): only this layer's tensors (and its own ``k_scale_index``, in place of
-        the step's) are checked here."""
+        the step's) are checked here, its index cache against the one the step began with."""
+        self._check_index_cache(index_cache, "select")
         check_index_layer(q_index, index_weights, k_index, index_cache, self.plan, self.index_cache_format)
         scale = self._layer_scale(k_scale_index, index_cache, self.k_scale_index, self.index_cache_format, INDEX)
         return index_topk_checked(q_index, index_weights, k_index, index_cache, self.plan, scale)
@@ -107,10 +111,12 @@ class PrefillStep:
     def write_index(self, k_index: torch.Tensor, index_cache: torch.Tensor, *,
                     k_scale_index: float | torch.Tensor | None = None) -> None:
         """A DSA layer's new index keys into ``index_cache`` at the step's slots (nothing without a slot
-        mapping), stored with the layer's ``k_scale_index`` (or the step's)."""
-        checks.check_tensor(index_cache, "index_cache", 3, "[num_blocks, block_size, D_I]", self.plan.device, "plan")
+        mapping), stored with the layer's ``k_scale_index`` (or the step's). Everything is checked before anything
+        is written."""
+        self._check_index_cache(index_cache, "write_index")
         scale = self._layer_scale(k_scale_index, index_cache, self.k_scale_index, self.index_cache_format, INDEX)
         if self.slot_mapping is not None:
+            check_write_rows(k_index, None, self.slot_mapping, index_cache, cache_writes.INDEX, self.index_cache_format)
             write_checked(k_index, k_index[:, :0], self.slot_mapping, index_cache, scale, self.index_cache_format)
 
     def _attend(self, call: LayerCall, kv_c, k_pe, topk_indices, out, return_lse, sinks=None):
@@ -161,12 +167,32 @@ class PrefillStep:
                          truncated, suffix)
 
     def _check_cache(self, kv_cache) -> None:
-        """A layer's latent cache: shaped like the cache the step began with (its blocks and dtype)."""
+        """A layer's latent cache: shaped like the cache the step began with (its blocks and dtype), laid out as
+        the step's format says."""
         checks.check_tensor(kv_cache, "kv_cache", 3, "[num_blocks, block_size, L+R]", self.plan.device, "plan")
-        if kv_cache.dtype != self.cache_dtype or tuple(kv_cache.shape[:2]) != self.cache_blocks:
+        self._check_blocks(kv_cache, "kv_cache", self.cache_dtype)
+        check_latent_format(self.kv_cache_format, kv_cache)
+
+    def _check_index_cache(self, index_cache, call: str) -> None:
+        """A DSA layer's index cache (for ``call``): the step is a DSA step begun with an index cache, and this
+        one is shaped like it (the latent cache's blocks, its dtype), laid out as the step's format says."""
+        if not self.plan.index_topk:
+            raise ValueError(f"{call} is a DeepSeek Sparse Attention step's call, but plan was made without "
+                             "index_topk: plan the step with plan_prefill(..., index_topk=K)")
+        if self.index_dtype is None:
+            raise ValueError(f"{call} reads the index cache the step was checked for: begin the step with "
+                             "begin_step(..., index_cache=) (one layer's)")
+        checks.check_tensor(index_cache, "index_cache", 3, "[num_blocks, block_size, D_I]", self.plan.device, "plan")
+        self._check_blocks(index_cache, "index_cache", self.index_dtype)
+        check_index_format(self.index_cache_format, index_cache)
+
+    def _check_blocks(self, cache, name: str, dtype: torch.dtype) -> None:
+        """``cache`` (``name``) has the step's blocks (the latent cache's ``(num_blocks, block_size)``, which the
+        index cache shares) and ``dtype``, the dtype of the cache of its kind the step began with."""
+        if cache.dtype != dtype or tuple(cache.shape[:2]) != self.cache_blocks:
             raise ValueError(
-                f"kv_cache ({tuple(kv_cache.shape)} {kv_cache.dtype}) is not shaped like the cache the step began "
-                f"with ({self.cache_blocks} blocks of {self.cache_dtype}): pass that cache (or one layer of it)")
+                f"{name} ({tuple(cache.shape)} {cache.dtype}) is not shaped like the cache the step began "
+                f"with ({self.cache_blocks} blocks of {dtype}): pass that cache (or one layer of it)")
 
     def _layer_scale(self, k_scale, cache, step_scale, cache_format: str, names: tuple[str, str]):
         """A layer's scale as the kernels take it: its own (checked as ``begin_step`` checks the step's), else
@@ -197,7 +223,7 @@ class PrefillStep:
 
 # A pytree, as a nested compile region's input must be: tensors and the cache's sizes are leaves, the rest context.
 register_plan_pytree(PrefillStep, static=("kernels", "cache_dtype", "tokens_known", "kv_cache_format",
-                                          "index_cache_format"))
+                                          "index_cache_format", "index_dtype"))
 
 
 def checked_scale(k_scale, cache: torch.Tensor, cache_format: str, device: torch.device,
@@ -300,4 +326,5 @@ def begin_step(plan: PrefillPlan, kv_cache: torch.Tensor, slot_mapping: torch.Te
     return PrefillStep(plan, slot_mapping, k_scale, k_scale_index, (num_blocks, plan.block_size),
                        truncated_tokens(plan, num_tokens) if known else None,
                        suffix_tokens(plan, num_tokens) if known else None, sparse_rows, rows, kernels, kv_cache.dtype,
-                       known, kv_cache_format, index_cache_format)
+                       known, kv_cache_format, index_cache_format,
+                       None if index_cache is None else index_cache.dtype)

@@ -149,7 +149,26 @@ INDEX = CacheNames("k_index", "[T, D_I]", None, "index_cache", "[num_blocks, blo
 def check_write(kv_c, k_pe, slot_mapping, kv_cache, k_scale, names: CacheNames = LATENT,
                 cache_format: str = "auto") -> None:
     """Every check of a cache write (``write_latent_cache``; ``write_index_cache`` with ``names=INDEX``
-    and ``k_pe=None``); slots by value where readable (CPU). Messages use ``names``."""
+    and ``k_pe=None``): the rows (``check_write_rows``), the scale, the slots by value where readable (CPU).
+    Messages use ``names``."""
+    n = names
+    cache_format = check_write_rows(kv_c, k_pe, slot_mapping, kv_cache, n, cache_format)
+    if cache_format != "auto":
+        if k_scale is not None:
+            raise ValueError(f"{n.scale} is for a per-tensor float8_e4m3fn {n.cache}: {cache_format} stores its own "
+                             "scales (pass None)")
+    elif kv_cache.dtype == torch.float8_e4m3fn and k_scale is None:
+        raise ValueError(f"{n.scale} is required for a float8_e4m3fn {n.cache} (dequantized = stored * {n.scale})")
+    elif k_scale is not None:  # checked when given, even where the cache dtype ignores it
+        check_scale(k_scale, n.scale, kv_cache.device)
+    check_slot_mapping(slot_mapping, kv_cache, n.cache)
+
+
+def check_write_rows(kv_c, k_pe, slot_mapping, kv_cache, names: CacheNames = LATENT,
+                     cache_format: str = "auto") -> str:
+    """A write's rows against its cache (in ``cache_format``, returned) and the slot mapping's length: shapes,
+    dtypes and layouts only, no value read. What a step's layer checks of its write (``PrefillStep``):
+    ``begin_step`` checked the slots and the scales once."""
     n = names
     if not isinstance(kv_cache, torch.Tensor):
         raise TypeError(f"{n.cache} must be a torch.Tensor {n.cache_shape}, got {type(kv_cache).__name__}")
@@ -157,23 +176,20 @@ def check_write(kv_c, k_pe, slot_mapping, kv_cache, k_scale, names: CacheNames =
         cache_format = check_index_format(cache_format, kv_cache)
     else:
         cache_format = check_latent_format(cache_format, kv_cache)
-    if cache_format != "auto":
-        check_packed_write(kv_c, k_pe, slot_mapping, kv_cache, k_scale, n, cache_format)
-        return
     device = kv_cache.device
     check_tensor(kv_cache, n.cache, 3, n.cache_shape, device, n.cache)
     check_tensor(kv_c, n.rows, 2, n.rows_shape, device, n.cache)
     if n.rope is not None:
         check_tensor(k_pe, n.rope, 2, "[T, R]", device, n.cache)
-    check_tensor(slot_mapping, "slot_mapping", 1, "[T]", device, n.cache)
-    if kv_cache.dtype not in CACHE_DTYPES:
-        raise TypeError(f"{n.cache} must be float16, bfloat16, float32, float64 or float8_e4m3fn, got {kv_cache.dtype}")
+    check_slot_tensor(slot_mapping, device, n.cache)
     if kv_c.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{n.rows} must be float16, bfloat16, float32 or float64, got {kv_c.dtype}")
     if n.rope is not None and k_pe.dtype != kv_c.dtype:
         raise TypeError(f"{n.rope} must have the dtype of {n.rows} ({kv_c.dtype}), got {k_pe.dtype}")
-    if slot_mapping.dtype not in _SLOT_DTYPES:
-        raise TypeError(f"slot_mapping must be int64 or int32, got {slot_mapping.dtype}")
+    if cache_format != "auto":
+        check_packed_rows(kv_c, k_pe, kv_cache, n, cache_format)
+    elif kv_cache.dtype not in CACHE_DTYPES:
+        raise TypeError(f"{n.cache} must be float16, bfloat16, float32, float64 or float8_e4m3fn, got {kv_cache.dtype}")
     num_tokens = kv_c.shape[0]
     rope_tokens, rope_width = (num_tokens, 0) if n.rope is None else k_pe.shape
     if rope_tokens != num_tokens or slot_mapping.shape[0] != num_tokens:
@@ -184,58 +200,39 @@ def check_write(kv_c, k_pe, slot_mapping, kv_cache, k_scale, names: CacheNames =
             f"{rope_count}slot_mapping {slot_mapping.shape[0]}"
         )
     width = kv_c.shape[1] + rope_width
-    if kv_cache.shape[2] != width:
+    if cache_format == "auto" and kv_cache.shape[2] != width:
         size, why = ((f"{width}", f"the width of {n.rows}") if n.rope is None else
                      (f"{kv_c.shape[1]}+{rope_width} = {width}", f"{n.rows} and {n.rope} widths"))
         raise ValueError(f"{n.cache} rows must be {n.width} = {size} wide ({why}), got {kv_cache.shape[2]}")
-    if kv_cache.dtype == torch.float8_e4m3fn and k_scale is None:
-        raise ValueError(f"{n.scale} is required for a float8_e4m3fn {n.cache} (dequantized = stored * {n.scale})")
-    if k_scale is not None:  # checked when given, even where the cache dtype ignores it
-        check_scale(k_scale, n.scale, device)
-    check_slot_mapping(slot_mapping, kv_cache, n.cache)
+    return cache_format
 
 
-def check_packed_write(kv_c, k_pe, slot_mapping, cache, k_scale, n: CacheNames, cache_format: str) -> None:
-    """A write into a packed format (``cache_formats``): the widths the format fixes, float rows, no scale
-    (the format stores its own)."""
-    device = cache.device
-    check_tensor(cache, n.cache, 3, n.cache_shape, device, n.cache)
-    check_tensor(kv_c, n.rows, 2, n.rows_shape, device, n.cache)
-    if kv_c.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{n.rows} must be float16, bfloat16, float32 or float64, got {kv_c.dtype}")
-    num_tokens = kv_c.shape[0]
+def check_packed_rows(kv_c, k_pe, cache, n: CacheNames, cache_format: str) -> None:
+    """A packed format's rows (``cache_formats``): the widths the format fixes."""
     if cache_format == "fp8_ds_mla":
-        check_tensor(k_pe, n.rope, 2, "[T, R]", device, n.cache)
-        if k_pe.dtype != kv_c.dtype:
-            raise TypeError(f"{n.rope} must have the dtype of {n.rows} ({kv_c.dtype}), got {k_pe.dtype}")
         if kv_c.shape[1] != DS_MLA_LATENT or k_pe.shape[1] != DS_MLA_ROPE:
             raise ValueError(f"kv_cache_format='fp8_ds_mla' stores L = {DS_MLA_LATENT} and R = {DS_MLA_ROPE}: "
                              f"{n.rows} must be [T, {DS_MLA_LATENT}] and {n.rope} [T, {DS_MLA_ROPE}], got "
                              f"{list(kv_c.shape)} and {list(k_pe.shape)}")
-        if k_pe.shape[0] != num_tokens:
-            raise ValueError(f"{n.rows} and {n.rope} must have one row per new token: {num_tokens} and "
-                             f"{k_pe.shape[0]}")
     else:
         check_per_token_width(kv_c.shape[1], f"{n.rows}'s D_I")
         if kv_c.shape[1] != index_width(cache):
             raise ValueError(f"index_cache_format='fp8_per_token' rows are D_I + D_I/128*4 bytes: {n.rows} is "
                              f"[T, {kv_c.shape[1]}], so {n.cache} rows must be {per_token_row_bytes(kv_c.shape[1])} "
                              f"wide, got {cache.shape[2]}")
-    if k_scale is not None:
-        raise ValueError(f"{n.scale} is for a per-tensor float8_e4m3fn {n.cache}: {cache_format} stores its own "
-                         "scales (pass None)")
-    check_slot_mapping(slot_mapping, cache, n.cache)
-    if slot_mapping.shape[0] != num_tokens:
-        raise ValueError(f"{n.rows} and slot_mapping must have one row per new token: {n.rows} has {num_tokens}, "
-                         f"slot_mapping {slot_mapping.shape[0]}")
+
+
+def check_slot_tensor(slot_mapping, device: torch.device, cache_name: str = "kv_cache") -> None:
+    """``slot_mapping`` [T] int64/int32 on ``device``, the cache's (``cache_name``)."""
+    check_tensor(slot_mapping, "slot_mapping", 1, "[T]", device, cache_name)
+    if slot_mapping.dtype not in _SLOT_DTYPES:
+        raise TypeError(f"slot_mapping must be int64 or int32, got {slot_mapping.dtype}")
 
 
 def check_slot_mapping(slot_mapping, kv_cache, cache_name: str = "kv_cache") -> None:
     """``slot_mapping`` [T] int64/int32 on the cache's device, its slots inside ``kv_cache``
     (``[..., num_blocks, block_size, width]``) by value where readable (CPU); ``cache_name`` names it."""
-    check_tensor(slot_mapping, "slot_mapping", 1, "[T]", kv_cache.device, cache_name)
-    if slot_mapping.dtype not in _SLOT_DTYPES:
-        raise TypeError(f"slot_mapping must be int64 or int32, got {slot_mapping.dtype}")
+    check_slot_tensor(slot_mapping, kv_cache.device, cache_name)
     num_slots = kv_cache.shape[-3] * kv_cache.shape[-2]
     if slot_mapping.shape[0] and num_slots == 0:
         raise ValueError(f"{cache_name} has no slots (shape {tuple(kv_cache.shape)}) to write "

@@ -160,6 +160,56 @@ def test_a_step_on_both_formats_writes_selects_and_attends():
     assert torch.equal(keys, per_token_round_trip(k_index.float()[None])[0])
 
 
+
+@pytest.mark.parametrize("width", [600, 700, 1312])
+@pytest.mark.parametrize("call", ["run", "attend", "write"])
+def test_an_fp8_ds_mla_layer_cache_of_another_width_is_refused_by_name(width, call):
+    """Issue 48 item 10: a layer of an fp8_ds_mla step reads and writes 656-byte rows; a uint8 cache of another
+    width (the step's blocks) raised a reshape RuntimeError. Refused by name as begin_step refuses it, nothing
+    written."""
+    batch, packed = ds_mla_batch(seed=6)
+    plan = mla_ops.plan_prefill(batch.query_start_loc, batch.context_lens, batch.block_table, BLOCK, WORKSPACE)
+    step = mla_ops.begin_step(plan, packed, torch.arange(batch.q.shape[0]), kv_cache_format="fp8_ds_mla")
+    cache = torch.zeros(*packed.shape[:2], width, dtype=torch.uint8)
+    layer = (batch.q, batch.kv_c, batch.k_pe, cache, batch.kv_b_proj_weight, batch.softmax_scale)
+    with pytest.raises(ValueError, match=f"kv_cache_format='fp8_ds_mla' rows are 656 bytes .* but kv_cache rows "
+                                         f"are {width} wide"):
+        if call == "write":
+            step.write(batch.kv_c, batch.k_pe, cache)
+        else:
+            getattr(step, call)(*layer)
+    assert not cache.any()
+
+
+def test_an_fp8_per_token_layer_cache_is_laid_out_as_the_format_says():
+    """An fp8_per_token step's layer index cache is checked against the format as begin_step checks the step's:
+    blocks that are not contiguous (a view into wider rows) were read and written through a copy, so the keys
+    write_index wrote were lost; a cache of another row width. Refused by name, nothing written."""
+    batch, packed = ds_mla_batch(seed=6)
+    g = torch.Generator().manual_seed(7)
+    num_blocks, num_tokens, width, heads = packed.shape[0], batch.q.shape[0], 128, 2
+    index_cache = pack_per_token(torch.randn(num_blocks, BLOCK, width, generator=g))
+    q_index = torch.randn(num_tokens, heads, width, generator=g, dtype=torch.float64)
+    weights = torch.randn(num_tokens, heads, generator=g, dtype=torch.float64)
+    k_index = torch.randn(num_tokens, width, generator=g, dtype=torch.float64)
+    plan = mla_ops.plan_prefill(batch.query_start_loc, batch.context_lens, batch.block_table, BLOCK, WORKSPACE,
+                                index_topk=TOPK, index_scores_budget=32)
+    step = mla_ops.begin_step(plan, packed, torch.arange(num_tokens), kv_cache_format="fp8_ds_mla",
+                              index_cache=index_cache, index_cache_format="fp8_per_token")
+    strided = torch.zeros(num_blocks, BLOCK, 140, dtype=torch.uint8)
+    strided[..., :132] = index_cache
+    strided = strided[..., :132]  # the same bytes, rows 140 apart: not vLLM's block-major layout
+    wider = torch.zeros(num_blocks, BLOCK, 264, dtype=torch.uint8)  # D_I = 256's rows
+    for cache, match in [(strided, "is block-major: index_cache's blocks must be contiguous"),
+                         (wider, "index_cache rows must be .*132")]:
+        before = cache.clone()
+        with pytest.raises(ValueError, match=match):
+            step.write_index(k_index, cache)
+        with pytest.raises(ValueError, match=match):
+            step.select(q_index, weights, k_index, cache)
+        assert torch.equal(cache, before)
+
+
 BAD_STEP = {
     "uint8 cache without its format": (dict(), TypeError, "pass kv_cache_format='fp8_ds_mla'"),
     "format on a float cache": (dict(kv_cache_format="fp8_ds_mla", float_cache=True), TypeError,

@@ -198,6 +198,103 @@ def test_a_step_checks_its_index_cache_once_and_each_layer_selects_on_it():
         mla_ops.begin_step(plan, latent, slots, k_scale=batch.k_scale, k_scale_index=k_scale_index)
 
 
+
+def dsa_layer(pad_cols=2):
+    """A float64 DSA step begun with its index cache, new token t at slot t: ``(batch, plan, step, (q_index,
+    weights, k_index), index_cache)``."""
+    batch = make_batch(CONTEXTS, QUERIES, seed=3, block_size=4, dtype=torch.float64, N=2, L=16, P=8, R=4, V=8,
+                       pad_cols=pad_cols)
+    q_index, weights, k_index, index_cache, _, _ = index_side(batch, seed=4)
+    plan = mla_ops.plan_prefill(batch.query_start_loc, batch.context_lens, batch.block_table, block_size=4,
+                                workspace_size=16, index_topk=TOPK, index_scores_budget=16 * 5)
+    step = mla_ops.begin_step(plan, batch.kv_cache, torch.arange(sum(QUERIES)), index_cache=index_cache,
+                              backend="torch")
+    return batch, plan, step, (q_index, weights, k_index), index_cache
+
+
+def other_geometry(cache):
+    """The same memory viewed as twice the blocks of half the size: [2 * num_blocks, block_size / 2, D_I]."""
+    return cache.view(2 * cache.shape[0], cache.shape[1] // 2, cache.shape[2])
+
+
+# Issue 48 items 2, 7, 8, 9: what a DSA layer's select / write_index gets that its step was not begun with.
+BAD_INDEX_LAYERS = {
+    "another block geometry": (lambda q, w, k, c: (q, w, k, other_geometry(c)), ValueError,
+                               r"index_cache \(\(68, 2, 8\) torch.float64\) is not shaped like the cache the step "
+                               r"began with \(\(34, 4\) blocks"),
+    "fewer blocks": (lambda q, w, k, c: (q, w, k, c[:3].clone()), ValueError,
+                     r"index_cache \(\(3, 4, 8\) .* not shaped like the cache the step began with"),
+    "more blocks": (lambda q, w, k, c: (q, w, k, torch.cat([c, c[:1]])), ValueError,
+                    r"index_cache \(\(35, 4, 8\) .* not shaped like"),
+    "another dtype": (lambda q, w, k, c: (q, w, k, c.float()), ValueError,
+                      r"index_cache \(\(34, 4, 8\) torch.float32\) is not shaped like .* blocks of torch.float64"),
+    "a float8 cache": (lambda q, w, k, c: (q, w, k, c.to(torch.float8_e4m3fn)), ValueError,
+                       r"index_cache .* torch.float8_e4m3fn\) is not shaped like .* blocks of torch.float64"),
+}
+BAD_WRITES = {  # write_index alone: the keys against the index cache and the step's slots
+    "keys of another width": (lambda k: k[:, :4], ValueError, r"index_cache rows must be D_I = 4 wide"),
+    "fewer keys than slots": (lambda k: k[:5], ValueError,
+                              "k_index and slot_mapping must have one row per new token: k_index has 5, "
+                              "slot_mapping 61"),
+    "keys of an int dtype": (lambda k: k.to(torch.int32), TypeError, "k_index must be float16, bfloat16"),
+    "keys of another rank": (lambda k: k[None], ValueError, r"k_index must be 2-D \[T, D_I\]"),
+}
+
+
+@pytest.mark.parametrize("call", ["select", "write_index"])
+@pytest.mark.parametrize("case", list(BAD_INDEX_LAYERS))
+def test_a_dsa_layer_whose_index_cache_is_not_the_steps_is_refused_before_anything_runs(case, call):
+    """Issue 48 items 2, 7, 8, 9: a layer's index cache is the one the step was checked for, in blocks and dtype
+    (``index_topk`` refuses another block size by name; a step checks the index cache once, in begin_step, so
+    each layer's must be shaped like it). Refused by name before anything runs or is written: before, a cache too
+    small raised an IndexError after part of the keys landed, and another geometry of the same memory selected
+    other keys (21 of 61 rows here) or raised an IndexError."""
+    batch, plan, step, (q_index, weights, k_index), index_cache = dsa_layer(pad_cols=40)  # room for 2x the blocks
+    change, error, match = BAD_INDEX_LAYERS[case]
+    q_index, weights, k_index, cache = change(q_index, weights, k_index, index_cache.clone())
+    before = cache.clone()
+    with pytest.raises(error, match=match):
+        if call == "select":
+            step.select(q_index, weights, k_index, cache)
+        else:
+            step.write_index(k_index, cache)
+    assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
+
+
+@pytest.mark.parametrize("case", list(BAD_WRITES))
+def test_write_index_checks_the_keys_before_anything_is_written(case):
+    """Issue 48 item 9 (docs/api.md: a layer's calls are checked before anything is written): write_index checks
+    the keys against the index cache and the step's slots, as write_index_cache does."""
+    _, _, step, (_, _, k_index), index_cache = dsa_layer()
+    change, error, match = BAD_WRITES[case]
+    before = index_cache.clone()
+    with pytest.raises(error, match=match):
+        step.write_index(change(k_index), index_cache)
+    assert torch.equal(index_cache, before)
+    step.write_index(k_index, index_cache)  # the step's own keys land at its slots
+    assert torch.equal(index_cache.view(-1, D_I)[:sum(QUERIES)], k_index)
+
+
+def test_select_and_write_index_need_a_dsa_step_begun_with_an_index_cache():
+    """Issue 48 item 8: on a dense step (a plan without index_topk) select raised an AttributeError and
+    write_index wrote; on a DSA step begun without an index cache nothing had checked the layer's cache against
+    the plan. Both are refused by name, nothing written."""
+    batch, plan, _, (q_index, weights, k_index), index_cache = dsa_layer()
+    slots = torch.arange(sum(QUERIES))
+    dense = mla_ops.plan_prefill(batch.query_start_loc, batch.context_lens, batch.block_table, block_size=4,
+                                 workspace_size=16)
+    before = index_cache.clone()
+    for step, match in [(mla_ops.begin_step(dense, batch.kv_cache, slots), "plan was made without index_topk: plan "
+                         r"the step with plan_prefill\(..., index_topk=K\)"),
+                        (mla_ops.begin_step(plan, batch.kv_cache, slots), r"begin the step with "
+                         r"begin_step\(..., index_cache=\)")]:
+        with pytest.raises(ValueError, match="select .*" + match):
+            step.select(q_index, weights, k_index, index_cache)
+        with pytest.raises(ValueError, match="write_index .*" + match):
+            step.write_index(k_index, index_cache)
+    assert torch.equal(index_cache, before)
+
+
 @pytest.mark.parametrize("form", ["host", "device"])
 @pytest.mark.parametrize("where", ["q_index", "index_weights", "index_cache"])
 def test_a_non_finite_index_input_gives_nan_in_the_tokens_it_reaches_only(form, where):

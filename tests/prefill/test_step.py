@@ -184,6 +184,31 @@ def test_a_layer_that_does_not_fit_its_step_writes_nothing(case):
     assert torch.equal(caches, before)
 
 
+
+BAD_WRITES = {  # PrefillStep.write: the rows against the layer's cache and the step's slots
+    "rows of another width": (lambda b: dict(kv_c=b.kv_c[:, :-2]), ValueError, r"kv_cache rows must be L\+R = 14\+4"),
+    "fewer rows than slots": (lambda b: dict(kv_c=b.kv_c[:-1], k_pe=b.k_pe[:-1]), ValueError,
+                              "kv_c, k_pe and slot_mapping must have one row per new token: kv_c has 11"),
+    "k_pe of another dtype": (lambda b: dict(k_pe=b.k_pe.float()), TypeError, "k_pe must have the dtype of kv_c"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_WRITES))
+def test_a_layers_write_checks_its_rows_before_anything_is_written(case):
+    """``PrefillStep.write`` (an engine's write after its own ``attend``) checks the rows as ``write_latent_cache``
+    does (their shapes against the cache and the step's slots: no value read), and writes nothing when refused."""
+    batch, plan = batch_and_plan(PLANS["host"], garbage_blocks=6)
+    caches, slots = stacked_caches(batch), new_slots(batch)
+    step = mla_ops.begin_step(plan, caches, slots, backend="torch")
+    change, error, match = BAD_WRITES[case]
+    call = dict(kv_c=batch.kv_c, k_pe=batch.k_pe, kv_cache=caches[1])
+    call.update(change(batch))
+    before = caches.clone()
+    with pytest.raises(error, match=match):
+        step.write(**call)
+    assert torch.equal(caches, before)
+
+
 # ---- a scale per layer; the step frozen ----------------------------------------------------------
 
 FP8 = torch.float8_e4m3fn

@@ -47,6 +47,7 @@ from .checkpoint_files import checkpoint_files as tensor_files, open_safetensors
 from .checkpoint_names import LAYER, SCALE, Source, check_layers, map_tensors, quant_block
 from .config import MLAConfig
 from .hf_config import from_hf_dict
+from .hyper_connections import HyperConnection, HyperHead
 from .indexer import Indexer, convert_interleaved
 from .rope import RotaryEmbedding
 from .moe import MoEGate
@@ -210,8 +211,15 @@ def _meta_model(cls, config: MLAConfig, dtype: torch.dtype, **kwargs):
     for module in model.modules():
         if isinstance(module, (MoEGate, RotaryEmbedding)):  # routers and learned RoPE frequencies: float32
             module.float()
-        elif isinstance(module, Indexer) and dtype in (torch.float16, torch.bfloat16):
-            module.weights_proj.float()  # as transformers keeps it (_keep_in_fp32_modules)
+        elif dtype not in (torch.float16, torch.bfloat16):
+            continue
+        # as transformers keeps them (_keep_in_fp32_modules): the indexer's head weights, hyper-connections, sinks
+        if isinstance(module, Indexer):
+            module.weights_proj.float()
+        elif isinstance(module, (HyperConnection, HyperHead)):
+            module.float()
+        elif getattr(module, "sinks", None) is not None:
+            module.sinks.data = module.sinks.data.float()
     return model
 
 

@@ -34,6 +34,7 @@ from ..step import PrefillStep, begin_step
 from .config import MLAConfig
 from .indexer import Indexer
 from .moe import FeedForward, MoE
+from .output_gate import gated
 from .parts import acc_dtype, linear
 from .query_scale import LogPositionScale, log_positions
 from .rope import apply_rotary_emb
@@ -137,7 +138,12 @@ class MLAAttention(nn.Module):
         self.softmax_scale = c.softmax_scale  # 1/sqrt(P+R), times YaRN's mscale correction
 
         self.q_lora_rank = c.q_lora_rank
-        if c.q_lora_rank is None:
+        self.output_gate = c.output_gate
+        if c.output_gate == "query":  # A.X-K2: no q_b_proj; the query and the gate from one fused projection
+            self.q_a_proj = linear(c.hidden_size, c.q_lora_rank, std)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.lora_norm_eps)
+            self.q_gate_proj = linear(2 * c.q_lora_rank, c.num_attention_heads * (c.qk_head_dim + c.v_head_dim), std)
+        elif c.q_lora_rank is None:
             self.q_proj = linear(c.hidden_size, c.num_attention_heads * c.qk_head_dim, std)
         else:
             self.q_a_proj = linear(c.hidden_size, c.q_lora_rank, std)
@@ -149,6 +155,10 @@ class MLAAttention(nn.Module):
             self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.lora_norm_eps)
         self.kv_b_proj = linear(c.kv_lora_rank, c.num_attention_heads * (P + c.v_head_dim), std)
         self.o_proj = linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, std)
+        # HY-V4's output gate from the attention's input (output_gate "hidden"), its sink logits (float32)
+        if c.output_gate == "hidden":
+            self.gate_proj = linear(c.hidden_size, c.num_attention_heads * c.v_head_dim, std)
+        self.sinks = nn.Parameter(torch.zeros(c.num_attention_heads)) if c.attention_sinks else None
         # Mistral Large 4's learned per-head query scale (mla_ops.models.mistral_large4), or None
         self.softmax_scaling = LogPositionScale(c.num_attention_heads) if c.scalings.learned_query_scale else None
         # DeepSeek Sparse Attention: a layer's own indexer, or None (dense, or a "shared" layer of a sparse model)
@@ -160,7 +170,7 @@ class MLAAttention(nn.Module):
         ``caches``: its latent cache (a KV-sharing layer's: its source's, whose new rows are ``carry.latent``) and,
         with an indexer, its index cache; a shared DSA layer attends ``carry.topk``. It writes nothing: the step
         writes the rows it returns (``ModelStep.write``), after every check has passed."""
-        q, kv_c, k_pe, *index = self.project(hidden, step.cos, step.sin)
+        q, kv_c, k_pe, gate, *index = self.project(hidden, step.cos, step.sin)
         made = NewRows(((kv_c, k_pe),))
         if not self.owns_kv:
             kv_c, k_pe = carry.latent
@@ -174,17 +184,26 @@ class MLAAttention(nn.Module):
             made = made._replace(index=k_index, topk=topk)
         out = step.attention.attend(self.scaled_queries(q, step), kv_c, k_pe, caches.latent, self.kv_b_proj.weight,
                                     self.softmax_scale, k_scale=caches.k_scale, topk_indices=topk,
-                                    v_head_dim=self.v_head_dim)  # [T, N, V]
-        return all_reduce(self.o_proj(out.flatten(1)), self.tp_group), made
+                                    v_head_dim=self.v_head_dim,
+                                    sinks=None if self.sinks is None else self.sinks.float())  # [T, N, V]
+        return all_reduce(self.o_proj(gated(out, gate).flatten(1)), self.tp_group), made
 
     def project(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """The dense part before attention: rotated queries ``q`` [T, N, P+R] and the new tokens'
         latent rows ``kv_c`` [T, L] and rotated ``k_pe`` [T, R] (both None for a KV-sharing layer; R = 0 for
-        a NoPE layer, whose P is P + R); with an indexer also its ``q_index`` [T, H_I, D_I], ``weights``
-        [T, H_I] and ``k_index`` [T, D_I] (``mla_ops.models.indexer``)."""
+        a NoPE layer, whose P is P + R), the output gate's logits [T, N, V] (None without ``output_gate``); with an
+        indexer also its ``q_index`` [T, H_I, D_I], ``weights`` [T, H_I] and ``k_index`` [T, D_I]
+        (``mla_ops.models.indexer``)."""
         num_tokens = hidden.shape[0]
         N, L, P, R = self.num_heads, self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim
-        if self.q_lora_rank is None:
+        gate = None
+        if self.output_gate == "query":  # [normed, raw] q-LoRA latent -> per head [P+R | V] (A.X-K2)
+            q_compressed = self.q_a_proj(hidden)
+            q_resid = self.q_a_layernorm(q_compressed)
+            q, gate = self.q_gate_proj(torch.cat([q_resid, q_compressed], dim=-1)).view(
+                num_tokens, N, P + R + self.v_head_dim).split([P + R, self.v_head_dim], dim=-1)
+            q = q.reshape(num_tokens, N * (P + R))
+        elif self.q_lora_rank is None:
             q = self.q_proj(hidden)  # [T, N*(P+R)]
             q_resid = None  # an indexer then reads the layer input itself (indexer_q_norm)
         else:
@@ -195,10 +214,12 @@ class MLAAttention(nn.Module):
             q = torch.cat([q_nope, apply_rotary_emb(q_pe, cos[:, None, :], sin[:, None, :])], dim=-1)  # [T, N, P+R]
         else:
             q = q.view(num_tokens, N, P)
-        latent = (q, None, None)  # a KV-sharing layer's keys are its source layer's
+        if self.output_gate == "hidden":  # from the attention's input (HY-V4)
+            gate = self.gate_proj(hidden).view(num_tokens, N, self.v_head_dim)
+        latent = (q, None, None, gate)  # a KV-sharing layer's keys are its source layer's
         if self.owns_kv:
             kv_c, k_pe = self.kv_a_proj_with_mqa(hidden).split([L, R], dim=-1)  # [T, L], [T, R]
-            latent = (q, self.kv_a_layernorm(kv_c), apply_rotary_emb(k_pe, cos, sin) if R else k_pe)
+            latent = (q, self.kv_a_layernorm(kv_c), apply_rotary_emb(k_pe, cos, sin) if R else k_pe, gate)
         return latent if self.indexer is None else latent + self.indexer(hidden, q_resid, cos, sin)
 
     def scaled_queries(self, q: torch.Tensor, step: ModelStep) -> torch.Tensor:

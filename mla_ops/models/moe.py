@@ -108,9 +108,11 @@ class MoEGate(nn.Module):
 class Experts(nn.Module):
     """E gated MLPs stored as two 3-D tensors (checkpoints' per-expert tensors are stacked at load)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, std: float):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, std: float,
+                 swiglu_limit: float | None = None):
         super().__init__()
         self.intermediate_size = intermediate_size
+        self.swiglu_limit = swiglu_limit  # HY-V4's: gate <= limit, -limit <= up <= limit; None: no clamp
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))  # [E, 2I, H]
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))  # [E, H, I]
         nn.init.normal_(self.gate_up_proj, std=std)
@@ -118,6 +120,8 @@ class Experts(nn.Module):
 
     def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        if self.swiglu_limit is not None:
+            gate, up = gate.clamp(max=self.swiglu_limit), up.clamp(-self.swiglu_limit, self.swiglu_limit)
         return F.silu(gate) * up
 
     def dense(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -151,7 +155,8 @@ class MoE(nn.Module):
         super().__init__()
         c = config
         self.gate = MoEGate(c)
-        self.experts = Experts(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, c.initializer_range)
+        self.experts = Experts(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, c.initializer_range,
+                               c.swiglu_limit)
         self.shared_experts = None
         if c.n_shared_experts:
             self.shared_experts = FeedForward(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts,

@@ -78,6 +78,7 @@ def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tupl
 
 # The attention's projections with RoPE rows; self_attn.{i}: one of LongCat-Flash's two attentions.
 _QUERY = re.compile(r"\.self_attn(\.\d+)?\.(q_proj|q_b_proj)\.weight$")
+_QUERY_GATE = re.compile(r"\.self_attn\.q_gate_proj\.weight$")
 _LATENT = re.compile(r"\.self_attn(\.\d+)?\.kv_a_proj_with_mqa\.weight$")
 
 
@@ -87,7 +88,11 @@ def _convert(config: MLAConfig, source: Source, tensor: torch.Tensor) -> torch.T
     P, R = config.layer_dims(int(layer.group(1))) if layer else (config.qk_nope_head_dim, config.qk_rope_head_dim)
     if config.rope_interleave and R:
         order = deinterleave_index(R)
-        if _QUERY.search(source.target):
+        if _QUERY_GATE.search(source.target):  # A.X-K2's fused projection: per head P+R query rows, then V gate rows
+            heads = tensor.view(-1, P + R + config.v_head_dim, tensor.shape[-1])
+            tensor = torch.cat([heads[:, :P], heads[:, P:P + R][:, order], heads[:, P + R:]], dim=1).reshape(
+                tensor.shape)
+        elif _QUERY.search(source.target):
             heads = tensor.view(-1, P + R, tensor.shape[-1])  # [N, P+R, in]
             tensor = torch.cat([heads[:, :P], heads[:, P:][:, order]], dim=1).reshape(tensor.shape)
         elif _LATENT.search(source.target):

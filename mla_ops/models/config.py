@@ -61,8 +61,9 @@ from ..planning.routing import default_threshold
 from .scalings import LongRopeScaling, QueryScale, YarnScaling, check_yarn, read_rope_scaling
 
 SCORING_FUNCS = ("softmax", "sigmoid")
-TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc", "group_top2")
-_TOP2_GROUPS = ("noaux_tc", "group_top2")  # groups ranked by their two best scores
+# "noaux_tc_zero": noaux_tc with the experts of dropped groups scored 0, not -inf (A.X-K2's router)
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc", "group_top2", "noaux_tc_zero")
+_TOP2_GROUPS = ("noaux_tc", "group_top2", "noaux_tc_zero")  # groups ranked by their two best scores
 MLP_LAYER_TYPES = ("dense", "sparse")  # mlp_layer_types' entries: the dense MLP, or the experts
 DECODER_LAYERS = ("deepseek", "longcat", "hyper")  # the layer structures (decoder.LAYER_CLASSES)
 OUTPUT_GATES = ("hidden", "query")  # output_gate: from the attention's input (HY-V4), fused with the query (A.X-K2)
@@ -570,5 +571,15 @@ mla_configs = {
         indexer=dict(index_topk=8, index_n_heads=4, index_head_dim=16, indexer_rope_interleave=True,
                      indexer_rope_last=True, indexer_norm_eps=1e-5),
         layer_kinds=dict(mlp_layer_types=["dense", "sparse", "sparse"], indexer_types=["full", "full", "shared"]),
+    ),
+    # A.X-K2 at tiny dims (V3.2's layers; the families' parts as mla_ops.models.axk2 fixes them): 3 layers, dense
+    # then MoE (2 groups), 40-wide latent rows, the query fused with the output gate, gated norms of rank 4
+    "tiny-axk2": dict(
+        hidden_size=64, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6, intermediate_size=96,
+        num_hidden_layers=3, vocab_size=256, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        n_shared_experts=1, first_k_dense_replace=1, scoring_func="sigmoid", topk_method="noaux_tc_zero", n_group=2,
+        topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, output_gate="query", gated_norm_rank=4,
+        indexer=dict(index_topk=8, index_n_heads=4, index_head_dim=16),
     ),
 }

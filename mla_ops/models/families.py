@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from .. import _checks
-from . import hy_v4, mistral4, mistral_large4
+from . import axk2, hy_v4, mistral4, mistral_large4
 
 
 @dataclass(frozen=True)
@@ -267,6 +267,13 @@ FAMILIES = {
     "mistral_large4_text": Family(gate=MISTRAL4_GATE, fixed=dict(norm_topk_prob=True),
                                   prepare=lambda c: _glm_indexer_types(mistral_large4.defaults(c)),
                                   keys=(shared_keys, mistral_large4.config_kwargs), indexer_interleaved=True),
+    # A.X-K2 (mla_ops.models.axk2): V3.2's sparse layers, a query fused with an output gate, gated norms; AXK2Config's
+    # defaults (its router over no groups when n_group is null, dropped groups' experts scored 0)
+    "axk2": Family(gate=Gate("sigmoid", "noaux_tc_zero", True, 2.5), prepare=axk2.prepare, indexer_interleaved=False,
+                   defaults={"q_lora_rank": 384, "first_k_dense_replace": 1, "n_shared_experts": 1,
+                             "max_position_embeddings": 131072, "index_topk": 2048, "index_n_heads": 16,
+                             "index_head_dim": 128},
+                   keys=(shared_keys, axk2.config_kwargs), fixed=dict(rope_interleave=True, output_gate="query")),
     # HY-V4 (mla_ops.models.hy_v4): GLM-5's sparse layers with an output gate, sinks, hyper-connections, clamped
     # SwiGLU experts; HYV4Config's defaults (one gate group, its scaling factor, 16 indexer heads) and per-layer
     # kinds; the multimodal model's text config (32 indexer heads, latent norms at rms_norm_eps).

@@ -31,7 +31,9 @@ from torch import nn
 from ..parallel.tensor_parallel import all_reduce
 from ..planning.plan import PrefillPlan
 from ..step import PrefillStep, begin_step
+from . import axk2
 from .config import MLAConfig
+from .gated_norm import GatedRMSNorm
 from .indexer import Indexer
 from .moe import FeedForward, MoE
 from .output_gate import gated
@@ -250,6 +252,12 @@ class DecoderLayer(nn.Module):
         if not self.self_attn.owns_kv:
             self.num_kv_caches = 0  # a KV-sharing layer attends its source layer's latent cache
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.gated_norm_rank is not None:  # A.X-K2's: the input norm gated, and a MoE layer's second norm
+            gate = lambda norm: GatedRMSNorm(norm, config.hidden_size, config.gated_norm_rank,  # noqa: E731
+                                              config.initializer_range)
+            self.input_layernorm = gate(self.input_layernorm)
+            if config.is_moe_layer(layer_idx):
+                self.post_attention_layernorm = gate(self.post_attention_layernorm)
         if config.is_moe_layer(layer_idx):
             self.mlp = MoE(config)
         else:
@@ -274,7 +282,10 @@ class DecoderLayer(nn.Module):
         """The model tensor that checkpoint tensor ``name`` fills (None: skipped): DeepSeek's names are the model's.
         With ``post_mlp_layernorm`` (A.X-K1) a layer's ``post_mlp_layernorm`` or ``mlp.post_mlp_layernorm`` (the
         name in transformers' model) is the MoE layer's norm, and skipped in a dense layer (its releases keep an
-        unused copy there, which transformers ignores)."""
+        unused copy there, which transformers ignores). A.X-K2's fused ``q_b_proj`` and gate MLPs' ``W_down`` /
+        ``W_up`` are renamed as transformers renames them (``axk2.transformers_name``)."""
+        if config.output_gate == "query" or config.gated_norm_rank is not None:  # A.X-K2's release names
+            name = axk2.transformers_name(name)
         norm = _POST_MLP_NORM.match(name) if config.post_mlp_layernorm else None
         if norm is None:
             return name

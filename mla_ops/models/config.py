@@ -42,6 +42,11 @@ LongCat-Flash's layer (``decoder_layer="longcat"``, ``mla_ops.models.longcat``) 
 experts (``zero_expert_num``) need ``n_group`` 1; ``mla_scale_q_lora`` (which needs ``q_lora_rank``) and
 ``mla_scale_kv_lora`` are its layer's only.
 
+The autumn-2026 DSA families' parts (DESIGN §11): ``output_gate`` None, "hidden" (HY-V4) or "query" (A.X-K2, needs
+``q_lora_rank``); ``attention_sinks`` a bool; ``swiglu_limit`` None or > 0; ``gated_norm_rank`` None or at least 1;
+``hyper_connections`` (``HyperConnections``: ``hc_mult`` at least 1, ``hc_magnitude`` > 0, ``hc_eps`` >= 0) set
+exactly when ``decoder_layer`` is "hyper" (``mla_ops.models.hyper_connections``, which may have an indexer).
+
 ``from_hf`` of a file or directory puts the file's path in front of every message; a file that is not
 JSON, or not a JSON object, is one ValueError naming it.
 

@@ -22,6 +22,9 @@ Gates (the reference is transformers' DeepseekV2TopkRouter / DeepseekV3TopkRoute
 * Mistral 4 (``group_top2``, transformers' Mistral4TopkRouter): V3's group-limited top-k with no correction
   bias (softmax scores: groups ranked by the sum of their two best).
 
+HY-V4's routed experts clamp their SwiGLU (``swiglu_limit``): ``silu(min(gate, limit)) * clamp(up, -limit, limit)``
+(the shared experts and the dense MLP do not).
+
 Expert compute (``MoE.impl``), both fixed-shape tensor code: no host read, no data-dependent shape,
 so a step compiles to one graph and can be captured in a CUDA graph:
 

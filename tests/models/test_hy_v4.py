@@ -9,8 +9,9 @@ weights), an indexer rotating the last R dims of its heads; three layers: dense 
 shared (HYV4Config's defaults). ``index_topk`` 8: the prompts of 13 and 21 tokens take the sparse path, the one of
 7 the dense one; ``index_score_gap`` asserts the scores have no near-ties.
 
-transformers computes its hyper-connections in float32 even in a float64 model, and rounds the residual streams to
-float32 after every sublayer: the logits agree to ~1e-6 of the largest, not 1e-7 (``RTOL``).
+transformers keeps its norms and rotary tables (and here its hyper-connections, whose float32 is not what matters:
+made float64 the difference stays 1.1e-6) in float32 even in a float64 model: the logits agree to ~1e-6 of the
+largest (1.03e-6 for the VL checkpoint), just past ``check_logits``' default 1e-6, so ``RTOL`` is 2e-6.
 """
 
 import json
@@ -36,7 +37,7 @@ TEXT = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediat
             eos_token_id=1)
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, out_hidden_size=64,
               patch_size=4, max_image_size=32)
-RTOL = 5e-6
+RTOL = 2e-6
 
 
 def make_hy(kind, seed=0):

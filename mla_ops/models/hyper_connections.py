@@ -27,6 +27,7 @@ from torch import nn
 
 from ..parallel.tensor_parallel import all_reduce
 from .config import MLAConfig
+from .hy_v4 import transformers_name
 from .layer import Carry, DecoderLayer, LayerCaches, ModelStep, NewRows
 from .parts import acc_dtype
 
@@ -107,6 +108,4 @@ class HyperDecoderLayer(DecoderLayer):
     @staticmethod
     def checkpoint_name(config: MLAConfig, name: str) -> str | None:
         """The releases' names as transformers renames them (``hy_v4.transformers_name``)."""
-        from .hy_v4 import transformers_name  # the family's names, read when a checkpoint loads
-
         return DecoderLayer.checkpoint_name(config, transformers_name(name))

@@ -165,6 +165,27 @@ def test_the_model_parts_matter(model64):
             setattr(module, name, old)
 
 
+@torch.no_grad()
+def test_bfloat16_keeps_the_float32_parts(checkpoint):
+    """In bfloat16 the hyper-connections, sinks, routers and indexer head weights stay float32, as transformers keeps
+    them, and the logits are near transformers' own bfloat16 ones (these weights move both 0.27 from float64's: a
+    routing or selection flips; 0.03 apart)."""
+    if checkpoint[2] != "hy_v4":
+        pytest.skip("the text model's parts: one checkpoint suffices")
+    model = mla_ops.MLAForCausalLM.from_pretrained(checkpoint[0], dtype=torch.bfloat16)
+    layer = model.model.layers[1]
+    assert (layer.attn_hc.fn.dtype, model.model.hc_head.hc_fn.dtype, layer.self_attn.sinks.dtype,
+            layer.self_attn.indexer.weights_proj.weight.dtype, layer.self_attn.gate_proj.weight.dtype) == \
+        (torch.float32,) * 4 + (torch.bfloat16,)
+    hf = transformers.HYV4ForCausalLM.from_pretrained(checkpoint[0], dtype=torch.bfloat16)
+    hf.config._attn_implementation = "eager"
+    hf.config._experts_implementation = "eager"
+    prompt = prompts_of([13], 96, seed=1)[0]
+    got = step(model, model.allocate_kv_caches(4, 4), [prompt], [0], index_topk=8)[0].double()
+    ref = hf(torch.tensor([prompt])).logits[0].double()
+    assert float((got - ref).abs().max() / ref.abs().max()) < 0.1
+
+
 def test_greedy_generation_matches_transformers_and_reuses_prefixes(checkpoint):
     check_generation(*checkpoint[:2])
 

@@ -44,9 +44,9 @@ from ..parallel.tensor_parallel import check_divisible
 from ..planning.plan import PrefillPlan
 from . import regions
 from .config import MLAConfig
+from .hyper_connections import HyperDecoderLayer, HyperHead, streams_of
 from .kv_caches import KVCaches, allocate, check_caches
 from .layer import DecoderLayer, ModelStep, RMSNorm, scaled
-from .hyper_connections import HyperDecoderLayer, HyperHead, streams_of
 from .longcat import LongcatDecoderLayer
 from .parts import linear, softcap
 from .query_scale import PositionScale

@@ -202,3 +202,21 @@ def test_tiny_preset_builds_and_runs():
     with torch.no_grad():
         (logits,) = step(model, model.allocate_kv_caches(4, 4), [prompt], [0], index_topk=model.config.index_topk)
     assert logits.shape == (11, model.config.vocab_size) and bool(logits.isfinite().all())
+
+
+@torch.no_grad()
+def test_regional_compile_equals_eager():
+    """``compile_layers``: the attentions' projections (the output gate's with them) and the MLPs compiled (aot_eager:
+    the graphs, not Inductor's code, are what is checked), the family's other parts eager between them."""
+    torch.manual_seed(0)
+    model = spread_weights(mla_ops.MLAForCausalLM(MLAConfig.from_name("tiny-axk2")).double(), 3)
+    prompts = prompts_of([13, 5, 1], model.config.vocab_size, seed=1)
+
+    def run():
+        return torch.cat(step(model, model.allocate_kv_caches(24, 4), prompts, [0, 0, 0],
+                              index_topk=model.config.index_topk))
+
+    expect = run()
+    model.compile_layers(backend="aot_eager")
+    torch.testing.assert_close(run(), expect, rtol=1e-12, atol=1e-12)
+    assert all(region.compiled for region in model.model.compiled_regions)

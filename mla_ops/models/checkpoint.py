@@ -47,6 +47,7 @@ from .checkpoint_files import checkpoint_files as tensor_files, open_safetensors
 from .checkpoint_names import LAYER, SCALE, Source, check_layers, map_tensors, quant_block
 from .config import MLAConfig
 from .hf_config import from_hf_dict
+from .hyper_connections import HyperConnection, HyperHead
 from .indexer import Indexer, convert_interleaved
 from .rope import RotaryEmbedding
 from .moe import MoEGate
@@ -78,6 +79,7 @@ def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tupl
 # The attention's projections with RoPE rows; self_attn.{i}: one of LongCat-Flash's two attentions.
 _QUERY = re.compile(r"\.self_attn(\.\d+)?\.(q_proj|q_b_proj)\.weight$")
 _K_ROPE_NORM = re.compile(r"\.self_attn\.k_rope_only_layernorm\.weight$")
+_QUERY_GATE = re.compile(r"\.self_attn\.q_gate_proj\.weight$")
 _LATENT = re.compile(r"\.self_attn(\.\d+)?\.kv_a_proj_with_mqa\.weight$")
 
 
@@ -88,7 +90,11 @@ def _convert(config: MLAConfig, source: Source, tensor: torch.Tensor) -> torch.T
     P, R = dims.qk_nope_head_dim, dims.qk_rope_head_dim
     if config.rope_interleave and R:
         order = deinterleave_index(R)
-        if _QUERY.search(source.target):
+        if _QUERY_GATE.search(source.target):  # A.X-K2's fused projection: per head P+R query rows, then V gate rows
+            heads = tensor.view(-1, P + R + dims.v_head_dim, tensor.shape[-1])
+            tensor = torch.cat([heads[:, :P], heads[:, P:P + R][:, order], heads[:, P + R:]], dim=1).reshape(
+                tensor.shape)
+        elif _QUERY.search(source.target):
             heads = tensor.view(-1, P + R, tensor.shape[-1])  # [N, P+R, in]
             tensor = torch.cat([heads[:, :P], heads[:, P:][:, order]], dim=1).reshape(tensor.shape)
         elif _LATENT.search(source.target):
@@ -214,8 +220,15 @@ def _meta_model(cls, config: MLAConfig, dtype: torch.dtype, **kwargs):
     for module in model.modules():
         if isinstance(module, (MoEGate, RotaryEmbedding)):  # routers and learned RoPE frequencies: float32
             module.float()
-        elif isinstance(module, Indexer) and dtype in (torch.float16, torch.bfloat16):
-            module.weights_proj.float()  # as transformers keeps it (_keep_in_fp32_modules)
+        elif dtype not in (torch.float16, torch.bfloat16):
+            continue
+        # as transformers keeps them (_keep_in_fp32_modules): the indexer's head weights, hyper-connections, sinks
+        if isinstance(module, Indexer):
+            module.weights_proj.float()
+        elif isinstance(module, (HyperConnection, HyperHead)):
+            module.float()
+        elif getattr(module, "sinks", None) is not None:
+            module.sinks.data = module.sinks.data.float()
     return model
 
 

@@ -50,6 +50,11 @@ LongCat-Flash's layer (``decoder_layer="longcat"``, ``mla_ops.models.longcat``) 
 experts (``zero_expert_num``) need ``n_group`` 1; ``mla_scale_q_lora`` (which needs ``q_lora_rank``) and
 ``mla_scale_kv_lora`` are its layer's only.
 
+The autumn-2026 DSA families' parts (DESIGN §11): ``output_gate`` None, "hidden" (HY-V4) or "query" (A.X-K2, needs
+``q_lora_rank``); ``attention_sinks`` a bool; ``swiglu_limit`` None or > 0; ``gated_norm_rank`` None or at least 1;
+``hyper_connections`` (``HyperConnections``: ``hc_mult`` at least 1, ``hc_magnitude`` > 0, ``hc_eps`` >= 0) set
+exactly when ``decoder_layer`` is "hyper" (``mla_ops.models.hyper_connections``, which may have an indexer).
+
 ``from_hf`` of a file or directory puts the file's path in front of every message; a file that is not
 JSON, or not a JSON object, is one ValueError naming it.
 
@@ -69,10 +74,12 @@ from ..planning.routing import default_threshold
 from .scalings import LongRopeScaling, QueryScale, YarnScaling, check_yarn, read_rope_scaling
 
 SCORING_FUNCS = ("softmax", "sigmoid")
-TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc", "group_top2")
-_TOP2_GROUPS = ("noaux_tc", "group_top2")  # groups ranked by their two best scores
+# "noaux_tc_zero": noaux_tc with the experts of dropped groups scored 0, not -inf (A.X-K2's router)
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc", "group_top2", "noaux_tc_zero")
+_TOP2_GROUPS = ("noaux_tc", "group_top2", "noaux_tc_zero")  # groups ranked by their two best scores
 MLP_LAYER_TYPES = ("dense", "sparse")  # mlp_layer_types' entries: the dense MLP, or the experts
-DECODER_LAYERS = ("deepseek", "longcat")  # the layer structures (decoder.LAYER_CLASSES)
+DECODER_LAYERS = ("deepseek", "longcat", "hyper")  # the layer structures (decoder.LAYER_CLASSES)
+OUTPUT_GATES = ("hidden", "query")  # output_gate: from the attention's input (HY-V4), fused with the query (A.X-K2)
 INDEXER_TYPES = ("full", "shared")  # indexer_types' entries: a layer's own indexer, or the previous full one's top-k
 ATTENTION_TYPES = ("full", "sliding")  # attention_types' entries: the config's own attention, or sliding_attention's
 
@@ -99,6 +106,8 @@ class IndexerConfig:
     index_head_dim: int = 128  # D_I; its first qk_rope_head_dim are rotated
     indexer_rope_interleave: bool = False  # its rope rows are interleaved pairs (GLM-5's; V3.2 rotates halves)
     indexer_q_norm: bool = False  # queries from a LayerNorm of the layer input, no q-LoRA latent (Mistral Large 4)
+    indexer_rope_last: bool = False  # the rotated dims are the last R of each head, not the first (HY-V4's)
+    indexer_norm_eps: float = 1e-6  # k_norm's eps (HY-V4's: its rms_norm_eps)
 
     def __post_init__(self):
         self.index_topk = _checks.check_int(self.index_topk, "index_topk", 1)
@@ -106,6 +115,8 @@ class IndexerConfig:
         self.index_head_dim = _checks.check_int(self.index_head_dim, "index_head_dim", 1)
         _checks.check_bool(self.indexer_rope_interleave, "indexer_rope_interleave")
         _checks.check_bool(self.indexer_q_norm, "indexer_q_norm")
+        _checks.check_bool(self.indexer_rope_last, "indexer_rope_last")
+        self.indexer_norm_eps = _checks.check_real(self.indexer_norm_eps, "indexer_norm_eps")
 
 
 @dataclass
@@ -189,6 +200,21 @@ class AttentionDims(NamedTuple):
     kind: int  # 0: the config's own attention, 1: sliding_attention's (its steps are planned apart)
 
 
+@dataclass
+class HyperConnections:
+    """Hyper-connections (HY-V4's, ``mla_ops.models.hyper_connections``): the residual stream is ``hc_mult`` streams,
+    mixed into each sublayer's input and fed its output by learned sigmoid weights (no Sinkhorn mixing)."""
+
+    hc_mult: int = 4  # streams
+    hc_magnitude: float = 2.0  # the output weights' range: magnitude * sigmoid(...)
+    hc_eps: float = 1e-6  # added to every sigmoid weight
+
+    def __post_init__(self):
+        self.hc_mult = _checks.check_int(self.hc_mult, "hc_mult", 1)
+        self.hc_magnitude = _checks.check_real(self.hc_magnitude, "hc_magnitude")
+        self.hc_eps = _checks.check_real(self.hc_eps, "hc_eps", False)
+
+
 def _record(value, cls, name: str):
     """An optional part: None, a ``cls`` or a dict of its fields (config.json's)."""
     if value is None or isinstance(value, cls):
@@ -200,7 +226,8 @@ def _record(value, cls, name: str):
 
 # Where each optional part's config.json keys go (the records' field names are the keys).
 _PARTS = {part: tuple(f.name for f in dataclasses.fields(cls))
-          for part, cls in (("indexer", IndexerConfig), ("scalings", Scalings), ("layer_kinds", LayerKinds))}
+          for part, cls in (("indexer", IndexerConfig), ("scalings", Scalings), ("layer_kinds", LayerKinds),
+                            ("hyper_connections", HyperConnections))}
 
 
 def grouped(kwargs: dict) -> dict:
@@ -273,6 +300,18 @@ class MLAConfig:
     indexer: Optional[IndexerConfig] = None
     scalings: Scalings = field(default_factory=Scalings)
     layer_kinds: LayerKinds = field(default_factory=LayerKinds)
+    # The autumn-2026 DSA families' model parts (DESIGN §11). output_gate: a per-head, per-dim sigmoid gate on the
+    # attention output before o_proj, from the attention's input ("hidden": gate_proj, HY-V4) or from one fused
+    # projection with the query ("query": q_gate_proj over [normed, raw] q-LoRA latent, no q_b_proj, A.X-K2);
+    # attention_sinks: a learned sink logit per head (self_attn.sinks, HY-V4); swiglu_limit: the routed experts'
+    # SwiGLU clamps gate <= limit, |up| <= limit (HY-V4); gated_norm_rank: the input norm of every layer and the
+    # post-attention norm of MoE layers are RMSNorms times a rank-r sigmoid gate (A.X-K2); hyper_connections: the
+    # residual streams of decoder_layer "hyper" (HY-V4).
+    output_gate: Optional[str] = None
+    attention_sinks: bool = False
+    swiglu_limit: Optional[float] = None
+    gated_norm_rank: Optional[int] = None
+    hyper_connections: Optional[HyperConnections] = None
 
     def __post_init__(self):
         # Types and ranges of every field (normalized: numpy integers -> int, ints -> float where real).
@@ -300,6 +339,8 @@ class MLAConfig:
         self.indexer = _record(self.indexer, IndexerConfig, "indexer")
         self.scalings = _record(self.scalings, Scalings, "scalings")
         self.layer_kinds = _record(self.layer_kinds, LayerKinds, "layer_kinds")
+        self.hyper_connections = _record(self.hyper_connections, HyperConnections, "hyper_connections")
+        self._check_dsa_family_parts()
         if self.scalings is None or self.layer_kinds is None:
             raise TypeError(f"{'scalings' if self.scalings is None else 'layer_kinds'} must be a dict or a record, "
                             "not None (its defaults: none)")
@@ -363,6 +404,20 @@ class MLAConfig:
                              f"n_group 1 (one group over all experts), got n_routed_experts={self.n_routed_experts}, "
                              f"n_group={self.n_group}")
 
+    def _check_dsa_family_parts(self) -> None:
+        """``output_gate``, ``attention_sinks``, ``swiglu_limit``, ``gated_norm_rank``, ``hyper_connections``."""
+        if self.output_gate is not None:
+            _checks.check_str(self.output_gate, "output_gate", OUTPUT_GATES)
+            if self.output_gate == "query" and self.q_lora_rank is None:
+                raise ValueError("output_gate 'query' is fused with the query's projection of the q-LoRA latent: "
+                                 "q_lora_rank must be set")
+        _checks.check_bool(self.attention_sinks, "attention_sinks")
+        self.swiglu_limit = _checks.check_real(self.swiglu_limit, "swiglu_limit", optional=True)
+        self.gated_norm_rank = _checks.check_int(self.gated_norm_rank, "gated_norm_rank", 1, optional=True)
+        if (self.hyper_connections is not None) != (self.decoder_layer == "hyper"):
+            raise ValueError("hyper_connections and decoder_layer 'hyper' go together: got hyper_connections="
+                             f"{self.hyper_connections}, decoder_layer={self.decoder_layer!r}")
+
     def _check_indexer(self) -> None:
         kinds = self.layer_kinds
         if self.indexer is None:
@@ -370,8 +425,9 @@ class MLAConfig:
                 raise ValueError("indexer_types is set but index_topk is None (no indexer): set index_topk or "
                                  "leave indexer_types None")
             return
-        if self.decoder_layer != "deepseek":
-            raise ValueError(f"index_topk: only decoder_layer 'deepseek' has an indexer, got {self.decoder_layer!r}")
+        if self.decoder_layer == "longcat":
+            raise ValueError(f"index_topk: only decoder_layers 'deepseek' and 'hyper' have an indexer, got "
+                             f"{self.decoder_layer!r}")
         if self.q_lora_rank is None and not self.indexer.indexer_q_norm:
             raise ValueError("index_topk is set but q_lora_rank is None: the indexer's wq_b reads the q-LoRA latent "
                              "(or, with indexer_q_norm, a LayerNorm of the layer input)")
@@ -643,5 +699,27 @@ mla_configs = {
         hidden_size=64, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32,
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope_theta=10000.0,
         rms_norm_eps=1e-6, intermediate_size=128, num_hidden_layers=2, vocab_size=256,
+    ),    # HY-V4 at tiny dims (GLM-5's shapes scaled down; the families' parts as mla_ops.models.hy_v4 fixes them):
+    # 3 layers, dense then MoE, indexers full, full, shared; 3 hyper-connection streams
+    "tiny-hy-v4": dict(
+        hidden_size=64, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=24,
+        qk_rope_head_dim=8, v_head_dim=32, rope_theta=10000.0, rms_norm_eps=1e-5, intermediate_size=96,
+        num_hidden_layers=3, vocab_size=256, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        n_shared_experts=1, scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True,
+        routed_scaling_factor=2.827, decoder_layer="hyper", output_gate="hidden", attention_sinks=True,
+        swiglu_limit=10.0, hyper_connections=dict(hc_mult=3),
+        indexer=dict(index_topk=8, index_n_heads=4, index_head_dim=16, indexer_rope_interleave=True,
+                     indexer_rope_last=True, indexer_norm_eps=1e-5),
+        layer_kinds=dict(mlp_layer_types=["dense", "sparse", "sparse"], indexer_types=["full", "full", "shared"]),
+    ),
+    # A.X-K2 at tiny dims (V3.2's layers; the families' parts as mla_ops.models.axk2 fixes them): 3 layers, dense
+    # then MoE (2 groups), 40-wide latent rows, the query fused with the output gate, gated norms of rank 4
+    "tiny-axk2": dict(
+        hidden_size=64, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6, intermediate_size=96,
+        num_hidden_layers=3, vocab_size=256, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        n_shared_experts=1, first_k_dense_replace=1, scoring_func="sigmoid", topk_method="noaux_tc_zero", n_group=2,
+        topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, output_gate="query", gated_norm_rank=4,
+        indexer=dict(index_topk=8, index_n_heads=4, index_head_dim=16),
     ),
 }

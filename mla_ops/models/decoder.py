@@ -46,6 +46,7 @@ from ..planning.plan import PrefillPlan
 from ..prefill import plan_with_options
 from . import regions
 from .config import MLAConfig
+from .hyper_connections import HyperDecoderLayer, HyperHead, streams_of
 from .kv_caches import KVCaches, allocate, check_caches
 from .layer import DecoderLayer, ModelStep, RMSNorm, scaled
 from .longcat import LongcatDecoderLayer
@@ -55,7 +56,8 @@ from .rope import RotaryEmbedding
 from .wiring import Passed, wire_layers
 
 # MLAConfig.decoder_layer -> the layer structure of the family's model.
-LAYER_CLASSES: dict[str, type[nn.Module]] = {"deepseek": DecoderLayer, "longcat": LongcatDecoderLayer}
+LAYER_CLASSES: dict[str, type[nn.Module]] = {"deepseek": DecoderLayer, "longcat": LongcatDecoderLayer,
+                                             "hyper": HyperDecoderLayer}
 
 
 def check_step_inputs(input_ids: torch.Tensor, positions: torch.Tensor, plan: PrefillPlan, vocab_size: int) -> None:
@@ -102,6 +104,8 @@ class MLAModel(nn.Module):
         self.num_cache_layers = sum(layer.num_kv_caches for layer in self.layers)  # KV-sharing layers have none
         self.wiring = wire_layers(config, [layer.num_kv_caches for layer in self.layers])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Hyper-connections (HY-V4's): the streams' collapse before the norm; None: one residual stream
+        self.hc_head = None if config.hyper_connections is None else HyperHead(config)
         # The rotary frequencies, built once (Mistral Large 4's learned ones: model.rotary_emb.alpha)
         self.rotary_emb = RotaryEmbedding(config.qk_rope_head_dim, config.rope_theta, config.rope_scaling,
                                           learned=config.learned_rope_frequencies)
@@ -163,11 +167,13 @@ class MLAModel(nn.Module):
         steps = {kind: ModelStep.begin(self, positions, kind_plan, caches, slot_mapping, backend, kind)
                  for kind, kind_plan in kind_plans(plan, self.config).items()}
         x = scaled(self.embed_tokens(input_ids), self.embedding_scale)  # [T, H]
+        if self.hc_head is not None:
+            x = streams_of(x, self.config)  # [T, hc_mult, H]
         passed = Passed()
         for layer, wiring in zip(self.layers, self.wiring):
             x, made = regions.run_layer(layer, x, wiring.caches(caches), steps[wiring.kind], wiring.carry(passed))
             passed = wiring.passed_on(passed, made)
-        return self.norm(x)  # [T, H]
+        return self.norm(x if self.hc_head is None else self.hc_head(x))  # [T, H]
 
 
 def check_plan(plan: PrefillPlan, config: MLAConfig) -> None:

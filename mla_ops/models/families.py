@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from .. import _checks
-from . import dots3_note, mistral4, mistral_large4
+from . import axk2, dots3_note, hy_v4, mistral4, mistral_large4
 
 
 @dataclass(frozen=True)
@@ -224,6 +224,10 @@ def _indexer_types(c: dict):
 _V32_DEFAULTS = {"n_group": 8, "topk_group": 4, "first_k_dense_replace": 3, "index_topk": 2048, "index_n_heads": 64,
                  "index_head_dim": 128}
 
+# HYV4Config's defaults where hf_config's differ.
+_HY_V4_DEFAULTS = {"n_group": 1, "topk_group": 1, "rms_norm_eps": 1e-5, "q_lora_rank": 1536, "initializer_range": 0.006,
+                   "max_position_embeddings": 262144, "index_topk": 2048, "index_n_heads": 16, "index_head_dim": 128}
+
 FAMILIES = {
     "deepseek_v2": Family(gate=V2_GATE),
     "deepseek_v3": Family(gate=V3_GATE),
@@ -265,6 +269,27 @@ FAMILIES = {
     "mistral_large4_text": Family(gate=MISTRAL4_GATE, fixed=dict(norm_topk_prob=True),
                                   prepare=lambda c: _glm_indexer_types(mistral_large4.defaults(c)),
                                   keys=(shared_keys, mistral_large4.config_kwargs), indexer_interleaved=True),
+    # A.X-K2 (mla_ops.models.axk2): V3.2's sparse layers, a query fused with an output gate, gated norms; AXK2Config's
+    # defaults (its router over no groups when n_group is null, dropped groups' experts scored 0)
+    "axk2": Family(gate=Gate("sigmoid", "noaux_tc_zero", True, 2.5), prepare=axk2.prepare, indexer_interleaved=False,
+                   defaults={"q_lora_rank": 384, "first_k_dense_replace": 1, "n_shared_experts": 1,
+                             "max_position_embeddings": 131072, "index_topk": 2048, "index_n_heads": 16,
+                             "index_head_dim": 128},
+                   keys=(shared_keys, axk2.config_kwargs), fixed=dict(rope_interleave=True, output_gate="query")),
+    # HY-V4 (mla_ops.models.hy_v4): GLM-5's sparse layers with an output gate, sinks, hyper-connections, clamped
+    # SwiGLU experts; HYV4Config's defaults (one gate group, its scaling factor, 16 indexer heads) and per-layer
+    # kinds; the multimodal model's text config (32 indexer heads, latent norms at rms_norm_eps).
+    "hy_v4": Family(gate=Gate("sigmoid", "noaux_tc", True, 2.827), prepare=hy_v4.defaults, indexer_interleaved=True,
+                    defaults=_HY_V4_DEFAULTS, keys=(shared_keys, hy_v4.config_kwargs), fixed=hy_v4.FIXED),
+    "hy_v4_vl_text": Family(gate=Gate("sigmoid", "noaux_tc", True, 2.827), prepare=hy_v4.defaults,
+                            indexer_interleaved=True,
+                            defaults={**_HY_V4_DEFAULTS, "q_lora_rank": 2048, "index_n_heads": 32},
+                            keys=(shared_keys, hy_v4.vl_text_config_kwargs), fixed=hy_v4.FIXED),
+    # HY-V4-VL: a vision tower (vit.*, skipped) around a hy_v4_vl_text model written at model.* and lm_head.*
+    "hy_v4_vl": Family(wrapper=Wrapper(
+        text_config="text_config", text_model_type="hy_v4_vl_text", names=(), tie_word_embeddings=False,
+        rename=hy_v4.vl_text_name,
+    )),
     # Hub release: language_model.model.layers.{i}; transformers' save_pretrained reverts its "blocks" ->
     # "layers" rename (meant for the vision tower's blocks) on every name, so it writes ...model.blocks.{i}.
     "kimi_k25": Family(wrapper=Wrapper(

@@ -5,7 +5,7 @@ T new tokens   H hidden_size   Q q_lora_rank   R qk_rope_head_dim   H_I index_n_
 x        [T, H]         the layer's normed input (the attention's)
 q_resid  [T, Q]         the attention's q-LoRA latent, ``q_a_layernorm(q_a_proj(x))``; Mistral Large 4
                         (``indexer_q_norm``, no q-LoRA): ``q_input_norm(x)`` [T, H] instead
--> q_index [T, H_I, D_I]   ``wq_b(q_resid)``, its first R dims of each head rotated
+-> q_index [T, H_I, D_I]   ``wq_b(q_resid)``, its first R dims of each head rotated (the last R: HY-V4's)
    weights [T, H_I]        ``weights_proj(x) * H_I^-0.5 * D_I^-0.5`` (float32, float64 for a float64 model)
    k_index [T, D_I]        ``k_norm(wk(x))`` (a LayerNorm with bias), its first R dims rotated
 
@@ -47,7 +47,8 @@ class Indexer(nn.Module):
         self.q_input_norm = nn.LayerNorm(c.hidden_size, eps=K_NORM_EPS) if q_norm else None
         self.wq_b = linear(c.hidden_size if q_norm else c.q_lora_rank, heads * width, std)
         self.wk = linear(c.hidden_size, width, std)
-        self.k_norm = nn.LayerNorm(width, eps=K_NORM_EPS)
+        self.k_norm = nn.LayerNorm(width, eps=c.indexer.indexer_norm_eps)
+        self.rope_last = c.indexer.indexer_rope_last  # HY-V4's: the last R dims rotated
         self.weights_proj = linear(c.hidden_size, heads, std)
         self.weight_scale = (heads * width) ** -0.5  # folded into the head weights
         # Mistral Large 4's learned per-head query scale (learned_query_scale), or None
@@ -60,7 +61,10 @@ class Indexer(nn.Module):
         q_in = q_resid if self.q_input_norm is None else self.q_input_norm(x)
         q = self.wq_b(q_in).view(num_tokens, self.n_heads, self.head_dim)  # [T, H_I, D_I]
         k = self.k_norm(self.wk(x))  # [T, D_I]
-        if R:
+        if R and self.rope_last:
+            q = torch.cat([q[..., :-R], apply_rotary_emb(q[..., -R:], cos[:, None, :], sin[:, None, :])], dim=-1)
+            k = torch.cat([k[..., :-R], apply_rotary_emb(k[..., -R:], cos, sin)], dim=-1)
+        elif R:
             q = torch.cat([apply_rotary_emb(q[..., :R], cos[:, None, :], sin[:, None, :]), q[..., R:]], dim=-1)
             k = torch.cat([apply_rotary_emb(k[..., :R], cos, sin), k[..., R:]], dim=-1)
         dtype = acc_dtype(self.weights_proj.weight.dtype)
@@ -87,9 +91,13 @@ def convert_interleaved(config: MLAConfig, target: str, tensor: torch.Tensor) ->
         return tensor
     R, D = config.qk_rope_head_dim, config.indexer.index_head_dim
     order = deinterleave_index(R)
+    if config.indexer.indexer_rope_last:  # HY-V4's rotated dims are the last R
+        order = torch.cat([torch.arange(D - R), D - R + order])
+    else:
+        order = torch.cat([order, torch.arange(R, D)])
     if _WQ_B.search(target):
         heads = tensor.view(-1, D, tensor.shape[-1])  # [H_I, D_I, Q]
-        return torch.cat([heads[:, :R][:, order], heads[:, R:]], dim=1).reshape(tensor.shape)
+        return heads[:, order].reshape(tensor.shape)
     if _WK_NORM.search(target):
-        return torch.cat([tensor[:R][order], tensor[R:]])
+        return tensor[order]
     return tensor

@@ -31,9 +31,12 @@ from torch import nn
 from ..parallel.tensor_parallel import all_reduce
 from ..planning.plan import PrefillPlan
 from ..step import PrefillStep, begin_step
+from . import axk2
 from .config import MLAConfig
+from .gated_norm import GatedRMSNorm
 from .indexer import Indexer
 from .moe import FeedForward, MoE
+from .output_gate import gated
 from .parts import acc_dtype, linear
 from .query_scale import LogPositionScale, log_positions
 from .rope import apply_rotary_emb
@@ -141,7 +144,12 @@ class MLAAttention(nn.Module):
         N, Q, L, P, R, V = (dims.num_heads, dims.q_lora_rank, dims.kv_lora_rank, self.qk_nope_head_dim,
                             self.qk_rope_head_dim, dims.v_head_dim)
         self.q_lora_rank = Q
-        if Q is None:
+        self.output_gate = c.output_gate
+        if c.output_gate == "query":  # A.X-K2: no q_b_proj; the query and the gate from one fused projection
+            self.q_a_proj = linear(c.hidden_size, Q, std)
+            self.q_a_layernorm = RMSNorm(Q, c.lora_norm_eps)
+            self.q_gate_proj = linear(2 * Q, N * (P + R + V), std)
+        elif Q is None:
             self.q_proj = linear(c.hidden_size, N * (P + R), std)
         else:
             self.q_a_proj = linear(c.hidden_size, Q, std)
@@ -159,6 +167,10 @@ class MLAAttention(nn.Module):
         # dots3_note's RMSNorm on k_pe before RoPE (k_rope_norm) and per-head output gate (head_gate), or None
         self.k_rope_only_layernorm = RMSNorm(R, c.rms_norm_eps) if c.k_rope_norm and self.owns_kv else None
         self.g_proj = linear(c.hidden_size, N, std) if c.head_gate else None
+        # HY-V4's output gate from the attention's input (output_gate "hidden"), its sink logits (float32)
+        if c.output_gate == "hidden":
+            self.gate_proj = linear(c.hidden_size, N * V, std)
+        self.sinks = nn.Parameter(torch.zeros(N)) if c.attention_sinks else None
         # Mistral Large 4's learned per-head query scale (mla_ops.models.mistral_large4), or None
         self.softmax_scaling = LogPositionScale(N) if c.scalings.learned_query_scale else None
         # DeepSeek Sparse Attention: a layer's own indexer, or None (dense, or a "shared" layer of a sparse model)
@@ -170,7 +182,7 @@ class MLAAttention(nn.Module):
         ``caches``: its latent cache (a KV-sharing layer's: its source's, whose new rows are ``carry.latent``) and,
         with an indexer, its index cache; a shared DSA layer attends ``carry.topk``. It writes nothing: the step
         writes the rows it returns (``ModelStep.write``), after every check has passed."""
-        q, kv_c, k_pe, *index = self.project(hidden, step.cos, step.sin)
+        q, kv_c, k_pe, gate, *index = self.project(hidden, step.cos, step.sin)
         made = NewRows(((kv_c, k_pe),))
         if not self.owns_kv:
             kv_c, k_pe = carry.latent
@@ -184,19 +196,28 @@ class MLAAttention(nn.Module):
             made = made._replace(index=k_index, topk=topk)
         out = step.attention.attend(self.scaled_queries(q, step), kv_c, k_pe, caches.latent, self.kv_b_proj.weight,
                                     self.softmax_scale, k_scale=caches.k_scale, topk_indices=topk,
-                                    v_head_dim=self.v_head_dim)  # [T, N, V]
+                                    v_head_dim=self.v_head_dim,
+                                    sinks=None if self.sinks is None else self.sinks.float())  # [T, N, V]
         if self.g_proj is not None:  # dots3_note's per-head gate, in the model's dtype as transformers'
             out = out * self.g_proj(hidden).sigmoid()[:, :, None]
-        return all_reduce(self.o_proj(out.flatten(1)), self.tp_group), made
+        return all_reduce(self.o_proj(gated(out, gate).flatten(1)), self.tp_group), made
 
     def project(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """The dense part before attention: rotated queries ``q`` [T, N, P+R] and the new tokens'
         latent rows ``kv_c`` [T, L] and rotated ``k_pe`` [T, R] (both None for a KV-sharing layer; R = 0 for
-        a NoPE layer, whose P is P + R); with an indexer also its ``q_index`` [T, H_I, D_I], ``weights``
-        [T, H_I] and ``k_index`` [T, D_I] (``mla_ops.models.indexer``)."""
+        a NoPE layer, whose P is P + R), the output gate's logits [T, N, V] (None without ``output_gate``); with an
+        indexer also its ``q_index`` [T, H_I, D_I], ``weights`` [T, H_I] and ``k_index`` [T, D_I]
+        (``mla_ops.models.indexer``)."""
         num_tokens = hidden.shape[0]
         N, L, P, R = self.num_heads, self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim
-        if self.q_lora_rank is None:
+        gate = None
+        if self.output_gate == "query":  # [normed, raw] q-LoRA latent -> per head [P+R | V] (A.X-K2)
+            q_compressed = self.q_a_proj(hidden)
+            q_resid = self.q_a_layernorm(q_compressed)
+            q, gate = self.q_gate_proj(torch.cat([q_resid, q_compressed], dim=-1)).view(
+                num_tokens, N, P + R + self.v_head_dim).split([P + R, self.v_head_dim], dim=-1)
+            q = q.reshape(num_tokens, N * (P + R))
+        elif self.q_lora_rank is None:
             q = self.q_proj(hidden)  # [T, N*(P+R)]
             q_resid = None  # an indexer then reads the layer input itself (indexer_q_norm)
         else:
@@ -209,7 +230,9 @@ class MLAAttention(nn.Module):
             q = torch.cat([q_nope, apply_rotary_emb(q_pe, cos[:, None, :], sin[:, None, :])], dim=-1)  # [T, N, P+R]
         else:
             q = q.view(num_tokens, N, P)
-        latent = (q, None, None)  # a KV-sharing layer's keys are its source layer's
+        if self.output_gate == "hidden":  # from the attention's input (HY-V4)
+            gate = self.gate_proj(hidden).view(num_tokens, N, self.v_head_dim)
+        latent = (q, None, None, gate)  # a KV-sharing layer's keys are its source layer's
         if self.owns_kv:
             kv_c, k_pe = self.kv_a_proj_with_mqa(hidden).split([L, R], dim=-1)  # [T, L], [T, R]
             kv_c = self.kv_a_layernorm(kv_c)
@@ -217,7 +240,7 @@ class MLAAttention(nn.Module):
                 kv_c = kv_c * self.lora_kv_scale
             if self.k_rope_only_layernorm is not None:
                 k_pe = self.k_rope_only_layernorm(k_pe)
-            latent = (q, kv_c, apply_rotary_emb(k_pe, cos, sin) if R else k_pe)
+            latent = (q, kv_c, apply_rotary_emb(k_pe, cos, sin) if R else k_pe, gate)
         return latent if self.indexer is None else latent + self.indexer(hidden, q_resid, cos, sin)
 
     def scaled_queries(self, q: torch.Tensor, step: ModelStep) -> torch.Tensor:
@@ -248,6 +271,12 @@ class DecoderLayer(nn.Module):
         if not self.self_attn.owns_kv:
             self.num_kv_caches = 0  # a KV-sharing layer attends its source layer's latent cache
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.gated_norm_rank is not None:  # A.X-K2's: the input norm gated, and a MoE layer's second norm
+            gate = lambda norm: GatedRMSNorm(norm, config.hidden_size, config.gated_norm_rank,  # noqa: E731
+                                              config.initializer_range)
+            self.input_layernorm = gate(self.input_layernorm)
+            if config.is_moe_layer(layer_idx):
+                self.post_attention_layernorm = gate(self.post_attention_layernorm)
         if config.is_moe_layer(layer_idx):
             self.mlp = MoE(config)
         else:
@@ -272,7 +301,10 @@ class DecoderLayer(nn.Module):
         """The model tensor that checkpoint tensor ``name`` fills (None: skipped): DeepSeek's names are the model's.
         With ``post_mlp_layernorm`` (A.X-K1) a layer's ``post_mlp_layernorm`` or ``mlp.post_mlp_layernorm`` (the
         name in transformers' model) is the MoE layer's norm, and skipped in a dense layer (its releases keep an
-        unused copy there, which transformers ignores)."""
+        unused copy there, which transformers ignores). A.X-K2's fused ``q_b_proj`` and gate MLPs' ``W_down`` /
+        ``W_up`` are renamed as transformers renames them (``axk2.transformers_name``)."""
+        if config.output_gate == "query" or config.gated_norm_rank is not None:  # A.X-K2's release names
+            name = axk2.transformers_name(name)
         norm = _POST_MLP_NORM.match(name) if config.post_mlp_layernorm else None
         if norm is None:
             return name

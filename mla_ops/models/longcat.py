@@ -52,9 +52,9 @@ class LongcatAttention(MLAAttention):
         self.latent_scale = (c.hidden_size / c.kv_lora_rank) ** 0.5 if c.scalings.mla_scale_kv_lora else 1.0
 
     def project(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        q, kv_c, k_pe = super().project(hidden, cos, sin)  # [T, N, P+R], [T, L], [T, R]
+        q, kv_c, k_pe, gate = super().project(hidden, cos, sin)  # [T, N, P+R], [T, L], [T, R], None
         # transformers scales q before the rotation: the same up to rounding (a rotation is linear)
-        return q * self.q_scale, kv_c * self.latent_scale, k_pe
+        return q * self.q_scale, kv_c * self.latent_scale, k_pe, gate
 
 
 class LongcatDecoderLayer(nn.Module):

@@ -17,8 +17,13 @@ Gates (the reference is transformers' DeepseekV2TopkRouter / DeepseekV3TopkRoute
 * V3 (``noaux_tc``): sigmoid scores; groups ranked by the sum of their two best scores corrected by
   ``e_score_correction_bias`` (a buffer, float32); top-k of the corrected scores in the kept groups;
   weights are the uncorrected scores, normalised if ``norm_topk_prob``, times ``routed_scaling_factor``.
+* A.X-K2 (``noaux_tc_zero``, transformers' AXK2TopkRouter): V3's, but the experts of the dropped groups keep a
+  score of 0 (not -inf), so one may still be picked over a kept expert whose corrected score is below 0.
 * Mistral 4 (``group_top2``, transformers' Mistral4TopkRouter): V3's group-limited top-k with no correction
   bias (softmax scores: groups ranked by the sum of their two best).
+
+HY-V4's routed experts clamp their SwiGLU (``swiglu_limit``): ``silu(min(gate, limit)) * clamp(up, -limit, limit)``
+(the shared experts and the dense MLP do not).
 
 Expert compute (``MoE.impl``), both fixed-shape tensor code: no host read, no data-dependent shape,
 so a step compiles to one graph and can be captured in a CUDA graph:
@@ -72,7 +77,7 @@ class MoEGate(nn.Module):
         self.norm_topk_prob, self.routed_scaling_factor = c.norm_topk_prob, c.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(self.num_experts, c.hidden_size, dtype=torch.float32))
         nn.init.normal_(self.weight, std=c.initializer_range)
-        if c.topk_method == "noaux_tc":
+        if c.topk_method in ("noaux_tc", "noaux_tc_zero"):
             self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
 
     def _group_mask(self, group_scores: torch.Tensor) -> torch.Tensor:
@@ -88,10 +93,12 @@ class MoEGate(nn.Module):
         scores = logits.softmax(dim=-1, dtype=torch.float32) if self.scoring_func == "softmax" else logits.sigmoid()
         per_group = self.num_experts // self.n_group  # not -1: a step may have no tokens
         grouped = scores.view(num_tokens, self.n_group, per_group)  # [T, G, E/G]
-        if self.topk_method in ("noaux_tc", "group_top2"):
-            choice = scores + self.e_score_correction_bias if self.topk_method == "noaux_tc" else scores  # [T, E]
+        if self.topk_method in ("noaux_tc", "group_top2", "noaux_tc_zero"):
+            biased = self.topk_method != "group_top2"
+            choice = scores + self.e_score_correction_bias if biased else scores  # [T, E]
             group_scores = choice.view(num_tokens, self.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
-            choice = choice.masked_fill(~self._group_mask(group_scores), float("-inf"))
+            dropped = 0.0 if self.topk_method == "noaux_tc_zero" else float("-inf")  # A.X-K2's: 0
+            choice = choice.masked_fill(~self._group_mask(group_scores), dropped)
             indices = torch.topk(choice, k=k, dim=-1, sorted=False)[1]  # [T, k]
             weights = scores.gather(1, indices)
             if self.norm_topk_prob:
@@ -108,9 +115,11 @@ class MoEGate(nn.Module):
 class Experts(nn.Module):
     """E gated MLPs stored as two 3-D tensors (checkpoints' per-expert tensors are stacked at load)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, std: float):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, std: float,
+                 swiglu_limit: float | None = None):
         super().__init__()
         self.intermediate_size = intermediate_size
+        self.swiglu_limit = swiglu_limit  # HY-V4's: gate <= limit, -limit <= up <= limit; None: no clamp
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))  # [E, 2I, H]
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))  # [E, H, I]
         nn.init.normal_(self.gate_up_proj, std=std)
@@ -118,6 +127,8 @@ class Experts(nn.Module):
 
     def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        if self.swiglu_limit is not None:
+            gate, up = gate.clamp(max=self.swiglu_limit), up.clamp(-self.swiglu_limit, self.swiglu_limit)
         return F.silu(gate) * up
 
     def dense(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -151,7 +162,8 @@ class MoE(nn.Module):
         super().__init__()
         c = config
         self.gate = MoEGate(c)
-        self.experts = Experts(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, c.initializer_range)
+        self.experts = Experts(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, c.initializer_range,
+                               c.swiglu_limit)
         self.shared_experts = None
         if c.n_shared_experts:
             shared = c.shared_expert_intermediate_size or c.moe_intermediate_size  # dots3_note's own size

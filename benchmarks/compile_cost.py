@@ -8,7 +8,8 @@ machine shared with other work a steadier measure than the wall clock), and wher
 (``phases``: torch's own timers, ``phase_seconds``); the by-layers rows also the steady step time after it
 (``step_ms`` and its CPU time ``step_cpu_ms``, one thread, the mean of 20 steps). ``--repeats N`` runs each
 measurement N times (each its own process) and keeps the run of least CPU time, with every run's wall and
-CPU seconds in ``runs``:
+CPU seconds and the machine's load around it in ``runs`` (``--interleave``: in rounds over the layer counts,
+so a load that comes and goes falls on every count alike):
 
 * ``whole`` (by layers): ``torch.compile(step, fullgraph=True, dynamic=True)`` of a step that plans
   on the device (``max_chunks=4``) and runs the model: one graph, each layer a nested compile region
@@ -23,8 +24,8 @@ CPU seconds in ``runs``:
 
     python -m benchmarks.compile_cost --json benchmarks/results/compile_cost.json \
         --plot benchmarks/results/compile_cost.png
-    python -m benchmarks.compile_cost --layers 1 8 61 --whole-layers 1 8 61 --no-warmups --repeats 2 \
-        --json benchmarks/results/compile_cost_torch2.14.json   # by depth alone, one torch
+    python -m benchmarks.compile_cost --layers --whole-layers 1 8 61 --no-warmups --repeats 3 --interleave \
+        --json benchmarks/results/compile_cost_torch2.14.json   # whole steps by depth alone, one torch
 """
 
 from __future__ import annotations
@@ -170,31 +171,54 @@ def _measure(kind: str, size: int, restarts: _Restarts) -> dict:
 
 
 def run_cold(kind: str, size: int) -> dict:
-    """``measure`` in a fresh interpreter with an empty Inductor cache."""
+    """``measure`` in a fresh interpreter with an empty Inductor cache; ``load``: the machine's 1-minute load
+    average before and after it (other work on a shared machine stretches the wall clock, less the CPU time)."""
+    load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as cache:
         # One compile thread: the C++ builds run as this process's children, whose CPU time cpu_seconds counts.
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TORCHINDUCTOR_COMPILE_THREADS="1")
         done = subprocess.run([sys.executable, "-m", "benchmarks.compile_cost", "--measure", kind, str(size)],
                               env=env, capture_output=True, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def run_fastest(kind: str, size: int, repeats: int = 1) -> dict:
-    """``run_cold`` ``repeats`` times: the run whose first output took the least CPU time (the least disturbed by
-    other work), every run's wall and CPU seconds in ``runs``."""
-    done = [run_cold(kind, size) for _ in range(repeats)]
-    row = min(done, key=lambda r: r["cpu_seconds"])
-    if repeats > 1:
-        row["runs"] = [[r["seconds"], r["cpu_seconds"]] for r in done]
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    row["load"] = [round(load, 1), round(os.getloadavg()[0], 1)]
     return row
 
 
+def fastest(done: list[dict]) -> dict:
+    """Of one measurement's cold runs, the one whose first output took the least CPU time (the least disturbed by
+    other work), every run's wall and CPU seconds and load in ``runs``."""
+    row = min(done, key=lambda r: r["cpu_seconds"])
+    if len(done) > 1:
+        row["runs"] = [[r["seconds"], r["cpu_seconds"], r["load"]] for r in done]
+    return row
+
+
+def run_fastest(kind: str, size: int, repeats: int = 1) -> dict:
+    """``run_cold`` ``repeats`` times, the fastest kept (``fastest``)."""
+    return fastest([run_cold(kind, size) for _ in range(repeats)])
+
+
+def run_interleaved(kind: str, sizes, repeats: int) -> list[dict]:
+    """``run_cold`` of every size, ``repeats`` rounds over the sizes (1, 8, 61, 1, 8, 61, ...: a load that comes
+    and goes falls on every size alike), the fastest of each size kept (``fastest``)."""
+    done = {n: [] for n in sizes}
+    for _ in range(repeats):
+        for n in sizes:
+            done[n].append(run_cold(kind, n))
+            print(done[n][-1], flush=True)
+    return [fastest(done[n]) for n in sizes]
+
+
 def run(layers=LAYERS, whole_layers=WHOLE_LAYERS, whole_buckets: bool = False, warmups: bool = True,
-        repeats: int = 1, between: bool = False) -> dict:
+        repeats: int = 1, between: bool = False, interleave: bool = False) -> dict:
     rows = []
     whole_kinds = WHOLE_KINDS + ((BETWEEN,) if between and regions.WRITES_IN_REGIONS else ())
-    by_layers = (("regional", layers),) + tuple((kind, whole_layers) for kind in whole_kinds)
+    by_layers = tuple((kind, sizes) for kind, sizes in (("regional", layers),) + tuple(
+        (kind, whole_layers) for kind in whole_kinds) if sizes)
     for kind, sizes in by_layers:
+        if interleave:
+            rows += run_interleaved(kind, sizes, repeats)
+            continue
         for n in sizes:
             rows.append(run_fastest(kind, n, repeats))
             print(rows[-1], flush=True)
@@ -247,19 +271,22 @@ def main(argv=None) -> dict | None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.compile_cost", description=__doc__.split("\n")[0])
     parser.add_argument("--json")
     parser.add_argument("--plot")
-    parser.add_argument("--layers", type=int, nargs="+", default=list(LAYERS))
-    parser.add_argument("--whole-layers", type=int, nargs="+", default=list(WHOLE_LAYERS))
+    parser.add_argument("--layers", type=int, nargs="*", default=list(LAYERS), help="regional (none: no rows)")
+    parser.add_argument("--whole-layers", type=int, nargs="*", default=list(WHOLE_LAYERS))
     parser.add_argument("--whole-buckets", action="store_true", help="also whole steps per bucket (minutes)")
     parser.add_argument("--no-warmups", action="store_true", help="by layers only: no PrefillGraphs warm-up rows")
     parser.add_argument("--repeats", type=int, default=1, help="cold runs per measurement, the least CPU time kept")
     parser.add_argument("--between", action="store_true",
                         help="also whole steps whose rows are written between the regions (torch >= 2.14)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="repeats in rounds over the layer counts (1, 8, 61, 1, 8, 61, ...), not in a row")
     parser.add_argument("--measure", nargs=2, metavar=("KIND", "SIZE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.measure:
         print(json.dumps(measure(args.measure[0], int(args.measure[1]))))
         return None
-    result = run(args.layers, args.whole_layers, args.whole_buckets, not args.no_warmups, args.repeats, args.between)
+    result = run(args.layers, args.whole_layers, args.whole_buckets, not args.no_warmups, args.repeats, args.between,
+                 args.interleave)
     print(result["ratios"])
     if args.json:
         write_json_atomic(args.json, result)

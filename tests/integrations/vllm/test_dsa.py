@@ -134,3 +134,24 @@ def test_stock_vllm_cpu_refuses_and_unservable_settings_are_refused_by_name(serv
     fp8 = engine(served["path"], PLUGIN, engine=dict(SCHEDULING, kv_cache_dtype="fp8"), waves=[prompts()])
     assert "waves" not in fp8 and "error" in fp8, "not refused"  # never half-run
     assert "a DeepSeek Sparse Attention (DSA) model with kv_cache_dtype='fp8'" in fp8["message"], fp8["message"]
+
+
+def test_the_quantization_helpers_agree_with_the_cache_and_the_reference():
+    """The step's own index keys score as the cache will hold them; the index queries quantize by vLLM's rule (the
+    reference above, written apart): codes times scales equal ``fp8_round_trip``."""
+    import mla_ops
+    from mla_ops.integrations.vllm import sparse
+    from mla_ops.ops.cache_formats import per_token_rows
+
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(20, 128, generator=g) * torch.logspace(-3, 2, 20)[:, None]
+    cache = torch.zeros(4, 16, 132, dtype=torch.uint8)
+    slots = torch.randperm(64, generator=g)[:20]
+    mla_ops.write_index_cache(k, slots, cache, index_cache_format="fp8_per_token")
+    stored = per_token_rows(cache, slots // 16, slots % 16, torch.float32)
+    assert torch.equal(sparse.index_keys_as_cached(k), stored)
+    assert torch.equal(stored, fp8_round_trip(k, 1e-4))
+    q = torch.randn(20, 4, 128, generator=g) * torch.logspace(-12, 2, 20)[:, None, None]
+    codes, scale = sparse.quantize_index_query(q.view(-1, 128), 128)
+    assert codes.dtype == torch.float8_e4m3fn and scale.shape == (80, 1)
+    assert torch.equal((codes.float() * scale).view_as(q), fp8_round_trip(q, 1e-10))

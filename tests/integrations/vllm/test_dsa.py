@@ -19,7 +19,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from tests.integrations.vllm.engine import DSA_CONFIG, GLM5_PATTERN, write_dsa_checkpoint  # noqa: E402
-from tests.integrations.vllm.harness import engine  # noqa: E402
+from tests.integrations.vllm.harness import TP2, engine  # noqa: E402
 
 TOPK = DSA_CONFIG["index_topk"]
 PLUGIN = {"MLA_OPS_VLLM": "1", "MLA_OPS_VLLM_WORKSPACE": "16"}
@@ -134,6 +134,18 @@ def test_stock_vllm_cpu_refuses_and_unservable_settings_are_refused_by_name(serv
     fp8 = engine(served["path"], PLUGIN, engine=dict(SCHEDULING, kv_cache_dtype="fp8"), waves=[prompts()])
     assert "waves" not in fp8 and "error" in fp8, "not refused"  # never half-run
     assert "a DeepSeek Sparse Attention (DSA) model with kv_cache_dtype='fp8'" in fp8["message"], fp8["message"]
+
+
+def test_two_ranks_give_the_same_tokens(served):
+    """Tensor parallel: vLLM shards the heads (2 of 4 a rank) and replicates the indexer; every rank plans the
+    same steps, writes the same top-k into its buffer and attends over it on its own heads."""
+    if served["family"] != "deepseek_v32":
+        pytest.skip("one family is enough for two ranks")
+    tp2 = engine(served["path"], {**PLUGIN, **TP2}, engine=dict(SCHEDULING, tensor_parallel_size=2),
+                 waves=[prompts(), prompts()], max_tokens=MAX_TOKENS)
+    assert "waves" in tp2, tp2.get("message")
+    assert [wave["tokens"] for wave in tp2["waves"]] == [served["sparse"]] * 2
+    assert len(tp2["ranks"]) == 2 and tp2["ranks"][0]["plans"] == tp2["ranks"][1]["plans"]
 
 
 def test_the_quantization_helpers_agree_with_the_cache_and_the_reference():

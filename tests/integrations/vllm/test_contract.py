@@ -17,6 +17,7 @@ if importlib.util.find_spec("vllm") is None:  # the vLLM venv only (make test-vl
     pytest.skip("needs an installed vLLM (make test-vllm)", allow_module_level=True)
 
 MLA = "vllm.model_executor.layers.attention.mla_attention"
+DEEPSEEK = "vllm.model_executor.models.deepseek_v2"
 SUPPORTED = [(platform, release) for platform, releases in settings.RELEASES.items() for release in releases]
 
 
@@ -106,6 +107,27 @@ BREAKS = {
         edit("vllm.v1.attention.backends.mla.cpu_mla", "        kv_cache_dtype: str,\n        k_scale: torch.Tensor,\n    ) -> None:\n        if kv_cache.numel()",
              "        kv_cache_dtype: str,\n        k_scale: torch.Tensor,\n        v_scale: torch.Tensor,\n    ) -> None:\n        if kv_cache.numel()"),
         r"CPUMLAImpl\.do_kv_cache_update\(.*v_scale\): Fp8CacheWriter\.do_kv_cache_update\(.*\) no longer matches"),
+    # DeepSeek Sparse Attention on CPU (sparse.py).
+    "the indexer op's CPU forward (DSA)": (
+        edit("vllm.model_executor.layers.sparse_attn_indexer", "    def forward_cpu(\n        self,\n        hidden_states",
+             "    def forward_cpu(\n        self,\n        layer_name,\n        hidden_states"),
+        r"SparseAttnIndexer\.forward_cpu\(self, layer_name, .*\): sparse\.MLAOpsSparseAttnIndexer\.forward_cpu"),
+    "the index queries' quantization call (DSA)": (
+        edit(DEEPSEEK, "            column_major_scales=False,\n            use_ue8m0=self.scale_fmt is not None,",
+             "            column_major_scales=False,\n            use_ue8m0=self.scale_fmt is not None,\n"
+             "            round_scales=True,"),
+        r"Indexer\.forward: its call per_token_group_quant_fp8\(.*round_scales=True\) no longer binds"),
+    "the platform's sparse refusal (DSA)": (
+        edit("vllm.platforms.cpu", "        if attn_selector_config.use_sparse:", "        if attn_selector_config.sparse:"),
+        r"CpuPlatform\.get_attn_backend_cls: no longer contains 'if attn_selector_config\.use_sparse:'"),
+    "the top-k hook on the impl (DSA)": (
+        edit("vllm.model_executor.layers.mla", "self.mla_attn.impl.record_logical_topk_ready()",
+             "self.mla_attn.impl.record_logical_topk_ready(positions)"),
+        r"record_logical_topk_ready\(positions\) no longer binds to sparse\.SparseImpl\.record_logical_topk_ready"),
+    "the one top-k buffer (DSA)": (
+        edit(DEEPSEEK, "            topk_indices_buffer = torch.empty(\n                vllm_config.scheduler_config.max_num_batched_tokens,",
+             "            topk_indices_buffer = torch.empty(\n                vllm_config.scheduler_config.max_num_seqs,"),
+        r"DeepseekV2Model\.__init__: no longer contains 'topk_indices_buffer = torch\.empty"),
 }
 
 

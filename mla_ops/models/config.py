@@ -42,6 +42,9 @@ LongCat-Flash's layer (``decoder_layer="longcat"``, ``mla_ops.models.longcat``) 
 experts (``zero_expert_num``) need ``n_group`` 1; ``mla_scale_q_lora`` (which needs ``q_lora_rank``) and
 ``mla_scale_kv_lora`` are its layer's only.
 
+A config's dict form is ``dataclasses.asdict(config)``: ``MLAConfig(**that)``, also after JSON, is an equal config
+(the rope records carry their ``rope_type``, so the dict reads back as YaRN or LongRoPE, not plain RoPE).
+
 ``from_hf`` of a file or directory puts the file's path in front of every message; a file that is not
 JSON, or not a JSON object, is one ValueError naming it.
 

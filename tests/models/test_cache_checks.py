@@ -42,11 +42,12 @@ def run_step(model, caches):
         return model(ids, positions, caches, slots, plan)
 
 
-def refused_untouched(model, caches, error, match):
-    """The step is refused with ``error`` matching ``match``, and writes none of ``caches``' bytes."""
+def refused_untouched(model, caches, error, match, run=None):
+    """The step (``run(caches)``, by default ``run_step``) is refused with ``error`` matching ``match``, and writes
+    none of ``caches``' bytes."""
     before = clone_caches(caches) if not isinstance(caches, torch.Tensor) else caches.clone()
-    with pytest.raises(error, match=match):
-        run_step(model, caches)
+    with pytest.raises(error, match=match), torch.no_grad():
+        (run or (lambda c: run_step(model, c)))(caches)
     same = torch.equal(caches, before) if isinstance(caches, torch.Tensor) else caches_equal(caches, before)
     assert same, "the refused step wrote a cache"
 
@@ -174,11 +175,9 @@ def test_disjoint_views_of_one_buffer_stay_accepted():
     assert torch.equal(run_step(model, views), expect)
 
 
-def test_under_torch_compile_the_same_checks_name_the_caches():
-    """A whole-model ``torch.compile(fullgraph=True)``: fake tensors have no address, so two cache layers are the
-    same tensor or not; both refusals reach the user in our words, at trace time (nothing runs)."""
+def compiled_step(model, fullgraph=True):
+    """A whole-model ``torch.compile`` of ``run_step``'s step (the device plan), taking the caches."""
     torch._dynamo.reset()
-    model = dense_model()
     c = model.config
     ids, positions, slots, table, qsl, ctx = model_step(c, [0, 6], [7, 3], seed=1)
     options = mla_ops.PlanOptions(block_size=4, workspace_size=16, max_chunks=4)
@@ -186,17 +185,57 @@ def test_under_torch_compile_the_same_checks_name_the_caches():
     def step(caches):
         return model(ids, positions, caches, slots, mla_ops.plan_prefill(qsl, ctx, table, options=options))
 
-    compiled = torch.compile(step, backend="eager", fullgraph=True, dynamic=True)
+    return torch.compile(step, backend="eager", fullgraph=fullgraph, dynamic=True)
+
+
+def test_under_torch_compile_the_same_checks_name_the_caches():
+    """A whole-model ``torch.compile(fullgraph=True)``: both refusals reach the user in our words, at trace time
+    (nothing runs)."""
+    model = dense_model()
+    compiled = compiled_step(model)
     caches = fresh(model).latent
     with torch.no_grad():
         for bad, error, match in (([caches[0], caches[0]], ValueError,
-                                   r"^kv_caches.latent\[1\] is kv_caches.latent\[0\]"),
+                                   r"^kv_caches.latent\[1\] shares memory with kv_caches.latent\[0\]"),
                                   (as_dtype(caches, torch.float16), TypeError,
                                    r"^kv_caches.latent must have the model's dtype \(torch.float32\)")):
             before = clone_caches(bad)
             with pytest.raises(error, match=match):
                 compiled(bad)
             assert caches_equal(bad, before)
+
+
+def view_of_the_other(model):
+    """The second layer's cache a view of the first's (``[c, c[:]]``)."""
+    first = fresh(model).latent[0]
+    return [first, first[:]]
+
+
+@pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "graph-breaks"])
+@pytest.mark.parametrize("case", ["the same tensor twice", "a view of the other", "overlapping views of one buffer"])
+def test_under_torch_compile_cache_layers_that_share_memory_are_refused(case, fullgraph):
+    """Fake tensors keep their storage and offsets: the memory spans are compared at trace time, as in eager code
+    (a view of another layer's cache was taken, and its step's logits were wrong). Without ``fullgraph`` the frame
+    falls back to eager, which refuses. Nothing is written."""
+    model = dense_model()
+    make = {"the same tensor twice": lambda m: [fresh(m).latent[0]] * 2, "a view of the other": view_of_the_other,
+            "overlapping views of one buffer": overlapping_views}[case]
+    refused_untouched(model, make(model), ValueError,
+                      r"kv_caches.latent\[1\] shares memory with kv_caches.latent\[0\]",
+                      run=compiled_step(model, fullgraph))
+
+
+def test_under_torch_compile_disjoint_views_run_and_stay_guarded():
+    """Per-layer views of one buffer that do not overlap compile and match eager; the graph is guarded on their
+    staying apart: overlapping views of one buffer passed to it later are traced again, and refused."""
+    model = dense_model()
+    compiled = compiled_step(model)
+    caches = fresh(model).latent
+    views = list(torch.stack(caches).unbind())
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(views), run_step(model, clone_caches(caches)))
+    refused_untouched(model, overlapping_views(model), ValueError,
+                      r"kv_caches.latent\[1\] shares memory with kv_caches.latent\[0\]", run=compiled)
 
 
 def test_meta_caches_are_told_apart_by_storage():

@@ -131,6 +131,17 @@ ALIASED_DENSE = {
 }
 
 
+def expanded_layer(model):
+    """The second layer's cache ``expand``ed from one block: every block the same memory."""
+    caches = fresh(model).latent
+    return [caches[0], caches[1][:1].expand(caches[1].shape)]
+
+
+ALIASED_DENSE["a layer whose blocks share memory"] = (
+    expanded_layer, r"kv_caches.latent\[1\] must give every element memory of its own, got shape \(64, 4, 40\) "
+                    r"with strides \(0, 40, 1\)")
+
+
 @pytest.mark.parametrize("case", list(ALIASED_DENSE))
 def test_dense_cache_layers_that_share_memory_are_refused(case):
     make, match = ALIASED_DENSE[case]

@@ -31,8 +31,9 @@ keys into them; ``from_hf`` does): ``indexer`` (``IndexerConfig``, None: dense M
 read as a record's fields. ``mlp_layer_types``: None, or one of "dense" / "sparse" per layer ("sparse"
 needs experts).
 
-DeepSeek Sparse Attention (DESIGN §12; ``mla_ops.models.indexer``): an ``indexer`` (its ``index_topk`` at least
-1) turns on each layer's lightning indexer, of ``index_n_heads`` heads of width ``index_head_dim`` (at least 1;
+DeepSeek Sparse Attention (DESIGN §12; ``mla_ops.models.indexer``): an ``indexer`` (its ``index_topk`` in
+1 .. 2**31 - 1, a step plan's bound) turns on each layer's lightning indexer, of ``index_n_heads`` heads of width
+``index_head_dim`` (at least 1;
 the first ``qk_rope_head_dim`` rotated, so at least that wide), reading the q-LoRA latent (``q_lora_rank``
 required); ``indexer_rope_interleave`` (bool): GLM-5's indexer rows are interleaved pairs (converted at load);
 ``layer_kinds.indexer_types``: None (every layer "full") or one of "full" / "shared" per layer, layer 0 "full" (a shared
@@ -95,7 +96,7 @@ class IndexerConfig:
     indexer_q_norm: bool = False  # queries from a LayerNorm of the layer input, no q-LoRA latent (Mistral Large 4)
 
     def __post_init__(self):
-        self.index_topk = _checks.check_int(self.index_topk, "index_topk", 1)
+        self.index_topk = _checks.check_int32_size(self.index_topk, "index_topk")  # PlanOptions' bound, checked early
         self.index_n_heads = _checks.check_int(self.index_n_heads, "index_n_heads", 1)
         self.index_head_dim = _checks.check_int(self.index_head_dim, "index_head_dim", 1)
         _checks.check_bool(self.indexer_rope_interleave, "indexer_rope_interleave")

@@ -249,44 +249,57 @@ def check_tensor(x, name: str, ndim: int, shape_doc: str, device: torch.device |
         raise TypeError(f"{name} must be {str(dtype).removeprefix('torch.')}, got {x.dtype}")
 
 
-def check_own_memory(x: torch.Tensor, name: str) -> None:
-    """Every element of ``x`` has memory of its own: no dim of two or more entries with stride 0 (``expand``) or a
-    stride inside the span of the smaller-strided dims, whose elements would share bytes (a write to one would
-    land in the others). Strides only: also on fake tensors, symbolic sizes guarded as Dynamo guards them."""
-    span = 1  # elements spanned by the dims of smaller stride, taken so far
-    for stride, size in sorted((st, sz) for sz, st in zip(x.shape, x.stride()) if sz > 1):
-        if stride < span:
-            raise ValueError(f"{name} must give every element memory of its own, got shape {tuple(x.shape)} with "
-                             f"strides {x.stride()} (a stride 0, as from expand, or overlapping strides): its "
-                             "writes would land in several places")
-        span += stride * (size - 1)
+def check_own_memory(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...]) -> None:
+    """Every element of each tensor has memory of its own: no dim of two or more entries with stride 0 (``expand``)
+    or a stride inside the span of the smaller-strided dims, whose elements would share bytes (a write to one would
+    land in the others); a ValueError names the tensor. Strides only, so under ``torch.compile`` it runs at trace
+    time on the fake tensors (as ``check_disjoint_memory``)."""
+    _checked_on_fakes(_check_own_memory, names, tensors, "")
 
 
 def check_disjoint_memory(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...], why: str) -> None:
     """No two of ``tensors`` share memory (the same tensor twice, overlapping views of one buffer); a ValueError
     names both, then says ``why``. Byte spans are compared: addresses on a device, or for meta and fake tensors
-    the storage and the offset in it. Under ``torch.compile`` the check runs at trace time on the fake tensors
-    (``comptime``), which keep each input's storage (views of one input share it) and offsets that traced code
-    cannot read; if the frame falls back to eager (no ``fullgraph``), it runs there on the tensors. A graph traced
+    the storage and the offset in it. Under ``torch.compile`` the check runs at trace time on the fake tensors, which
+    keep each input's storage (views of one input share it) and offsets that traced code cannot read. A graph traced
     for tensors of separate storages is not traced again for a later call whose tensors alias: torch's guards do not
     compare the storages of separate inputs (docs/limitations.md)."""
+    _checked_on_fakes(_check_disjoint, names, tensors, why)
+
+
+def _checked_on_fakes(check, names: tuple[str, ...], tensors: tuple[torch.Tensor, ...], why: str) -> None:
+    """``check(names, tensors, why)``, a check of the tensors' metadata: in eager code on the tensors; under
+    ``torch.compile`` at trace time on their fake tensors (``comptime``: Dynamo cannot trace storages or sorts of
+    symbolic sizes). If the frame falls back to eager (no ``fullgraph``), the check runs there on the tensors."""
     if not torch.compiler.is_compiling():
-        _check_disjoint(names, tensors, why)
+        check(names, tensors, why)
         return
     from torch._dynamo.comptime import comptime
 
-    comptime(_check_disjoint_fakes, lambda: _check_disjoint(names, tensors, why))
+    comptime(_check_fakes, lambda: check(names, tensors, why))
 
 
-def _check_disjoint_fakes(ctx) -> None:
-    """``check_disjoint_memory``'s check on the fake tensors. A refusal is raised as itself
-    (``TracedValueError``): under ``fullgraph=True`` it reaches the user; otherwise Dynamo breaks the graph at the
-    ``comptime`` call, which then runs eagerly: its fallback checks the real tensors."""
+def _check_fakes(ctx) -> None:
+    """``_checked_on_fakes``' check on the fake tensors. A refusal is raised as itself (``TracedValueError``): under
+    ``fullgraph=True`` it reaches the user; otherwise Dynamo breaks the graph at the ``comptime`` call, which then
+    runs eagerly: its fallback checks the real tensors."""
     fakes = tuple(p.node.meta["example_value"] for p in ctx.get_local("tensors").as_proxy())
+    check = ctx.get_local("check").as_python_constant()
     try:
-        _check_disjoint(ctx.get_local("names").as_python_constant(), fakes, ctx.get_local("why").as_python_constant())
+        check(ctx.get_local("names").as_python_constant(), fakes, ctx.get_local("why").as_python_constant())
     except ValueError as e:
         raise TracedValueError(str(e)) from None
+
+
+def _check_own_memory(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...], why: str) -> None:
+    for name, x in zip(names, tensors):
+        span = 1  # elements spanned by the dims of smaller stride, taken so far
+        for stride, size in sorted((st, sz) for sz, st in zip(x.shape, x.stride()) if sz > 1):
+            if stride < span:
+                raise ValueError(f"{name} must give every element memory of its own, got shape {tuple(x.shape)} "
+                                 f"with strides {x.stride()} (a stride 0, as from expand, or overlapping strides): "
+                                 "its writes would land in several places")
+            span += stride * (size - 1)
 
 
 def _check_disjoint(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...], why: str) -> None:

@@ -155,7 +155,7 @@ def _check_layer_caches(caches, name: str, layers: int, width: int) -> tuple[tor
             raise ValueError(f"{name}[{i}] must be [num_blocks, block_size, {width}] like {name}[0] "
                              f"({tuple(first.shape)} {first.dtype} on {first.device}), got {tuple(t.shape)} "
                              f"{t.dtype} on {t.device}")
-        _checks.check_own_memory(t, f"{name}[{i}]")
+    _checks.check_own_memory(tuple(f"{name}[{i}]" for i in range(len(caches))), tuple(caches))
     return tuple(caches)
 
 

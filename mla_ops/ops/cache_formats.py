@@ -155,7 +155,7 @@ def check_latent_format(kv_cache_format, kv_cache: torch.Tensor, name: str = "kv
     in memory of its own (not ``expand``ed: a write would land in every block)."""
     if not isinstance(kv_cache_format, str) or kv_cache_format not in LATENT_FORMATS:
         raise ValueError(f"kv_cache_format must be one of {LATENT_FORMATS}, got {kv_cache_format!r}")
-    check_own_memory(kv_cache, name)
+    check_own_memory((name,), (kv_cache,))
     if kv_cache_format == "fp8_ds_mla":
         if kv_cache.dtype != torch.uint8:
             raise TypeError(f"kv_cache_format='fp8_ds_mla' needs a uint8 {name} ([num_blocks, block_size, "
@@ -177,7 +177,7 @@ def check_index_format(index_cache_format, index_cache: torch.Tensor) -> str:
     of its own."""
     if not isinstance(index_cache_format, str) or index_cache_format not in INDEX_FORMATS:
         raise ValueError(f"index_cache_format must be one of {INDEX_FORMATS}, got {index_cache_format!r}")
-    check_own_memory(index_cache, "index_cache")
+    check_own_memory(("index_cache",), (index_cache,))
     if index_cache_format == "fp8_per_token":
         if index_cache.dtype != torch.uint8:
             raise TypeError("index_cache_format='fp8_per_token' needs a uint8 index_cache ([num_blocks, "

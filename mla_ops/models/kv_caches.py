@@ -124,7 +124,11 @@ def allocate(config, num_cache_layers: int, num_blocks: int, block_size: int, dt
              kv_cache_format: str = "auto", index_cache_format: str = "auto", k_scale=None,
              k_scale_index=None) -> KVCaches:
     """Zeroed caches of a model: one tensor per cache layer (and per index layer of a sparse model), uint8 in
-    the packed formats. The scales are kept as given; the model checks them with the caches."""
+    the packed formats. The scales are kept as given; the model checks them with the caches. ``num_blocks`` and
+    ``block_size`` are ints in 1 .. 2**31 - 1 (block ids and slots meet int32 tensors), checked before anything is
+    allocated."""
+    num_blocks = _checks.check_int32_size(num_blocks, "num_blocks")
+    block_size = _checks.check_int32_size(block_size, "block_size")
     latent_width, index_width = cache_widths(config, kv_cache_format, index_cache_format)
 
     def zeros(layers: int, width: int, packed: bool) -> list[torch.Tensor]:

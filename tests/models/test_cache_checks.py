@@ -260,3 +260,20 @@ def test_meta_caches_are_told_apart_by_storage():
     overlapping = [buffer.narrow(0, start, 4 * 4 * width).view(4, 4, width) for start in (0, 4 * width)]
     with pytest.raises(ValueError, match=r"kv_caches.latent\[1\] shares memory with kv_caches.latent\[0\]"):
         check_caches(overlapping, config, 2, model)
+
+
+@pytest.mark.parametrize("size, value, error, match", [
+    ("block_size", 0, ValueError, r"block_size must be a positive int, got 0"),
+    ("block_size", -1, ValueError, r"block_size must be a positive int, got -1"),
+    ("block_size", True, TypeError, r"block_size must be an int, got bool True"),
+    ("block_size", 2.0, TypeError, r"block_size must be an int, got float 2.0"),
+    ("num_blocks", 2**31, ValueError, r"num_blocks must be at most 2\*\*31 - 1 .*got 2147483648"),
+    ("num_blocks", 0, ValueError, r"num_blocks must be a positive int, got 0"),
+    ("num_blocks", "4", TypeError, r"num_blocks must be an int, got str '4'"),
+])
+def test_allocate_kv_caches_checks_its_sizes_by_name(size, value, error, match):
+    """Before anything is allocated (2**31 blocks on the meta device would otherwise pass)."""
+    model = dense_model()
+    sizes = {"num_blocks": 4, "block_size": 4, size: value}
+    with pytest.raises(error, match=match):
+        model.allocate_kv_caches(sizes["num_blocks"], sizes["block_size"], device="meta")

@@ -261,10 +261,28 @@ def check_disjoint_memory(names: tuple[str, ...], tensors: tuple[torch.Tensor, .
     """No two of ``tensors`` share memory (the same tensor twice, overlapping views of one buffer); a ValueError
     names both, then says ``why``. Byte spans are compared: addresses on a device, or for meta and fake tensors
     the storage and the offset in it. Under ``torch.compile`` the check runs at trace time on the fake tensors, which
-    keep each input's storage (views of one input share it) and offsets that traced code cannot read. A graph traced
-    for tensors of separate storages is not traced again for a later call whose tensors alias: torch's guards do not
-    compare the storages of separate inputs (docs/limitations.md)."""
+    keep each input's storage (views of one input share it) and offsets that traced code cannot read. The graph
+    checks again at every call (the op ``mla_ops::check_disjoint_memory``, on the real tensors' addresses): a graph
+    traced for separate tensors is not traced again for a later call whose tensors alias, since torch's guards do
+    not compare the storages of separate inputs."""
     _checked_on_fakes(_check_disjoint, names, tensors, why)
+    if torch.compiler.is_compiling():
+        torch.ops.mla_ops.check_disjoint_memory(list(tensors), ",".join(names), why)
+
+
+@torch.library.custom_op("mla_ops::check_disjoint_memory", mutates_args=())
+def _check_disjoint_op(tensors: list[torch.Tensor], names: str, why: str) -> None:
+    """``check_disjoint_memory`` at run time inside a compiled graph (``names`` comma-separated): reads the
+    tensors' addresses, no values (no device sync). A side effect, so the graph keeps it."""
+    _check_disjoint(tuple(names.split(",")), tuple(tensors), why)
+
+
+@_check_disjoint_op.register_fake
+def _(tensors, names, why) -> None:
+    return None
+
+
+torch.fx.node.has_side_effect(torch.ops.mla_ops.check_disjoint_memory.default)
 
 
 def _checked_on_fakes(check, names: tuple[str, ...], tensors: tuple[torch.Tensor, ...], why: str) -> None:

@@ -186,7 +186,7 @@ def test_disjoint_views_of_one_buffer_stay_accepted():
     assert torch.equal(run_step(model, views), expect)
 
 
-def compiled_step(model, fullgraph=True):
+def compiled_step(model, fullgraph=True, backend="eager"):
     """A whole-model ``torch.compile`` of ``run_step``'s step (the device plan), taking the caches."""
     torch._dynamo.reset()
     c = model.config
@@ -196,7 +196,7 @@ def compiled_step(model, fullgraph=True):
     def step(caches):
         return model(ids, positions, caches, slots, mla_ops.plan_prefill(qsl, ctx, table, options=options))
 
-    return torch.compile(step, backend="eager", fullgraph=fullgraph, dynamic=True)
+    return torch.compile(step, backend=backend, fullgraph=fullgraph, dynamic=True)
 
 
 def test_under_torch_compile_the_same_checks_name_the_caches():
@@ -232,6 +232,29 @@ def test_under_torch_compile_cache_layers_that_share_memory_are_refused(case, fu
     make, match = ALIASED_DENSE.get(case) or (view_of_the_other,
                                               r"kv_caches.latent\[1\] shares memory with kv_caches.latent\[0\]")
     refused_untouched(model, make(model), ValueError, match, run=compiled_step(model, fullgraph))
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_graph_compiled_for_separate_caches_refuses_aliasing_ones_at_run_time(backend):
+    """torch's guards do not compare the storages of separate inputs, so a graph traced for separate caches runs
+    again for ``[c, c[:]]``: the graph's own check (``mla_ops::check_disjoint_memory``, on the addresses) refuses
+    them at each call, before anything is written; separate caches run on."""
+    model = dense_model()
+    compiled = compiled_step(model, backend=backend)
+    caches = fresh(model).latent
+    with torch.no_grad():
+        expect = run_step(model, clone_caches(caches))
+        torch.testing.assert_close(compiled(clone_caches(caches)), expect)
+        refused_untouched(model, view_of_the_other(model), ValueError,
+                          r"kv_caches.latent\[1\] shares memory with kv_caches.latent\[0\]", run=compiled)
+        torch.testing.assert_close(compiled(clone_caches(caches)), expect)
+
+
+def test_the_run_time_check_opchecks():
+    a, b = torch.zeros(2, 3), torch.zeros(2, 3)
+    torch.library.opcheck(torch.ops.mla_ops.check_disjoint_memory.default, ([a, b], "a,b", "why"))
+    with pytest.raises(ValueError, match=r"^b shares memory with a: why"):
+        torch.ops.mla_ops.check_disjoint_memory([a, a[1:]], "a,b", "why")
 
 
 def test_under_torch_compile_disjoint_views_run_and_stay_guarded():

@@ -162,8 +162,9 @@ ALIASED_SPARSE = {
                      r"kv_caches.latent\[1\] shares memory with kv_caches.latent\[0\]"),
     "index twice": (lambda c: dataclasses.replace(c, index=[c.index[1]] * 2),
                     r"kv_caches.index\[1\] shares memory with kv_caches.index\[0\]"),
-    "index inside latent": (index_inside_latent, r"kv_caches.(index|latent)\[0\] shares memory with "
-                                                 r"kv_caches.(latent|index)\[0\]"),
+    # every layer's pair overlaps; which is found first follows the addresses
+    "index inside latent": (index_inside_latent, r"kv_caches.(index|latent)\[(\d)\] shares memory with "
+                                                 r"kv_caches.(latent|index)\[\2\]"),
 }
 
 

@@ -249,6 +249,97 @@ def check_tensor(x, name: str, ndim: int, shape_doc: str, device: torch.device |
         raise TypeError(f"{name} must be {str(dtype).removeprefix('torch.')}, got {x.dtype}")
 
 
+def check_own_memory(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...]) -> None:
+    """Every element of each tensor has memory of its own: no dim of two or more entries with stride 0 (``expand``)
+    or a stride inside the span of the smaller-strided dims, whose elements would share bytes (a write to one would
+    land in the others); a ValueError names the tensor. Strides only, so under ``torch.compile`` it runs at trace
+    time on the fake tensors (as ``check_disjoint_memory``)."""
+    _checked_on_fakes(_check_own_memory, names, tensors, "")
+
+
+def check_disjoint_memory(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...], why: str) -> None:
+    """No two of ``tensors`` share memory (the same tensor twice, overlapping views of one buffer); a ValueError
+    names both, then says ``why``. Byte spans are compared: addresses on a device, or for meta and fake tensors
+    the storage and the offset in it. Under ``torch.compile`` the check runs at trace time on the fake tensors, which
+    keep each input's storage (views of one input share it) and offsets that traced code cannot read. The graph
+    checks again at every call (the op ``mla_ops::check_disjoint_memory``, on the real tensors' addresses): a graph
+    traced for separate tensors is not traced again for a later call whose tensors alias, since torch's guards do
+    not compare the storages of separate inputs."""
+    _checked_on_fakes(_check_disjoint, names, tensors, why)
+    if torch.compiler.is_compiling():
+        torch.ops.mla_ops.check_disjoint_memory(list(tensors), ",".join(names), why)
+
+
+@torch.library.custom_op("mla_ops::check_disjoint_memory", mutates_args=())
+def _check_disjoint_op(tensors: list[torch.Tensor], names: str, why: str) -> None:
+    """``check_disjoint_memory`` at run time inside a compiled graph (``names`` comma-separated): reads the
+    tensors' addresses, no values (no device sync). A side effect, so the graph keeps it."""
+    _check_disjoint(tuple(names.split(",")), tuple(tensors), why)
+
+
+@_check_disjoint_op.register_fake
+def _(tensors, names, why) -> None:
+    return None
+
+
+torch.fx.node.has_side_effect(torch.ops.mla_ops.check_disjoint_memory.default)
+
+
+def _checked_on_fakes(check, names: tuple[str, ...], tensors: tuple[torch.Tensor, ...], why: str) -> None:
+    """``check(names, tensors, why)``, a check of the tensors' metadata: in eager code on the tensors; under
+    ``torch.compile`` at trace time on their fake tensors (``comptime``: Dynamo cannot trace storages or sorts of
+    symbolic sizes). If the frame falls back to eager (no ``fullgraph``), the check runs there on the tensors."""
+    if not torch.compiler.is_compiling():
+        check(names, tensors, why)
+        return
+    from torch._dynamo.comptime import comptime
+
+    comptime(_check_fakes, lambda: check(names, tensors, why))
+
+
+def _check_fakes(ctx) -> None:
+    """``_checked_on_fakes``' check on the fake tensors. A refusal is raised as itself (``TracedValueError``): under
+    ``fullgraph=True`` it reaches the user; otherwise Dynamo breaks the graph at the ``comptime`` call, which then
+    runs eagerly: its fallback checks the real tensors."""
+    fakes = tuple(p.node.meta["example_value"] for p in ctx.get_local("tensors").as_proxy())
+    check = ctx.get_local("check").as_python_constant()
+    try:
+        check(ctx.get_local("names").as_python_constant(), fakes, ctx.get_local("why").as_python_constant())
+    except ValueError as e:
+        raise TracedValueError(str(e)) from None
+
+
+def _check_own_memory(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...], why: str) -> None:
+    for name, x in zip(names, tensors):
+        span = 1  # elements spanned by the dims of smaller stride, taken so far
+        for stride, size in sorted((st, sz) for sz, st in zip(x.shape, x.stride()) if sz > 1):
+            if stride < span:
+                raise ValueError(f"{name} must give every element memory of its own, got shape {tuple(x.shape)} "
+                                 f"with strides {x.stride()} (a stride 0, as from expand, or overlapping strides): "
+                                 "its writes would land in several places")
+            span += stride * (size - 1)
+
+
+def _check_disjoint(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...], why: str) -> None:
+    spans = []  # (where, first byte, end byte, name): addresses on a device, or offsets in a storage without any
+    for name, t in zip(names, tensors):
+        if t.numel():
+            extent = (sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1) * t.element_size()
+            if type(t) is torch.Tensor and t.device.type != "meta":  # memory with addresses (two storages may alias)
+                where, start = str(t.device), t.data_ptr()
+            else:  # meta or fake: the storage object, the offset in it (compared only within one storage)
+                where, start = f"storage {t.untyped_storage()._cdata}", t.storage_offset() * t.element_size()
+            spans.append((where, start, start + extent, name))
+    by_storage = {}
+    for span in spans:
+        by_storage.setdefault(span[0], []).append(span)
+    for group in by_storage.values():
+        group.sort(key=lambda span: span[1])
+        for (_, _, end, other), (_, next_start, _, name) in zip(group, group[1:]):
+            if next_start < end:
+                raise ValueError(f"{name} shares memory with {other}: {why}")
+
+
 def check_int32(x: torch.Tensor, name: str, ndim: int, shape_doc: str, device=None, device_of: str = "") -> None:
     check_tensor(x, name, ndim, shape_doc, device, device_of, dtype=torch.int32)
 

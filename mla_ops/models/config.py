@@ -31,8 +31,9 @@ keys into them; ``from_hf`` does): ``indexer`` (``IndexerConfig``, None: dense M
 read as a record's fields. ``mlp_layer_types``: None, or one of "dense" / "sparse" per layer ("sparse"
 needs experts).
 
-DeepSeek Sparse Attention (DESIGN §12; ``mla_ops.models.indexer``): an ``indexer`` (its ``index_topk`` at least
-1) turns on each layer's lightning indexer, of ``index_n_heads`` heads of width ``index_head_dim`` (at least 1;
+DeepSeek Sparse Attention (DESIGN §12; ``mla_ops.models.indexer``): an ``indexer`` (its ``index_topk`` in
+1 .. 2**31 - 1, a step plan's bound) turns on each layer's lightning indexer, of ``index_n_heads`` heads of width
+``index_head_dim`` (at least 1;
 the first ``qk_rope_head_dim`` rotated, so at least that wide), reading the q-LoRA latent (``q_lora_rank``
 required); ``indexer_rope_interleave`` (bool): GLM-5's indexer rows are interleaved pairs (converted at load);
 ``layer_kinds.indexer_types``: None (every layer "full") or one of "full" / "shared" per layer, layer 0 "full" (a shared
@@ -54,6 +55,9 @@ The autumn-2026 DSA families' parts (DESIGN §11): ``output_gate`` None, "hidden
 ``q_lora_rank``); ``attention_sinks`` a bool; ``swiglu_limit`` None or > 0; ``gated_norm_rank`` None or at least 1;
 ``hyper_connections`` (``HyperConnections``: ``hc_mult`` at least 1, ``hc_magnitude`` > 0, ``hc_eps`` >= 0) set
 exactly when ``decoder_layer`` is "hyper" (``mla_ops.models.hyper_connections``, which may have an indexer).
+
+A config's dict form is ``dataclasses.asdict(config)``: ``MLAConfig(**that)``, also after JSON, is an equal config
+(the rope records carry their ``rope_type``, so the dict reads back as YaRN or LongRoPE, not plain RoPE).
 
 ``from_hf`` of a file or directory puts the file's path in front of every message; a file that is not
 JSON, or not a JSON object, is one ValueError naming it.
@@ -110,7 +114,7 @@ class IndexerConfig:
     indexer_norm_eps: float = 1e-6  # k_norm's eps (HY-V4's: its rms_norm_eps)
 
     def __post_init__(self):
-        self.index_topk = _checks.check_int(self.index_topk, "index_topk", 1)
+        self.index_topk = _checks.check_int32_size(self.index_topk, "index_topk")  # PlanOptions' bound, checked early
         self.index_n_heads = _checks.check_int(self.index_n_heads, "index_n_heads", 1)
         self.index_head_dim = _checks.check_int(self.index_head_dim, "index_head_dim", 1)
         _checks.check_bool(self.indexer_rope_interleave, "indexer_rope_interleave")

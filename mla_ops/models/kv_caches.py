@@ -136,7 +136,11 @@ def allocate(config, num_cache_layers: int, num_blocks: int, block_size: int, dt
              kv_cache_format: str = "auto", index_cache_format: str = "auto", k_scale=None,
              k_scale_index=None) -> KVCaches:
     """Zeroed caches of a model: one tensor per cache layer (and per index layer of a sparse model), uint8 in
-    the packed formats. The scales are kept as given; the model checks them with the caches."""
+    the packed formats. The scales are kept as given; the model checks them with the caches. ``num_blocks`` and
+    ``block_size`` are ints in 1 .. 2**31 - 1 (block ids and slots meet int32 tensors), checked before anything is
+    allocated."""
+    num_blocks = _checks.check_int32_size(num_blocks, "num_blocks")
+    block_size = _checks.check_int32_size(block_size, "block_size")
     latent_width, index_width = cache_widths(config, kv_cache_format, index_cache_format)
 
     def zeros(layers: int, width: int, packed: bool) -> list[torch.Tensor]:
@@ -172,6 +176,7 @@ def _check_layer_caches(caches, name: str, layers: int, width: int | tuple[int, 
             raise ValueError(f"{name}[{i}] must be [num_blocks, block_size, {widths[i]}] like {name}[0] "
                              f"({tuple(first.shape)} {first.dtype} on {first.device}), got {tuple(t.shape)} "
                              f"{t.dtype} on {t.device}")
+    _checks.check_own_memory(tuple(f"{name}[{i}]" for i in range(len(caches))), tuple(caches))
     return tuple(caches)
 
 
@@ -247,23 +252,10 @@ def _check_model_dtype(caches: tuple[torch.Tensor, ...], name: str, dtype: torch
 
 
 def _check_no_shared_memory(parts) -> None:
-    """No two cache layers alias: each layer's writes would land in the other's rows. In eager code, tensors
-    whose memory spans overlap in one storage are refused (the views of one stacked tensor are disjoint);
-    under torch.compile, whose fake tensors have no addresses, the same tensor twice."""
+    """No two cache layers alias: each layer's writes would land in the other's rows. Memory spans are compared, in
+    eager code and under torch.compile alike (``_checks.check_disjoint_memory``); the views of one stacked tensor
+    are disjoint."""
     named = [(f"{name}[{i}]", t) for name, part in parts for i, t in enumerate(part)]
-    if regions.checked_distinct_when_traced(named):
-        return
-    spans = []  # (where, first byte, end byte, name): addresses on a device, or offsets in a storage without any
-    for name, t in named:
-        if t.numel():
-            extent = (sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1) * t.element_size()
-            if type(t) is torch.Tensor and t.device.type != "meta":  # memory with addresses (two storages may alias)
-                where, start = str(t.device), t.data_ptr()
-            else:  # meta or fake: the storage object, the offset in it
-                where, start = f"storage {t.untyped_storage()._cdata}", t.storage_offset() * t.element_size()
-            spans.append((where, start, start + extent, name))
-    spans.sort()
-    for (where, _, end, other), (next_where, next_start, _, name) in zip(spans, spans[1:]):
-        if where == next_where and next_start < end:
-            raise ValueError(f"{name} shares memory with {other}: every cache layer needs memory of its own "
-                             "(allocate_kv_caches allocates one tensor per layer)")
+    _checks.check_disjoint_memory(tuple(name for name, _ in named), tuple(t for _, t in named),
+                                  "every cache layer needs memory of its own (allocate_kv_caches allocates one tensor "
+                                  "per layer)")

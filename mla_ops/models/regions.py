@@ -85,19 +85,6 @@ def unstacked(caches: torch.Tensor, name: str, form: str) -> tuple[torch.Tensor,
     return tuple(caches.unbind())
 
 
-def checked_distinct_when_traced(named: list[tuple[str, torch.Tensor]]) -> bool:
-    """The cache-aliasing check (``kv_caches``) under ``torch.compile``, whose fake tensors have no addresses: no
-    tensor is passed for two cache layers (identity), refused by name. False in eager code, where ``kv_caches``
-    compares memory spans instead."""
-    if not torch.compiler.is_compiling():
-        return False
-    for j, (name, t) in enumerate(named):
-        for other, u in named[:j]:
-            if t is u:
-                _checks.raise_value_error(f"{name} is {other}: every cache layer needs a tensor of its own")
-    return True
-
-
 def run_layer(layer: nn.Module, x: torch.Tensor, caches: LayerCaches, step: ModelStep,
               carry: Carry) -> tuple[torch.Tensor, NewRows]:
     """``layer(x, caches, step, carry)``, then the rows it made written into its caches (``ModelStep.write``);

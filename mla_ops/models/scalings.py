@@ -6,13 +6,14 @@ them: data and their checks, no tensors (the tables they make are ``rope.py``'s 
 * ``QueryScale`` (``Scalings.query_scale``): Mistral 4's position-dependent query scale.
 
 ``read_rope_scaling`` reads config.json's ``rope_scaling`` (or ``rope_parameters``) into one of the first two, or
-None for plain RoPE; each error names the key.
+None for plain RoPE; each error names the key. Each rope record carries its ``rope_type``, so its dict form
+(``dataclasses.asdict``, as in an ``MLAConfig``'s) reads back as the same record, also through JSON.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .. import _checks
 
@@ -29,6 +30,8 @@ class YarnScaling:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None  # cos/sin multiplier; None: derived from factor and the mscales
     truncate: bool = True  # round the correction range outwards to whole dimensions
+    # config.json's key, so that ``dataclasses.asdict`` of a config reads back as this record (not plain RoPE)
+    rope_type: str = field(default="yarn", init=False)
 
     @classmethod
     def from_dict(cls, scaling: dict, max_position_embeddings: int) -> YarnScaling | None:
@@ -93,6 +96,7 @@ class LongRopeScaling:
     short_factor: tuple[float, ...]  # [R/2] divisors of the RoPE frequencies
     original_max_position_embeddings: int
     attention_factor: float = 1.0  # cos/sin multiplier
+    rope_type: str = field(default="longrope", init=False)  # config.json's key (see YarnScaling's)
 
     @classmethod
     def from_dict(cls, scaling: dict, max_position_embeddings: int, key: str) -> LongRopeScaling:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from .._checks import check_own_memory
 from .._mla import DS_MLA_LATENT, DS_MLA_ROPE, DS_MLA_ROW_BYTES, DS_MLA_TILE, INDEX_TILE
 
 LATENT_FORMATS = ("auto", "fp8_ds_mla")
@@ -150,9 +151,11 @@ def index_width(index_cache: torch.Tensor) -> int:
 
 
 def check_latent_format(kv_cache_format, kv_cache: torch.Tensor, name: str = "kv_cache") -> str:
-    """``kv_cache_format`` one of LATENT_FORMATS and ``kv_cache`` laid out as it says (dtype, width)."""
+    """``kv_cache_format`` one of LATENT_FORMATS and ``kv_cache`` laid out as it says (dtype, width), each element
+    in memory of its own (not ``expand``ed: a write would land in every block)."""
     if not isinstance(kv_cache_format, str) or kv_cache_format not in LATENT_FORMATS:
         raise ValueError(f"kv_cache_format must be one of {LATENT_FORMATS}, got {kv_cache_format!r}")
+    check_own_memory((name,), (kv_cache,))
     if kv_cache_format == "fp8_ds_mla":
         if kv_cache.dtype != torch.uint8:
             raise TypeError(f"kv_cache_format='fp8_ds_mla' needs a uint8 {name} ([num_blocks, block_size, "
@@ -170,9 +173,11 @@ def check_latent_format(kv_cache_format, kv_cache: torch.Tensor, name: str = "kv
 
 
 def check_index_format(index_cache_format, index_cache: torch.Tensor) -> str:
-    """``index_cache_format`` one of INDEX_FORMATS and ``index_cache`` laid out as it says."""
+    """``index_cache_format`` one of INDEX_FORMATS and ``index_cache`` laid out as it says, each element in memory
+    of its own."""
     if not isinstance(index_cache_format, str) or index_cache_format not in INDEX_FORMATS:
         raise ValueError(f"index_cache_format must be one of {INDEX_FORMATS}, got {index_cache_format!r}")
+    check_own_memory(("index_cache",), (index_cache,))
     if index_cache_format == "fp8_per_token":
         if index_cache.dtype != torch.uint8:
             raise TypeError("index_cache_format='fp8_per_token' needs a uint8 index_cache ([num_blocks, "

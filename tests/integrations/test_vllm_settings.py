@@ -35,6 +35,13 @@ def test_workspace_refuses_malformed(value):
         settings.workspace_size(65536, {"MLA_OPS_VLLM_WORKSPACE": value})
 
 
+def test_workspace_past_int32_is_refused_under_the_variables_name():
+    """The plan's offsets are int32: 2**31 rows would otherwise be refused later, as ``workspace_size``."""
+    assert settings.workspace_size(65536, {"MLA_OPS_VLLM_WORKSPACE": str(2**31 - 1)}) == 2**31 - 1
+    with pytest.raises(ValueError, match=r"MLA_OPS_VLLM_WORKSPACE must be at most 2\*\*31 - 1 .*'2147483648'"):
+        settings.workspace_size(65536, {"MLA_OPS_VLLM_WORKSPACE": str(2**31)})
+
+
 def test_exact_releases_per_platform():
     for platform, releases in settings.RELEASES.items():
         for release in releases:
@@ -96,3 +103,8 @@ def test_entry_point_in_the_group_vllm_loads():
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         entry_points = tomllib.load(f)["project"]["entry-points"]
     assert entry_points["vllm.general_plugins"] == {"mla_ops": "mla_ops.integrations.vllm:register"}
+
+
+def test_check_model_refuses_an_unknown_platform_listing_the_known_ones():
+    with pytest.raises(ValueError, match=r"platform must be one of \['cpu', 'cuda'\] .*got 'rocm'"):
+        settings.check_model("rocm", **DEEPSEEK)

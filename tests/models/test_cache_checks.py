@@ -42,11 +42,12 @@ def run_step(model, caches):
         return model(ids, positions, caches, slots, plan)
 
 
-def refused_untouched(model, caches, error, match):
-    """The step is refused with ``error`` matching ``match``, and writes none of ``caches``' bytes."""
+def refused_untouched(model, caches, error, match, run=None):
+    """The step (``run(caches)``, by default ``run_step``) is refused with ``error`` matching ``match``, and writes
+    none of ``caches``' bytes."""
     before = clone_caches(caches) if not isinstance(caches, torch.Tensor) else caches.clone()
-    with pytest.raises(error, match=match):
-        run_step(model, caches)
+    with pytest.raises(error, match=match), torch.no_grad():
+        (run or (lambda c: run_step(model, c)))(caches)
     same = torch.equal(caches, before) if isinstance(caches, torch.Tensor) else caches_equal(caches, before)
     assert same, "the refused step wrote a cache"
 
@@ -130,6 +131,17 @@ ALIASED_DENSE = {
 }
 
 
+def expanded_layer(model):
+    """The second layer's cache ``expand``ed from one block: every block the same memory."""
+    caches = fresh(model).latent
+    return [caches[0], caches[1][:1].expand(caches[1].shape)]
+
+
+ALIASED_DENSE["a layer whose blocks share memory"] = (
+    expanded_layer, r"kv_caches.latent\[1\] must give every element memory of its own, got shape \(\w+, \w+, 40\) "
+                    r"with strides \(0, 40, 1\)")  # traced: symbolic sizes
+
+
 @pytest.mark.parametrize("case", list(ALIASED_DENSE))
 def test_dense_cache_layers_that_share_memory_are_refused(case):
     make, match = ALIASED_DENSE[case]
@@ -150,8 +162,9 @@ ALIASED_SPARSE = {
                      r"kv_caches.latent\[1\] shares memory with kv_caches.latent\[0\]"),
     "index twice": (lambda c: dataclasses.replace(c, index=[c.index[1]] * 2),
                     r"kv_caches.index\[1\] shares memory with kv_caches.index\[0\]"),
-    "index inside latent": (index_inside_latent, r"kv_caches.(index|latent)\[0\] shares memory with "
-                                                 r"kv_caches.(latent|index)\[0\]"),
+    # every layer's pair overlaps; which is found first follows the addresses
+    "index inside latent": (index_inside_latent, r"kv_caches.(index|latent)\[(\d)\] shares memory with "
+                                                 r"kv_caches.(latent|index)\[\2\]"),
 }
 
 
@@ -174,11 +187,9 @@ def test_disjoint_views_of_one_buffer_stay_accepted():
     assert torch.equal(run_step(model, views), expect)
 
 
-def test_under_torch_compile_the_same_checks_name_the_caches():
-    """A whole-model ``torch.compile(fullgraph=True)``: fake tensors have no address, so two cache layers are the
-    same tensor or not; both refusals reach the user in our words, at trace time (nothing runs)."""
+def compiled_step(model, fullgraph=True, backend="eager"):
+    """A whole-model ``torch.compile`` of ``run_step``'s step (the device plan), taking the caches."""
     torch._dynamo.reset()
-    model = dense_model()
     c = model.config
     ids, positions, slots, table, qsl, ctx = model_step(c, [0, 6], [7, 3], seed=1)
     options = mla_ops.PlanOptions(block_size=4, workspace_size=16, max_chunks=4)
@@ -186,17 +197,78 @@ def test_under_torch_compile_the_same_checks_name_the_caches():
     def step(caches):
         return model(ids, positions, caches, slots, mla_ops.plan_prefill(qsl, ctx, table, options=options))
 
-    compiled = torch.compile(step, backend="eager", fullgraph=True, dynamic=True)
+    return torch.compile(step, backend=backend, fullgraph=fullgraph, dynamic=True)
+
+
+def test_under_torch_compile_the_same_checks_name_the_caches():
+    """A whole-model ``torch.compile(fullgraph=True)``: both refusals reach the user in our words, at trace time
+    (nothing runs)."""
+    model = dense_model()
+    compiled = compiled_step(model)
     caches = fresh(model).latent
     with torch.no_grad():
         for bad, error, match in (([caches[0], caches[0]], ValueError,
-                                   r"^kv_caches.latent\[1\] is kv_caches.latent\[0\]"),
+                                   r"^kv_caches.latent\[1\] shares memory with kv_caches.latent\[0\]"),
                                   (as_dtype(caches, torch.float16), TypeError,
                                    r"^kv_caches.latent must have the model's dtype \(torch.float32\)")):
             before = clone_caches(bad)
             with pytest.raises(error, match=match):
                 compiled(bad)
             assert caches_equal(bad, before)
+
+
+def view_of_the_other(model):
+    """The second layer's cache a view of the first's (``[c, c[:]]``)."""
+    first = fresh(model).latent[0]
+    return [first, first[:]]
+
+
+@pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "graph-breaks"])
+@pytest.mark.parametrize("case", [*ALIASED_DENSE, "a view of the other"])
+def test_under_torch_compile_cache_layers_that_share_memory_are_refused(case, fullgraph):
+    """Fake tensors keep their storage, offsets and strides: the memory spans are compared at trace time, as in
+    eager code (a view of another layer's cache was taken, and its step's logits were wrong). Without ``fullgraph``
+    the frame falls back to eager, which refuses. Nothing is written."""
+    model = dense_model()
+    make, match = ALIASED_DENSE.get(case) or (view_of_the_other,
+                                              r"kv_caches.latent\[1\] shares memory with kv_caches.latent\[0\]")
+    refused_untouched(model, make(model), ValueError, match, run=compiled_step(model, fullgraph))
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_graph_compiled_for_separate_caches_refuses_aliasing_ones_at_run_time(backend):
+    """torch's guards do not compare the storages of separate inputs, so a graph traced for separate caches runs
+    again for ``[c, c[:]]``: the graph's own check (``mla_ops::check_disjoint_memory``, on the addresses) refuses
+    them at each call, before anything is written; separate caches run on."""
+    model = dense_model()
+    compiled = compiled_step(model, backend=backend)
+    caches = fresh(model).latent
+    with torch.no_grad():
+        expect = run_step(model, clone_caches(caches))
+        torch.testing.assert_close(compiled(clone_caches(caches)), expect)
+        refused_untouched(model, view_of_the_other(model), ValueError,
+                          r"kv_caches.latent\[1\] shares memory with kv_caches.latent\[0\]", run=compiled)
+        torch.testing.assert_close(compiled(clone_caches(caches)), expect)
+
+
+def test_the_run_time_check_opchecks():
+    a, b = torch.zeros(2, 3), torch.zeros(2, 3)
+    torch.library.opcheck(torch.ops.mla_ops.check_disjoint_memory.default, ([a, b], "a,b", "why"))
+    with pytest.raises(ValueError, match=r"^b shares memory with a: why"):
+        torch.ops.mla_ops.check_disjoint_memory([a, a[1:]], "a,b", "why")
+
+
+def test_under_torch_compile_disjoint_views_run_and_stay_guarded():
+    """Per-layer views of one buffer that do not overlap compile and match eager; the graph is guarded on their
+    staying apart: overlapping views of one buffer passed to it later are traced again, and refused."""
+    model = dense_model()
+    compiled = compiled_step(model)
+    caches = fresh(model).latent
+    views = list(torch.stack(caches).unbind())
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(views), run_step(model, clone_caches(caches)))
+    refused_untouched(model, overlapping_views(model), ValueError,
+                      r"kv_caches.latent\[1\] shares memory with kv_caches.latent\[0\]", run=compiled)
 
 
 def test_meta_caches_are_told_apart_by_storage():
@@ -212,3 +284,20 @@ def test_meta_caches_are_told_apart_by_storage():
     overlapping = [buffer.narrow(0, start, 4 * 4 * width).view(4, 4, width) for start in (0, 4 * width)]
     with pytest.raises(ValueError, match=r"kv_caches.latent\[1\] shares memory with kv_caches.latent\[0\]"):
         check_caches(overlapping, config, 2, model)
+
+
+@pytest.mark.parametrize("size, value, error, match", [
+    ("block_size", 0, ValueError, r"block_size must be a positive int, got 0"),
+    ("block_size", -1, ValueError, r"block_size must be a positive int, got -1"),
+    ("block_size", True, TypeError, r"block_size must be an int, got bool True"),
+    ("block_size", 2.0, TypeError, r"block_size must be an int, got float 2.0"),
+    ("num_blocks", 2**31, ValueError, r"num_blocks must be at most 2\*\*31 - 1 .*got 2147483648"),
+    ("num_blocks", 0, ValueError, r"num_blocks must be a positive int, got 0"),
+    ("num_blocks", "4", TypeError, r"num_blocks must be an int, got str '4'"),
+])
+def test_allocate_kv_caches_checks_its_sizes_by_name(size, value, error, match):
+    """Before anything is allocated (2**31 blocks on the meta device would otherwise pass)."""
+    model = dense_model()
+    sizes = {"num_blocks": 4, "block_size": 4, size: value}
+    with pytest.raises(error, match=match):
+        model.allocate_kv_caches(sizes["num_blocks"], sizes["block_size"], device="meta")

@@ -311,6 +311,8 @@ def test_mlaconfig_groups_its_optional_parts_into_records():
     assert MLAConfig(**tiny).indexer is None and MLAConfig(**tiny).scalings == Scalings()
     for part, value, error, match in (("indexer", 4, TypeError, "indexer must be None, a dict or IndexerConfig"),
                                       ("indexer", dict(index_topk=0), ValueError, "index_topk"),
+                                      ("indexer", dict(index_topk=2**31), ValueError,
+                                       r"index_topk must be at most 2\*\*31 - 1"),
                                       ("scalings", None, TypeError, "scalings must be a dict or a record"),
                                       ("scalings", dict(residual_scale="1"), TypeError, "residual_scale"),
                                       ("layer_kinds", dict(no_rope_layers=[1, 0]), ValueError,

@@ -141,6 +141,8 @@ def test_fp8_release_layout_loads(tmp_path):
 @pytest.mark.parametrize("change, error, match", [
     (dict(index_topk=None), ValueError, "index_topk=null"),
     (dict(index_topk=0), ValueError, "index_topk"),
+    # past int32 it would wrap in the plan's comparisons: refused here, before any weight loads
+    (dict(index_topk=2**31), ValueError, r"index_topk must be at most 2\*\*31 - 1 .*got 2147483648"),
     (dict(index_head_dim=4), ValueError, r"index_head_dim \(4\) must hold the qk_rope_head_dim"),
     (dict(q_lora_rank=None), ValueError, "q_lora_rank is None: the indexer's wq_b reads the q-LoRA latent"),
     (dict(layer_types=["full_attention", "indexed_attention"]), ValueError, "layer_types must list"),

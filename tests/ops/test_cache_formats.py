@@ -169,6 +169,10 @@ BAD_LATENT = {
                      ValueError, "kv_c must be \\[T, 512\\]"),
     "wrong_rope_dtype": (dict(kv_cache_format="fp8_ds_mla", k_pe=torch.zeros(7, 64)), TypeError, "k_pe must have"),
     "k_scale": (dict(kv_cache_format="fp8_ds_mla", k_scale=1.0), ValueError, "k_scale is for a per-tensor"),
+    # every block one memory: a write would land in all of them
+    "expanded": (dict(kv_cache_format="fp8_ds_mla", cache=torch.zeros(1, 4, 656, dtype=torch.uint8).expand(4, 4, 656)),
+                 ValueError, r"kv_cache must give every element memory of its own, got shape \(4, 4, 656\) with "
+                             r"strides \(0, 656, 1\)"),
 }
 
 
@@ -202,6 +206,10 @@ BAD_INDEX = {
                                 "needs D_I a multiple of 128, but k_index's D_I is 64"),
     "k_scale_index": (dict(index_cache_format="fp8_per_token", k_scale_index=0.5), ValueError,
                       "k_scale_index is for a per-tensor"),
+    "expanded": (dict(index_cache_format="fp8_per_token",
+                      cache=torch.zeros(1, 4, 132, dtype=torch.uint8).expand(4, 4, 132)), ValueError,
+                 r"index_cache must give every element memory of its own, got shape \(4, 4, 132\) with strides "
+                 r"\(0, 132, 1\)"),
 }
 
 
@@ -215,3 +223,21 @@ def test_fp8_per_token_write_refuses_bad_input_by_name(case):
     with pytest.raises(error, match=match):
         write_index_cache(k, torch.tensor(SLOTS), cache, change.get("k_scale_index"), **kwargs)
     assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
+
+
+@pytest.mark.parametrize("part", ["latent", "index"])
+def test_caches_whose_elements_share_memory_are_refused_in_every_format(part):
+    """A cache built with ``expand`` (every block the same bytes) or with overlapping strides, in the plain format
+    too: a write would land in several places. Refused by name before anything is written."""
+    width = 40 if part == "latent" else 16
+    rows = torch.randn(len(SLOTS), width)
+    for cache in (torch.zeros(1, 4, width).expand(4, 4, width),  # stride 0
+                  torch.zeros(4 * 4 + width).as_strided((4, 4, width), (4, 1, 1))):  # rows overlapping rows
+        before = cache.clone()
+        name = "kv_cache" if part == "latent" else "index_cache"
+        with pytest.raises(ValueError, match=rf"^{name} must give every element memory of its own"):
+            if part == "latent":
+                write_latent_cache(rows[:, :32], rows[:, 32:], torch.tensor(SLOTS), cache, None)
+            else:
+                write_index_cache(rows, torch.tensor(SLOTS), cache, None)
+        assert torch.equal(cache, before)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+from ..._checks import INT32_MAX
+
 ENABLE = "MLA_OPS_VLLM"
 WORKSPACE = "MLA_OPS_VLLM_WORKSPACE"
 
@@ -41,7 +43,8 @@ def enabled(environ=os.environ) -> bool:
 
 def workspace_size(default: int, environ=os.environ) -> int:
     """The context chunks' workspace W in rows: ``MLA_OPS_VLLM_WORKSPACE`` if set, else ``default``
-    (vLLM's own ``chunked_prefill_workspace_size``, so the plugin takes no more memory than vLLM would)."""
+    (vLLM's own ``chunked_prefill_workspace_size``, so the plugin takes no more memory than vLLM would). At most
+    2**31 - 1, ``workspace_size``'s bound (an int32 offset), refused here under the variable's name."""
     value = environ.get(WORKSPACE, "")
     if value == "":
         return default
@@ -51,6 +54,9 @@ def workspace_size(default: int, environ=os.environ) -> int:
         rows = 0
     if rows <= 0 or str(rows) != value.strip():
         raise ValueError(f"{WORKSPACE} must be a positive number of workspace rows, got {value!r}")
+    if rows > INT32_MAX:
+        raise ValueError(f"{WORKSPACE} must be at most 2**31 - 1 workspace rows (the plan's offsets are int32), got "
+                         f"{value!r}")
     return rows
 
 
@@ -94,6 +100,9 @@ def check_model(platform: str, *, model: str, use_mla: bool, kv_lora_rank: int |
                 speculative: bool = False, index_head_dim: int | None = None) -> None:
     """Refuse, by name, a model or engine setting the plugin cannot serve whole."""
     where = f"{ENABLE}=1 with model {model!r}"
+    if platform not in RELEASES:
+        raise ValueError(f"{where}: platform must be one of {sorted(RELEASES)} (the vLLM platforms mla-ops runs on), "
+                         f"got {platform!r}")
     if not use_mla:
         raise ValueError(f"{where}: the model has no MLA attention (vLLM's use_mla is False), so mla-ops has nothing "
                          f"to run; unset {ENABLE}")

@@ -495,13 +495,19 @@ def check_scale(scale, name: str, device: torch.device) -> None:
 FLOAT32_TINY = torch.finfo(torch.float32).tiny  # the smallest normal float32
 
 
+# A float rounds to a normal, finite float32 exactly in [these): from half a subnormal step below the smallest
+# normal, to float32's largest value plus half its last step (ties round to even: the bounds round out).
+_FLOAT32_NORMAL_FROM = FLOAT32_TINY - 2.0 ** -150
+_FLOAT32_INF_FROM = torch.finfo(torch.float32).max + 2.0 ** 103
+_NORMAL_FLOAT32 = f"a normal float32 (in [{FLOAT32_TINY:.6g}, {torch.finfo(torch.float32).max:.6g}])"
+
+
 def _check_scale_value(value: float, name: str) -> None:
     # Checked as float32, the kernels' dtype: 1e-46 is finite and positive as a Python float but 0 in
     # float32, 1e39 is inf. 0 or inf would store every row as +-448 or 0 (row / scale, saturated) and read
-    # it back as 0 or NaN; a subnormal loses its precision (and flushes to 0 on some kernels).
-    with np.errstate(over="ignore"):
-        as_float32 = float(np.float32(value))
-    if not (math.isfinite(as_float32) and as_float32 >= FLOAT32_TINY):
-        raise ValueError(f"{name} must be finite and positive, a normal float32 (in [{FLOAT32_TINY:.6g}, "
-                         f"{torch.finfo(torch.float32).max:.6g}]), got {value!r}"
-                         + (f", {as_float32!r} as float32" if as_float32 != value and math.isfinite(value) else ""))
+    # it back as 0 or NaN; a subnormal loses its precision (and flushes to 0 on some kernels). Plain float
+    # comparisons (NaN and inf fail them), no numpy or math: torch.compile traces them on a scale it made symbolic.
+    if not (_FLOAT32_NORMAL_FROM <= value < _FLOAT32_INF_FROM):
+        got = "" if torch.compiler.is_compiling() else f", got {value!r}" + (  # traced: a symbol, not in a message
+            " (inf as float32)" if math.isfinite(value) and value >= _FLOAT32_INF_FROM else "")
+        raise_value_error(f"{name} must be finite and positive, {_NORMAL_FLOAT32}{got}")

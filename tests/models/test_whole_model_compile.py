@@ -68,6 +68,35 @@ def test_a_stacked_cache_tensor_is_refused_by_name_under_compile():
         compiled(ids, positions, torch.stack(model.allocate_kv_caches(64, 4).latent), slots, table, qsl, ctx)
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("scales", [(0.05, 0.125), ([0.05, 0.1, 0.05, 0.1], [0.125, 0.05, 0.1, 0.125])],
+                         ids=["one float", "a float per layer"])
+def test_float8_caches_with_float_scales_compile_and_check_their_scales(scales):
+    """A float scale in a compiled model's caches is traced (a symbol under dynamic=True): another value runs
+    with that value, and one that float32 makes 0 or inf is refused by name, as in eager."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = mla_ops.MLAForCausalLM(MOE).eval()
+    compiled = torch.compile(lambda *args: run(model, *args), backend="eager", fullgraph=True, dynamic=True)
+    ids, positions, slots, table, qsl, ctx = model_step(MOE, [5, 0, 13], [3, 2, 4], seed=0)
+    base = model.allocate_kv_caches(64, 4)
+    normal_caches(base)
+    for k_scale in scales:
+        fp8 = [c.to(torch.float8_e4m3fn) for c in base.latent]
+        caches = mla_ops.KVCaches(latent=[c.clone() for c in fp8], k_scale=k_scale)
+        expect_caches = mla_ops.KVCaches(latent=[c.clone() for c in fp8], k_scale=k_scale)
+        out = compiled(ids, positions, caches, slots, table, qsl, ctx)
+        expect = run(model, ids, positions, expect_caches, slots, table, qsl, ctx)
+        torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close([c.float() for c in caches.latent], [c.float() for c in expect_caches.latent],
+                                   rtol=0, atol=0)
+    bad = 1e39 if isinstance(scales[0], float) else [0.05, 0.05, 1e-46, 0.05]
+    name = "k_scale" if isinstance(scales[0], float) else r"k_scale\[2\]"
+    with pytest.raises(ValueError, match=rf"^{name} must be finite and positive, a normal float32"):
+        compiled(ids, positions, mla_ops.KVCaches(latent=[c.to(torch.float8_e4m3fn) for c in base.latent],
+                                                  k_scale=bad), slots, table, qsl, ctx)
+
+
 def test_without_reusable_regions_a_compiled_model_warns_once(monkeypatch):
     """Where torch cannot reuse nested regions (before 2.13) a compiled model traces every layer, and says so
     once, at trace time (the flag is what the layers read; the graph still equals eager)."""

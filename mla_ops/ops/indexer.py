@@ -63,6 +63,8 @@ from ..planning.plan import PrefillPlan, current_max_block_id
 from .cache_formats import check_index_format, check_per_token_width, index_rows, index_width, per_token_row_bytes
 
 INDEX_CACHE_DTYPES = FLOAT_DTYPES + (torch.float8_e4m3fn,)
+# Per-head products (tokens x H_I x rows) the torch scorer holds at once: 64 MiB of float32.
+HEAD_PRODUCTS = 1 << 24
 
 
 def score_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -140,13 +142,18 @@ def chunk_scores_reference(q_index, index_weights, k_index, index_cache, block_t
     t, t_request, t_position, t_live = chunk_tokens(query_start_loc, context_lens, slot_token, q_index.shape[0])
     q = q_index.index_select(0, t).to(dtype)  # [M, H_I, D_I]
     w = index_weights.index_select(0, t).to(dtype)  # [M, H_I]
-    acc = torch.zeros_like(scores)
-    for h in range(q.shape[1]):  # one [M, W] product at a time: the budget holds
-        acc.addcmul_(w[:, h : h + 1], (q[:, h] @ keys.T).clamp_min_(0))
+    acc = scores
+    # Every head's products of a block of tokens in one GEMM, [m, H_I, W] (bounded by HEAD_PRODUCTS), then the
+    # weighted sum over heads as a batched [1, H_I] x [H_I, W] product per token.
+    heads = q.shape[1]
+    block = max(1, HEAD_PRODUCTS // max(heads * rows, 1))
+    for a in range(0, q.shape[0], block):
+        products = torch.matmul(q[a:a + block], keys.T).clamp_min_(0)  # [m, H_I, W]
+        torch.bmm(w[a:a + block].unsqueeze(1), products, out=acc[a:a + block].unsqueeze(1))
     acc.masked_fill_(~torch.isfinite(acc), float("nan"))  # an inf would pass for a rank (or, -inf, for the mask)
     candidate = (t_live.unsqueeze(1) & live.unsqueeze(0) & (t_request.unsqueeze(1) == request.unsqueeze(0))
                  & (position.unsqueeze(0) <= t_position.unsqueeze(1)))
-    scores.copy_(torch.where(candidate, acc, float("-inf")))
+    scores.masked_fill_(~candidate, float("-inf"))
 
 
 ChunkScorer = Callable[..., None]  # chunk_scores_reference's signature

@@ -29,9 +29,9 @@ from .backends import OPS, REFERENCE
 from .cache_formats import latent_rows
 from .merge import poisoned_rows, scores_nan_for_neg_inf_
 
-# Scores (heads x queries x keys) one query block holds: 16 MiB of float32; and its most queries.
-BLOCK_SCORES = 1 << 22
-QUERY_BLOCK = 128
+# Scores (heads x queries x keys) one query block holds: 32 MiB of float32; and its most queries.
+BLOCK_SCORES = 1 << 23
+QUERY_BLOCK = 256
 
 
 def request_rows(kv_cache, block_table, kv_c, k_pe, request: int, context: int, first_token: int, num_queries: int,
@@ -77,35 +77,39 @@ def masked_mha(q, kv_c, k_pe, kv_cache, block_table, query_start_loc: list[int],
         # the -inf -> NaN pass below (a cheap bound on the whole request).
         bound = q_r.abs().amax() * k.abs().amax() * (nope + rope) if q_r.numel() and k.numel() else q_r.new_zeros(())
         exact_scores = bool(bound < torch.finfo(acc).max)
-        selected = topk_indices[first:end].long() - start  # columns of the request's rows
+        selected = topk_indices[first:end].long() - start  # [q_r, K] columns of the request's rows
+        position = context - start + torch.arange(num_queries, device=q.device)[:, None]  # [q_r, 1] the query's
+        ok = (selected >= 0) & (selected <= position)
+        if sliding_window:
+            ok &= selected > position - sliding_window
+        empty = ~ok.any(1)  # [q_r]: no key, the empty partial
+        no_selection = (selected + start == NO_FINITE_SELECTION).any(1)  # [q_r]: NaN (module doc)
+        marked = bool(empty.any() | no_selection.any())  # host reads: the CPU path
+        # Hidden key columns of each query: True; the invalid entries land in a spare last column.
+        columns = torch.where(ok, selected, keys)
         # Query blocks: causally, a block sees the keys up to its last query, so small blocks skip most of the
         # masked upper triangle; the scores budget bounds a block over a long context.
         block = max(1, min(QUERY_BLOCK, BLOCK_SCORES // max(num_heads * keys, 1)))
         for j0 in range(0, num_queries, block):
             j1 = min(num_queries, j0 + block)
             visible = context + j1 - start  # keys up to the block's last query
-            position = context + torch.arange(j0, j1, device=q.device)[:, None] - start  # [b, 1] columns
-            s = selected[j0:j1]
-            ok = (s >= 0) & (s <= position)
-            if sliding_window:
-                ok &= s > position - sliding_window
-            mask = torch.ones(j1 - j0, visible + 1, dtype=torch.bool, device=q.device)
-            mask.scatter_(1, torch.where(ok, s, visible), False)  # True: hidden; invalid entries: the spare column
+            hidden = torch.ones(j1 - j0, keys + 1, dtype=torch.bool, device=q.device)
+            hidden = hidden.scatter_(1, columns[j0:j1], False)[:, :visible]
             scores = torch.bmm(q_r[:, j0:j1], k[:, :, :visible])  # [N, b, keys]
             if not exact_scores:  # -inf from the inputs is not finite: NaN, before the mask writes -inf (ops/merge.py)
                 scores.nan_to_num_(nan=float("nan"), posinf=float("inf"), neginf=float("nan"))
-            scores.masked_fill_(mask[:, :visible], float("-inf"))
+            scores.masked_fill_(hidden, float("-inf"))
             top = scores.amax(-1)  # [N, b]: -inf without keys, NaN / inf for a non-finite score
             probs = torch.softmax(scores, -1)
             o = torch.bmm(probs, v[:, :visible])  # [N, b, V]
             # lse = max + log(sum exp(s - max)) = max - log(the largest probability), without another pass over exp
             block_lse = top - torch.log(probs.amax(-1))
-            empty = ~ok.any(1)
-            bad = poisoned_rows(top, empty) | (s + start == NO_FINITE_SELECTION).any(1)
-            block_lse.masked_fill_(empty, float("-inf")).masked_fill_(bad, float("nan"))
-            o.masked_fill_(empty[:, None], 0).masked_fill_(bad[..., None], float("nan"))
-            out[first + j0:first + j1] = o.transpose(0, 1).to(out.dtype)
-            lse[:, first + j0:first + j1] = block_lse.to(lse.dtype)
+            if marked or not exact_scores:
+                bad = poisoned_rows(top, empty[j0:j1]) | no_selection[j0:j1]
+                block_lse.masked_fill_(empty[j0:j1], float("-inf")).masked_fill_(bad, float("nan"))
+                o.masked_fill_(empty[j0:j1, None], 0).masked_fill_(bad[..., None], float("nan"))
+            out[first + j0:first + j1] = o.transpose(0, 1)
+            lse[:, first + j0:first + j1] = block_lse
 
 
 def attend_selected(call, kv_c, k_pe, sparse_rows, topk_indices, out, lse) -> None:

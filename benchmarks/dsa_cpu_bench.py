@@ -1,10 +1,11 @@
 """CPU time of one DeepSeek Sparse Attention layer: mla-ops' ops against transformers' DeepSeek-V3.2 attention.
 
-transformers 5.24's ``DeepseekV32Attention`` (eager, float32) runs a prompt of S tokens: its indexer scores every
-(query, key) pair at once, takes a top-k over all S keys per query, folds the selection into an [S, S] mask and
-runs MHA over every up-projected key. mla-ops runs the same module's projections (its own ``nn.Linear`` and norm
-modules, transformers' RoPE functions) and then its ops: ``plan_prefill(index_topk=K)``, ``index_topk`` (the
-indexer's chunks, a running top-k) and ``run_prefill(topk_indices=)`` (absorbed MQA over each query's K selected
+transformers' ``DeepseekV32Attention`` (eager, float32; the version installed, recorded in the JSON) runs a prompt
+of S tokens: its indexer scores every (query, key) pair at once, takes a top-k over all S keys per query, folds the
+selection into an [S, S] mask and runs MHA over every up-projected key. mla-ops runs the same module's projections
+(its own ``nn.Linear`` and norm modules, transformers' RoPE functions) and then its ops: ``plan_prefill(index_topk=K)``,
+``index_topk`` (the indexer's chunks, a running top-k) and ``run_prefill(topk_indices=)`` (the sparse request on the
+route the cost model picks, ``masked_mha_ratio``: top-k-masked MHA, or absorbed MQA over each query's K selected
 latent rows). Both sides produce the attention output; the largest difference is reported beside the times (the
 selection is a discrete choice, so a near-tie in the float32 scores may pick another key: ``topk_equal`` says how
 many queries selected the same set).

@@ -165,7 +165,8 @@ def chunk_scores_reference(q_index, index_weights, k_index, index_cache, block_t
                  & (position.unsqueeze(0) <= t_position.unsqueeze(1)))
     # NaN where a candidate's score is not finite (an inf would pass for a rank, or -inf for the mask); -inf where
     # the row is not a candidate, whatever the tile held there.
-    scores.masked_fill_(~torch.isfinite(scores), float("nan")).masked_fill_(~candidate, float("-inf"))
+    nan = float("nan")
+    scores.nan_to_num_(nan=nan, posinf=nan, neginf=nan).masked_fill_(~candidate, float("-inf"))
 
 
 ChunkScorer = Callable[..., None]  # chunk_scores_reference's signature

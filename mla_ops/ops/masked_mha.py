@@ -56,6 +56,8 @@ def masked_mha(q, kv_c, k_pe, kv_cache, block_table, query_start_loc: list[int],
     acc = lse_dtype(q.dtype)
     dims = MLADims.from_shapes(q, kv_cache, kv_b_proj_weight)
     num_heads, latent, nope, rope = dims.num_heads, dims.latent, dims.nope, dims.rope
+    if num_heads == 0 or nope + rope == 0:
+        return  # nothing to attend: the rows stay as given
     weight = kv_b_proj_weight.to(acc)
     for r in requests:
         first, end, context = query_start_loc[r], query_start_loc[r + 1], context_lens[r]
@@ -67,16 +69,18 @@ def masked_mha(q, kv_c, k_pe, kv_cache, block_table, query_start_loc: list[int],
         rows = request_rows(kv_cache, block_table, kv_c, k_pe, r, context, first, num_queries, start, k_scale, acc)
         keys = rows.shape[0]
         k_nope, v = dims.split_kv(rows[:, :latent] @ weight.t())  # [S, N, P], [S, N, V]
-        finite = torch.isfinite(rows).all(1)  # a non-finite row's value is 0 (its scores flag who selects it)
-        v = torch.where(finite[:, None, None], v, 0).transpose(0, 1).contiguous()  # [N, S, V]
+        if not bool(torch.isfinite(torch.linalg.vector_norm(rows, float("inf")))):  # some row is not finite:
+            finite = torch.isfinite(rows).all(1)  # its value is 0 (its scores flag the queries that select it)
+            v = torch.where(finite[:, None, None], v, 0)
+        v = v.transpose(0, 1).contiguous()  # [N, S, V]
         k = rows.new_empty(num_heads, nope + rope, keys)  # [N, P+R, S]: the GEMMs' layout, written once
         k[:, :nope] = k_nope.permute(1, 2, 0)
         k[:, nope:] = rows[:, latent:].t()
         q_r = (q[first:end].to(acc) * softmax_scale).transpose(0, 1).contiguous()  # [N, q_r, P+R], scale folded in
         # A score is finite wherever its query and key are and the products cannot overflow: then no score needs
         # the -inf -> NaN pass below (a cheap bound on the whole request).
-        bound = q_r.abs().amax() * k.abs().amax() * (nope + rope) if q_r.numel() and k.numel() else q_r.new_zeros(())
-        exact_scores = bool(bound < torch.finfo(acc).max)
+        bound = torch.linalg.vector_norm(q_r, float("inf")) * torch.linalg.vector_norm(k, float("inf")) * (nope + rope)
+        exact_scores = bool(bound < torch.finfo(acc).max)  # False for a NaN bound
         selected = topk_indices[first:end].long() - start  # [q_r, K] columns of the request's rows
         position = context - start + torch.arange(num_queries, device=q.device)[:, None]  # [q_r, 1] the query's
         ok = (selected >= 0) & (selected <= position)

@@ -65,7 +65,7 @@ from .cache_formats import check_index_format, check_per_token_width, index_rows
 INDEX_CACHE_DTYPES = FLOAT_DTYPES + (torch.float8_e4m3fn,)
 # Per-head products (tokens x H_I x rows) the torch scorer holds at once: 64 MiB of float32.
 HEAD_PRODUCTS = 1 << 24
-INDEX_QUERY_BLOCK = 256  # and the most tokens per block (CPU: a block scores only the rows it may see)
+INDEX_QUERY_BLOCK = 128  # and the most tokens per block (CPU: a block scores only the rows it may see)
 
 
 def score_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -31,7 +31,7 @@ from .merge import poisoned_rows, scores_nan_for_neg_inf_
 
 # Scores (heads x queries x keys) one query block holds: 32 MiB of float32; and its most queries.
 BLOCK_SCORES = 1 << 23
-QUERY_BLOCK = 256
+QUERY_BLOCK = 128
 
 
 def request_rows(kv_cache, block_table, kv_c, k_pe, request: int, context: int, first_token: int, num_queries: int,

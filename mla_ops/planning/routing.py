@@ -83,9 +83,10 @@ def route_context(context_lens, query_lens, absorb_max_query_len: int, max_absor
 # small matrices, MHA runs large GEMMs. ``masked_mha_ratio`` is how many masked-MHA FLOPs cost what one sparse
 # FLOP does on the machine; a request takes masked MHA when its MHA FLOPs < ratio x its sparse FLOPs.
 
-# Measured on a 2-core AVX-512 CPU (benchmarks/dsa_route_bench.py, benchmarks/results/dsa_route_bench.json):
-# the ratio at which the two paths take equal time, at DeepSeek-V3.2's widths.
-MEASURED_MASKED_MHA_RATIO: float = 4.0
+# Measured on this project's 2-core AVX-512 CPU, shared (load average ~15), 2 threads (benchmarks/dsa_route_bench.py,
+# benchmarks/results/dsa_route_bench.json): the geometric mean over its configurations of the two routes'
+# FLOP-rate ratio at DeepSeek-V3.2's widths (it grows with the sequence, 1.9 at 512 new tokens to 7.3 at 8k context).
+MEASURED_MASKED_MHA_RATIO: float = 4.2
 
 
 def sparse_flops(query_len: int, index_topk: int, latent: int, nope: int, rope: int, value: int) -> int:

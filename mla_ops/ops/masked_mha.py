@@ -123,10 +123,11 @@ def attend_selected(call, kv_c, k_pe, sparse_rows, topk_indices, out, lse) -> No
     the sparse kernel. Masked MHA runs where the lengths are free to read and the kernels are torch's (CPU,
     eager); elsewhere every request takes the sparse kernel."""
     plan, dims = call.plan, call.dims
-    ratio = plan.options.masked_mha_cost_ratio if plan.options is not None else 0.0
     mha = []
-    if ratio and call.kernels in (OPS, REFERENCE) and checks.values_readable(
-            plan.query_start_loc, plan.context_lens, sparse_rows, topk_indices, call.q):
+    # Traced (torch.compile) or on other kernels: nothing to decide, every request takes the sparse kernel.
+    if checks.values_readable(plan.query_start_loc, plan.context_lens, sparse_rows, topk_indices, call.q) and \
+            call.kernels in (OPS, REFERENCE) and plan.options is not None and plan.options.masked_mha_cost_ratio:
+        ratio = plan.options.masked_mha_cost_ratio
         qsl, ctx = plan.query_start_loc.tolist(), plan.context_lens.tolist()
         mha = masked_mha_requests(ctx, [b - a for a, b in zip(qsl, qsl[1:])], sparse_rows.tolist(), plan.index_topk,
                                   (dims.latent, dims.nope, dims.rope, dims.value), ratio)

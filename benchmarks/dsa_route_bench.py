@@ -80,7 +80,8 @@ def main(argv=None):
                    sparse_flops_per_head=flops["sparse"], masked_mha_flops_per_head=flops["masked_mha"],
                    break_even_ratio=ratio, max_abs_diff=float((outs["sparse"] - outs["masked_mha"]).abs().max()))
         report.add(row)
-        print(f"c={context:5d} q={query:5d}: sparse {row['sparse_ms']:8.1f} ms  masked MHA {row['masked_mha_ms']:8.1f} ms"
+        print(f"c={context:5d} q={query:5d}: sparse {row['sparse_ms']:8.1f} ms  "
+              f"masked MHA {row['masked_mha_ms']:8.1f} ms"
               f"  FLOP-rate ratio {ratio:5.2f}  max |diff| {row['max_abs_diff']:.1e}", flush=True)
     ratios = [r["break_even_ratio"] for r in report.results]
     suggested = math.exp(sum(map(math.log, ratios)) / len(ratios))

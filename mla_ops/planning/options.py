@@ -109,7 +109,8 @@ class PlanOptions:
             if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real):
                 raise TypeError(f"masked_mha_ratio must be a number or None, got {type(ratio).__name__}")
             if not ratio >= 0:
-                raise ValueError(f"masked_mha_ratio must be >= 0 (0: never masked MHA, math.inf: always), got {ratio!r}")
+                raise ValueError(f"masked_mha_ratio must be >= 0 (0: never masked MHA, math.inf: always), "
+                                 f"got {ratio!r}")
             normalized["masked_mha_ratio"] = float(ratio)
         normalized["index_scores_budget"] = size(self.index_scores_budget, "index_scores_budget")
         if self.index_topk is not None:

@@ -94,7 +94,8 @@ def test_truncated_requests_come_out_nan(route):
     torch.testing.assert_close(lse[:, ~bad], want_lse[:, ~bad], rtol=0, atol=1e-10)
 
 
-@pytest.mark.parametrize("ratio,routed", [(None, "cost model"), (0.0, []), (math.inf, [1, 3, 4, 5]), (2.0, "cost model")])
+@pytest.mark.parametrize("ratio,routed", [(None, "cost model"), (0.0, []), (math.inf, [1, 3, 4, 5]),
+                                          (2.0, "cost model")])
 def test_each_sparse_request_takes_the_route_the_cost_model_picks(monkeypatch, ratio, routed):
     """Per request, at the layer's dims: masked MHA where its FLOPs are under ratio x the sparse path's (the
     measured default for None), the sparse kernel for the rest; at these dims the default splits the batch."""

@@ -1,17 +1,19 @@
 """CPU time of one DeepSeek Sparse Attention layer: mla-ops' ops against transformers' DeepSeek-V3.2 attention.
 
-transformers 5.24's ``DeepseekV32Attention`` (eager, float32) runs a prompt of S tokens: its indexer scores every
-(query, key) pair at once, takes a top-k over all S keys per query, folds the selection into an [S, S] mask and
-runs MHA over every up-projected key. mla-ops runs the same module's projections (its own ``nn.Linear`` and norm
-modules, transformers' RoPE functions) and then its ops: ``plan_prefill(index_topk=K)``, ``index_topk`` (the
-indexer's chunks, a running top-k) and ``run_prefill(topk_indices=)`` (absorbed MQA over each query's K selected
+transformers' ``DeepseekV32Attention`` (eager, float32; the version installed, recorded in the JSON) runs a prompt
+of S tokens: its indexer scores every (query, key) pair at once, takes a top-k over all S keys per query, folds the
+selection into an [S, S] mask and runs MHA over every up-projected key. mla-ops runs the same module's projections
+(its own ``nn.Linear`` and norm modules, transformers' RoPE functions) and then its ops: ``plan_prefill(index_topk=K)``,
+``index_topk`` (the indexer's chunks, a running top-k) and ``run_prefill(topk_indices=)`` (the sparse request on the
+route the cost model picks, ``masked_mha_ratio``: top-k-masked MHA, or absorbed MQA over each query's K selected
 latent rows). Both sides produce the attention output; the largest difference is reported beside the times (the
 selection is a discrete choice, so a near-tie in the float32 scores may pick another key: ``topk_equal`` says how
 many queries selected the same set).
 
 Dims: DeepSeek-V3.2's heads and widths (L = 512, P = 128, R = 64, V = 128, D_I = 128), fewer heads (N = H_I = 16)
 and a smaller hidden size (1024) and K_I (256), so a CPU runs it; ``--smoke``: tiny dims. Times: the fastest of
-``--reps`` interleaved runs, 2 threads; ``speedup`` is transformers' time over ours.
+``--reps`` interleaved runs, 2 threads; ``speedup`` is transformers' time over ours. The 1-minute load average is
+recorded per row (a shared machine slows both sides, but not equally: every op waits for both threads).
 
     python -m benchmarks.dsa_cpu_bench --json benchmarks/results/dsa_cpu_bench.json --plot benchmarks/results/dsa_cpu_bench.png
 """
@@ -19,6 +21,7 @@ and a smaller hidden size (1024) and K_I (256), so a CPU runs it; ``--smoke``: t
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -26,7 +29,7 @@ import mla_ops
 from benchmarks._lib import cli
 from benchmarks._lib import plot as plotting
 from benchmarks._lib.report import Report
-from benchmarks._lib.timing import best_of_interleaved_s
+from benchmarks._lib.timing import best_of_interleaved_s, thread_time_samples
 
 DIMS = dict(hidden_size=1024, num_attention_heads=16, q_lora_rank=384, kv_lora_rank=512, qk_nope_head_dim=128,
             qk_rope_head_dim=64, v_head_dim=128, index_n_heads=16, index_head_dim=128, index_topk=256)
@@ -108,12 +111,18 @@ def transformers_topk(attention, rotary, x):
 def main(argv=None):
     parser = cli.parser(__doc__)
     cli.add_common_args(parser, reps=5, device="cpu")
+    parser.add_argument("--thread-time", action="store_true",
+                        help="1 thread, its CPU time (fastest sample per side): the work done, whatever else runs on "
+                             "a shared machine (the default: 2 threads, wall time)")
     args = cli.parse_args(parser, argv, "dsa_cpu_bench.json")
     dims, prompts = (SMOKE_DIMS, SMOKE_PROMPTS) if args.smoke else (DIMS, PROMPTS)
-    torch.set_num_threads(2)
+    threads = 1 if args.thread_time else 2
+    torch.set_num_threads(threads)
     config, attention, rotary, hf = attention_module(dims, seed=0)
-    report = Report(args.json, dict(benchmark="dsa_cpu_bench", dims=dims, threads=2, dtype="float32",
-                                    transformers=__import__("transformers").__version__), args.dry_run)
+    report = Report(args.json, dict(benchmark="dsa_cpu_bench", dims=dims, threads=threads, dtype="float32",
+                                    clock="thread CPU time" if args.thread_time else "wall",
+                                    transformers=__import__("transformers").__version__,
+                                    cpus=os.cpu_count(), load_average_at_start=os.getloadavg()), args.dry_run)
     for s in prompts:
         x = torch.randn(1, s, dims["hidden_size"], generator=torch.Generator().manual_seed(s))
         ours, topk = mla_ops_forward(attention, rotary, hf, x)
@@ -121,28 +130,33 @@ def main(argv=None):
         reference = transformers_topk(attention, rotary, x)
         # transformers' top-k of an early query also holds masked (future) positions: compare the causal ones
         same = sum(set(a[a >= 0].tolist()) == set(b[b <= t].tolist()) for t, (a, b) in enumerate(zip(topk, reference)))
-        best = best_of_interleaved_s({"mla_ops": lambda: mla_ops_forward(attention, rotary, hf, x),
-                                      "transformers": lambda: transformers_forward(attention, rotary, x)},
-                                     args.reps)
+        sides = {"mla_ops": lambda: mla_ops_forward(attention, rotary, hf, x),
+                 "transformers": lambda: transformers_forward(attention, rotary, x)}
+        if args.thread_time:
+            samples, _ = thread_time_samples(sides, args.reps, sample_ns=0, max_calls=1)
+            best = {name: min(times) * 1e-9 for name, times in samples.items()}
+        else:
+            best = best_of_interleaved_s(sides, args.reps)
         row = dict(prompt=s, mla_ops_ms=best["mla_ops"] * 1e3, transformers_ms=best["transformers"] * 1e3,
                    speedup=best["transformers"] / best["mla_ops"], topk_equal=f"{same} / {s}",
-                   max_abs_diff=float((ours - theirs).abs().max()), max_abs_out=float(theirs.abs().max()))
+                   max_abs_diff=float((ours - theirs).abs().max()), max_abs_out=float(theirs.abs().max()),
+                   load_average=os.getloadavg()[0])  # the machine is shared: other processes' load, 1 minute
         report.add(row)
         print(f"S={s:5d}: mla-ops {row['mla_ops_ms']:8.1f} ms  transformers {row['transformers_ms']:8.1f} ms  "
               f"speedup {row['speedup']:.2f}x  top-k equal {row['topk_equal']}  max |diff| {row['max_abs_diff']:.2e} "
               f"(of {row['max_abs_out']:.2e})", flush=True)
     report.finish()
     if args.plot:
-        plot(report.results, args.plot)
+        plot(report.results, args.plot, "1 thread, CPU time" if args.thread_time else "2 threads")
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(rows: list[dict], path: str, unit: str = "2 threads") -> None:
     plt = plotting.pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     prompts = [r["prompt"] for r in rows]
     for key, label in (("mla_ops_ms", "mla-ops ops"), ("transformers_ms", "transformers (eager)")):
         ax.plot(prompts, [r[key] for r in rows], marker="o", label=label)
-    ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="ms per layer (CPU, 2 threads)",
+    ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel=f"ms per layer (CPU, {unit})",
            title="DSA attention layer on CPU")
     ax.set_xticks(prompts, [str(p) for p in prompts])
     ax.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)

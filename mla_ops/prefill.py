@@ -48,6 +48,7 @@ def plan_prefill(
     index_scores_budget: int = PlanOptions.index_scores_budget,
     max_index_chunks: int | None = None,
     sliding_window: int | None = None,
+    masked_mha_ratio: float | None = None,
     options: PlanOptions | None = None,
 ) -> PrefillPlan:
     """Plan a prefill step once for all layers: the chunk schedule, the routing, the checked lengths.
@@ -72,7 +73,8 @@ def plan_prefill(
     (``index_topk`` selects their keys, ``run_prefill(topk_indices=)`` attends them), the others the
     dense paths; the plan holds the indexer's chunks, each scoring at most ``index_scores_budget``
     (query tokens x key rows); ``max_index_chunks``: the device form's indexer chunk slots (default
-    ``max_chunks``). ``sliding_window=w`` (DESIGN §11): query ``c_r + j`` sees only keys ``c_r + j - w + 1 ..
+    ``max_chunks``); ``masked_mha_ratio``: which sparse requests are attended as top-k-masked MHA instead
+    (``PlanOptions``; None: the measured default). ``sliding_window=w`` (DESIGN §11): query ``c_r + j`` sees only keys ``c_r + j - w + 1 ..
     c_r + j``; each request's context is clamped to the rows its window covers (its last ``min(c_r, w - 1)``),
     so the work grows with the window, not the context. A model whose layers have different windows (or none)
     plans one step per kind of layer.
@@ -85,7 +87,8 @@ def plan_prefill(
                            split_alignment=split_alignment, max_chunks=max_chunks,
                            absorb_max_query_len=absorb_max_query_len, max_absorbed_tokens=max_absorbed_tokens,
                            index_topk=index_topk, index_scores_budget=index_scores_budget,
-                           max_index_chunks=max_index_chunks, sliding_window=sliding_window)
+                           max_index_chunks=max_index_chunks, sliding_window=sliding_window,
+                           masked_mha_ratio=masked_mha_ratio)
     return plan_with_options(query_start_loc, context_lens, block_table, options, context_parallel)
 
 

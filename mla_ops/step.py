@@ -25,6 +25,7 @@ from .ops.cache import CACHE_DTYPES, check_slot_mapping, check_write_rows, write
 from .ops.cache_formats import check_index_format, check_latent_format
 from .ops.indexer import check_index_layer, check_index_step, index_topk_checked
 from .ops.layer_checks import check_layer
+from .ops.masked_mha import attend_selected
 from .ops.sinks import add_sinks, check_sinks
 from .ops.sparse import check_topk_indices, check_topk_values, topk_rows
 from .parallel.run import run_context_parallel
@@ -131,10 +132,8 @@ class PrefillStep:
             # The dense paths gave the sparse requests' tokens the empty partial (their context is in no dense
             # schedule, their suffix not run: LayerCall.suffix): overwritten here, in the merged result, which no
             # one else holds.
-            p = self.plan
-            self.kernels.sparse_attention(call.q, kv_c, k_pe, call.kv_cache, p.block_table, p.query_start_loc,
-                                          p.context_lens, self.sparse_rows, topk_indices, call.weight,
-                                          call.softmax_scale, call.k_scale, result, lse, *call.window())
+            # Each request by absorbed sparse attention or top-k-masked MHA, the cost model's pick (ops/masked_mha.py).
+            attend_selected(call, kv_c, k_pe, self.sparse_rows, topk_indices, result, lse)
         if sinks is not None:  # one more term in every softmax: once, after every merge (ops/sinks.py)
             result, lse = add_sinks(result, lse, sinks)
         if out is not None:

@@ -55,7 +55,7 @@ from typing import Callable
 
 import torch
 
-from .._checks import FLOAT_DTYPES, check_scale, check_tensor, k_scale_tensor
+from .._checks import FLOAT_DTYPES, check_scale, check_tensor, k_scale_tensor, values_readable
 from .._env import triton_available
 from .._mla import NO_FINITE_SELECTION
 from ..planning.index_schedule import sparse_token_loc
@@ -63,6 +63,9 @@ from ..planning.plan import PrefillPlan, current_max_block_id
 from .cache_formats import check_index_format, check_per_token_width, index_rows, index_width, per_token_row_bytes
 
 INDEX_CACHE_DTYPES = FLOAT_DTYPES + (torch.float8_e4m3fn,)
+# Per-head products (tokens x H_I x rows) the torch scorer holds at once: 64 MiB of float32.
+HEAD_PRODUCTS = 1 << 24
+INDEX_QUERY_BLOCK = 128  # and the most tokens per block (CPU: a block scores only the rows it may see)
 
 
 def score_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -140,13 +143,30 @@ def chunk_scores_reference(q_index, index_weights, k_index, index_cache, block_t
     t, t_request, t_position, t_live = chunk_tokens(query_start_loc, context_lens, slot_token, q_index.shape[0])
     q = q_index.index_select(0, t).to(dtype)  # [M, H_I, D_I]
     w = index_weights.index_select(0, t).to(dtype)  # [M, H_I]
-    acc = torch.zeros_like(scores)
-    for h in range(q.shape[1]):  # one [M, W] product at a time: the budget holds
-        acc.addcmul_(w[:, h : h + 1], (q[:, h] @ keys.T).clamp_min_(0))
-    acc.masked_fill_(~torch.isfinite(acc), float("nan"))  # an inf would pass for a rank (or, -inf, for the mask)
+    # Every head's products of a block of tokens in one GEMM, [m, H_I, rows] (bounded by HEAD_PRODUCTS), then the
+    # weighted sum over heads as a batched [1, H_I] x [H_I, rows] product per token. Where the lengths are free to
+    # read (CPU), a block scores only the rows its tokens may see (from its first request's first row to its last
+    # candidate): causally, most of the upper triangle is skipped. The rest is masked below, never read.
+    heads = q.shape[1]
+    block = max(1, min(INDEX_QUERY_BLOCK, HEAD_PRODUCTS // max(heads * rows, 1)))
+    spans = None
+    if values_readable(cu_seq_lens, starts, slot_token) and q.shape[0] > block:
+        first = cu_seq_lens.long().index_select(0, t_request)  # [M] each token's request's first row
+        seen = (t_position - starts.long().index_select(0, t_request) + 1).clamp(min=0)
+        last = torch.minimum(first + seen, cu_seq_lens.long().index_select(0, t_request + 1))
+        spans = torch.stack([torch.where(t_live, first, rows), torch.where(t_live, last, 0)])  # [2, M]
+    for a in range(0, q.shape[0], block):
+        lo, hi = (0, rows) if spans is None else (int(spans[0, a:a + block].min()), int(spans[1, a:a + block].max()))
+        if hi <= lo:
+            continue  # no live candidate in this block: all masked
+        products = torch.matmul(q[a:a + block], keys[lo:hi].T).clamp_min_(0)  # [m, H_I, hi - lo]
+        scores[a:a + block, lo:hi] = torch.bmm(w[a:a + block].unsqueeze(1), products).squeeze(1)
     candidate = (t_live.unsqueeze(1) & live.unsqueeze(0) & (t_request.unsqueeze(1) == request.unsqueeze(0))
                  & (position.unsqueeze(0) <= t_position.unsqueeze(1)))
-    scores.copy_(torch.where(candidate, acc, float("-inf")))
+    # NaN where a candidate's score is not finite (an inf would pass for a rank, or -inf for the mask); -inf where
+    # the row is not a candidate, whatever the tile held there.
+    nan = float("nan")
+    scores.nan_to_num_(nan=nan, posinf=nan, neginf=nan).masked_fill_(~candidate, float("-inf"))
 
 
 ChunkScorer = Callable[..., None]  # chunk_scores_reference's signature
@@ -210,6 +230,11 @@ def index_topk_chunked(score_chunk: ChunkScorer, q_index, index_weights, k_index
         value, index = scores.topk(min(topk, width), dim=1)  # [M, kept]
         found = torch.where(value > float("-inf"), position[index], -1)
         not_finite.index_copy_(0, t, not_finite.index_select(0, t) | scores.isnan().any(1))
+        if i == 0:  # nothing to merge with yet (the running top-k is the identity): the piece's own, padded
+            kept = value.shape[1]
+            best.index_copy_(0, t, torch.nn.functional.pad(value, (0, topk - kept), value=float("-inf")))
+            best_pos.index_copy_(0, t, torch.nn.functional.pad(found, (0, topk - kept), value=-1))
+            continue
         merged = torch.cat([best.index_select(0, t), value], 1)
         merged_pos = torch.cat([best_pos.index_select(0, t), found], 1)
         value, index = merged.topk(topk, dim=1)

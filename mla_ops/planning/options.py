@@ -9,13 +9,14 @@ context parallel) plans the step.
 from __future__ import annotations
 
 import functools
+import numbers
 from dataclasses import dataclass, fields
 
 import torch
 
 from .. import _checks
 from .index_schedule import DEFAULT_INDEX_SCORES_BUDGET
-from .routing import DEFAULT_ABSORB_MAX_QUERY_LEN
+from .routing import DEFAULT_ABSORB_MAX_QUERY_LEN, MEASURED_MASKED_MHA_RATIO
 from .schedule import POLICIES
 
 
@@ -45,6 +46,11 @@ class PlanOptions:
     sliding_window: w, a sliding window (DESIGN §11): query ``c_r + j`` sees only keys ``c_r + j - w + 1 ..
       c_r + j``, so each request's context is clamped to its last ``w - 1`` rows (the work grows with the
       window, not the context). None: no window. A model whose layers differ plans one step per kind.
+    masked_mha_ratio: how a DSA step's sparse requests are attended (DESIGN §12, docs/routing.md): a request
+      takes top-k-masked MHA (its keys up-projected, the selection a mask) where that costs fewer FLOPs than
+      this ratio times the absorbed sparse path's, at the layer's dims (``routing.masked_mha_requests``), else
+      the sparse path. None: ``routing.MEASURED_MASKED_MHA_RATIO``; 0: always sparse; ``math.inf``: always
+      masked MHA. Exact either way; masked MHA runs only where the lengths are free to read (CPU, eager).
     """
 
     block_size: int = 16
@@ -58,6 +64,7 @@ class PlanOptions:
     index_scores_budget: int = DEFAULT_INDEX_SCORES_BUDGET
     max_index_chunks: int | None = None
     sliding_window: int | None = None
+    masked_mha_ratio: float | None = None
 
     def __post_init__(self):
         # Every size is compared with int32 lengths or becomes an int32 offset: bounded by int32, by name
@@ -97,6 +104,14 @@ class PlanOptions:
             normalized["max_absorbed_tokens"] = size(self.max_absorbed_tokens, "max_absorbed_tokens", 0)
         if self.sliding_window is not None:
             normalized["sliding_window"] = size(self.sliding_window, "sliding_window", 1, " (None: no window)")
+        if self.masked_mha_ratio is not None:
+            ratio = self.masked_mha_ratio
+            if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real):
+                raise TypeError(f"masked_mha_ratio must be a number or None, got {type(ratio).__name__}")
+            if not ratio >= 0:
+                raise ValueError(f"masked_mha_ratio must be >= 0 (0: never masked MHA, math.inf: always), "
+                                 f"got {ratio!r}")
+            normalized["masked_mha_ratio"] = float(ratio)
         normalized["index_scores_budget"] = size(self.index_scores_budget, "index_scores_budget")
         if self.index_topk is not None:
             normalized["index_topk"] = size(self.index_topk, "index_topk")
@@ -129,6 +144,11 @@ class PlanOptions:
     def index_capacity(self) -> int | None:
         """The device form's indexer chunk slots: ``max_index_chunks``, else ``max_chunks``."""
         return self.max_chunks if self.max_index_chunks is None else self.max_index_chunks
+
+    @property
+    def masked_mha_cost_ratio(self) -> float:
+        """``masked_mha_ratio`` with None resolved to the measured default."""
+        return MEASURED_MASKED_MHA_RATIO if self.masked_mha_ratio is None else self.masked_mha_ratio
 
     @property
     def window(self) -> int:

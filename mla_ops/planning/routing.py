@@ -72,3 +72,37 @@ def route_context(context_lens, query_lens, absorb_max_query_len: int, max_absor
         absorbed &= np.cumsum(np.where(absorbed, query_lens, 0)) <= max_absorbed_tokens
     absorbed_lens = np.where(absorbed, context_lens, 0)
     return context_lens - absorbed_lens, absorbed_lens
+
+
+# ---- DeepSeek Sparse Attention: absorbed sparse attention or top-k-masked MHA, per request ----------------
+#
+# A sparse request (c context rows, q new tokens, K_I = index_topk) costs, per head, in FLOPs:
+#   absorbed sparse (ops/sparse.py):   q * (2L(P+V) + K_I * 2(2L+R))         fold/unfold + K_I latent keys a query
+#   masked MHA (ops/masked_mha.py):    (c+q) * 2L(P+V) + q * (c + q/2) * 2(P+R+V)   up-projection + dense pairs
+# The two paths do not run FLOPs equally fast: the sparse path gathers a row per selected key and multiplies
+# small matrices, MHA runs large GEMMs. ``masked_mha_ratio`` is how many masked-MHA FLOPs cost what one sparse
+# FLOP does on the machine; a request takes masked MHA when its MHA FLOPs < ratio x its sparse FLOPs.
+
+# Measured on this project's 2-core AVX-512 CPU, shared (load average ~15), 2 threads (benchmarks/dsa_route_bench.py,
+# benchmarks/results/dsa_route_bench.json): the geometric mean over its configurations of the two routes'
+# FLOP-rate ratio at DeepSeek-V3.2's widths (it grows with the sequence, 1.9 at 512 new tokens to 7.3 at 8k context).
+MEASURED_MASKED_MHA_RATIO: float = 4.2
+
+
+def sparse_flops(query_len: int, index_topk: int, latent: int, nope: int, rope: int, value: int) -> int:
+    """Per head: the absorbed sparse path's FLOPs for a request of ``query_len`` tokens (K_I keys a query)."""
+    return query_len * (2 * latent * (nope + value) + index_topk * 2 * (2 * latent + rope))
+
+
+def masked_mha_flops(context_len: int, query_len: int, latent: int, nope: int, rope: int, value: int) -> int:
+    """Per head: top-k-masked MHA's FLOPs for a request (every key up-projected, the causal dense pairs)."""
+    pairs = query_len * context_len + query_len * (query_len + 1) // 2
+    return (context_len + query_len) * 2 * latent * (nope + value) + pairs * 2 * (nope + rope + value)
+
+
+def masked_mha_requests(context_lens: list[int], query_lens: list[int], candidates: list[bool], index_topk: int,
+                        dims: tuple[int, int, int, int], ratio: float) -> list[int]:
+    """The requests among ``candidates`` (host lists, [B]) that take top-k-masked MHA: those whose MHA FLOPs
+    are under ``ratio`` x their sparse FLOPs at ``dims`` = (L, P, R, V). ``ratio`` 0: none; inf: all."""
+    return [r for r, (c, q, ok) in enumerate(zip(context_lens, query_lens, candidates))
+            if ok and q and masked_mha_flops(c, q, *dims) < ratio * sparse_flops(q, index_topk, *dims)]

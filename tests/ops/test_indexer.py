@@ -49,6 +49,20 @@ def test_matches_the_dense_oracle(form, block_size, dtype):
     check_topk(mla_ops.index_topk(*batch.args, plan), batch.expected, TOPK)
 
 
+@pytest.mark.parametrize("form", ["host", "device"])
+@pytest.mark.parametrize("query_block", [1, 3])
+def test_blocks_scoring_only_the_rows_their_tokens_see_match_the_oracle(monkeypatch, form, query_block):
+    """The CPU scorer's token blocks (``INDEX_QUERY_BLOCK``) score only the rows from their first request's first
+    row to their last candidate: blocks across requests, within one, and past a piece's live slots."""
+    from mla_ops.ops import indexer
+
+    monkeypatch.setattr(indexer, "INDEX_QUERY_BLOCK", query_block)
+    batch = indexer_batch(CONTEXTS, QUERIES, TOPK, block_size=4, dtype=torch.float64, seed=7)
+    for workspace, budget in ((WORKSPACE, BUDGET), (128, 128 * 64)):
+        plan = batch.plan(TOPK, workspace, budget, max_chunks=60 if form == "device" else None)
+        check_topk(mla_ops.index_topk(*batch.args, plan), batch.expected, TOPK)
+
+
 def test_one_chunk_for_everything_and_one_token_per_chunk_agree():
     """The fold's bounds: all rows and tokens in one chunk (W, M large), and M = 1 (budget = W)."""
     batch = indexer_batch(CONTEXTS, QUERIES, TOPK, block_size=4, weights_dtype=torch.float32, seed=3)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import mla_ops
-from mla_ops.planning.routing import DEFAULT_ABSORB_MAX_QUERY_LEN
+from mla_ops.planning.routing import DEFAULT_ABSORB_MAX_QUERY_LEN, MEASURED_MASKED_MHA_RATIO
 
 
 def test_defaults_resolve_in_one_place():
@@ -18,6 +18,8 @@ def test_defaults_resolve_in_one_place():
     device = dataclasses.replace(host, max_chunks=4)
     assert device.device_form and device.absorbed_capacity == 65536 // 4  # a static scratch
     assert mla_ops.PlanOptions(absorb_max_query_len=0).absorb_threshold == 0
+    assert host.masked_mha_cost_ratio == MEASURED_MASKED_MHA_RATIO  # DSA's route: the measured ratio
+    assert mla_ops.PlanOptions(masked_mha_ratio=np.int64(3)).masked_mha_cost_ratio == 3.0
 
 
 def test_numpy_ints_become_ints():
@@ -41,6 +43,10 @@ def test_numpy_ints_become_ints():
      r"max_chunks \(the device form\) plans only split_alignment=1, got split_alignment=4"),
     (dict(absorb_max_query_len=-1), ValueError, "absorb_max_query_len must be an int >= 0"),
     (dict(max_absorbed_tokens=-1), ValueError, "max_absorbed_tokens must be an int >= 0"),
+    (dict(masked_mha_ratio=-1.0), ValueError, r"masked_mha_ratio must be >= 0 \(0: never masked MHA"),
+    (dict(masked_mha_ratio=float("nan")), ValueError, "masked_mha_ratio must be >= 0"),
+    (dict(masked_mha_ratio="2"), TypeError, "masked_mha_ratio must be a number or None, got str"),
+    (dict(masked_mha_ratio=True), TypeError, "masked_mha_ratio must be a number or None, got bool"),
     # Every size reaches an int32 tensor (compared with int32 lengths, an int32 offset): 2**31 would wrap.
     *[(dict({name: 2**31}, **extra), ValueError, rf"{name} must be at most 2\*\*31 - 1 \(it reaches int32")
       for name, extra in [("block_size", {}), ("workspace_size", {}), ("split_alignment", {}),

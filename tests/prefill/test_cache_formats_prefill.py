@@ -77,11 +77,13 @@ def test_dense_paths_on_fp8_ds_mla_equal_the_float64_oracle(form):
     torch.testing.assert_close(one_call, want, rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("masked_mha_ratio", [0.0, float("inf")], ids=["sparse", "masked MHA"])
 @pytest.mark.parametrize("form", ["host", "device, absorbed"])
-def test_sparse_attention_on_fp8_ds_mla_equals_the_masked_oracle(form):
+def test_sparse_attention_on_fp8_ds_mla_equals_the_masked_oracle(form, masked_mha_ratio):
     batch, packed = ds_mla_batch(seed=2)
     plan = mla_ops.plan_prefill(batch.query_start_loc, batch.context_lens, batch.block_table, BLOCK, WORKSPACE,
-                                index_topk=TOPK, index_scores_budget=32, **PLANS[form])
+                                index_topk=TOPK, index_scores_budget=32, masked_mha_ratio=masked_mha_ratio,
+                                **PLANS[form])
     topk = random_topk(CTX, QLENS, TOPK, seed=4, sparse=plan.sparse.tolist(), shuffle=False)
     out, lse = run(batch, packed, plan, topk_indices=topk, return_lse=True)
     sparse_out, sparse_lse, rows = masked_reference(batch, topk, plan.sparse)

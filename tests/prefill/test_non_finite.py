@@ -19,6 +19,8 @@ BLOCK, WORKSPACE = 4, 4
 POISONED_Q = [(1, 0), (4, 1), (6, 0), (6, 1), (17, 1)]
 VALUES = {"nan": float("nan"), "+inf": float("inf"), "-inf": float("-inf")}
 PATHS = {"chunk loop": dict(absorb_max_query_len=0), "absorbed": dict(absorb_max_query_len=64)}
+# A sparse request's two routes (masked_mha_ratio): absorbed sparse attention, top-k-masked MHA.
+ROUTES = {"sparse": 0.0, "masked MHA": float("inf")}
 
 
 def plan_for(batch, form, path, **kwargs):
@@ -75,10 +77,11 @@ def test_a_non_finite_cached_key_gives_nan_in_every_token_that_sees_it(form, pat
 @pytest.mark.parametrize("value", list(VALUES))
 @pytest.mark.parametrize("form", ["host", "device"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_a_non_finite_query_of_a_sparse_token_gives_nan_in_its_token_and_head_only(dtype, form, value):
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_a_non_finite_query_of_a_sparse_token_gives_nan_in_its_token_and_head_only(dtype, form, value, route):
     """DSA: requests 1 and 4 (c_r + q_r > 8) are sparse; a poisoned query there goes through sparse attention."""
     batch = make_batch(CONTEXTS, QUERIES, seed=3, block_size=BLOCK, dtype=dtype)
-    plan = plan_for(batch, form, "chunk loop", index_topk=8, index_scores_budget=32)
+    plan = plan_for(batch, form, "chunk loop", index_topk=8, index_scores_budget=32, masked_mha_ratio=ROUTES[route])
     assert plan.sparse.tolist() == [False, True, False, False, True, False]
     topk = random_topk(CONTEXTS, QUERIES, 8, seed=4, sparse=plan.sparse.tolist(), empty=0.0)
     sparse_out, sparse_lse, rows = masked_reference(batch, topk, plan.sparse)
@@ -95,7 +98,8 @@ def test_a_non_finite_query_of_a_sparse_token_gives_nan_in_its_token_and_head_on
     check(out, lse, reached, want_out, want_lse, dtype)
 
 
-def test_a_row_without_keys_keeps_the_empty_partial():
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_a_row_without_keys_keeps_the_empty_partial(route):
     """The suffix alone (no context anywhere) and a sparse token that selects nothing: 0 / -inf, never NaN."""
     from mla_ops.ops.attention import varlen_attention_reference
 
@@ -105,7 +109,7 @@ def test_a_row_without_keys_keeps_the_empty_partial():
     out, lse = varlen_attention_reference(q, k_nope, k_pe, v, cu, keys, 0.5, causal=True)
     assert (out[0] == 0).all() and (lse[:, 0] == float("-inf")).all() and not out.isnan().any()
     batch = make_batch(CONTEXTS, QUERIES, seed=5, block_size=BLOCK)
-    plan = plan_for(batch, "host", "chunk loop", index_topk=8, index_scores_budget=32)
+    plan = plan_for(batch, "host", "chunk loop", index_topk=8, index_scores_budget=32, masked_mha_ratio=ROUTES[route])
     topk = random_topk(CONTEXTS, QUERIES, 8, seed=5, sparse=plan.sparse.tolist(), empty=0.0)
     topk[4] = -1  # request 1's second token selects no key
     out, lse = mla_ops.run_prefill(*batch.args()[:4], batch.kv_b_proj_weight, batch.softmax_scale, plan,
@@ -115,11 +119,12 @@ def test_a_row_without_keys_keeps_the_empty_partial():
 
 @pytest.mark.parametrize("value", list(VALUES))
 @pytest.mark.parametrize("form", ["host", "device"])
-def test_a_non_finite_cached_key_gives_nan_in_the_sparse_tokens_that_select_it(form, value):
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_a_non_finite_cached_key_gives_nan_in_the_sparse_tokens_that_select_it(form, value, route):
     """A NaN or inf in request 1's context position 6 (a sparse request): exactly the tokens whose top-k row
     selects it come out NaN, in every head; the others, which skip it, equal the masked reference."""
     batch = make_batch(CONTEXTS, QUERIES, seed=6, block_size=BLOCK, dtype=torch.float64)
-    plan = plan_for(batch, form, "chunk loop", index_topk=8, index_scores_budget=32)
+    plan = plan_for(batch, form, "chunk loop", index_topk=8, index_scores_budget=32, masked_mha_ratio=ROUTES[route])
     topk = random_topk(CONTEXTS, QUERIES, 8, seed=7, sparse=plan.sparse.tolist(), empty=0.0)
     topk[3, :3] = torch.tensor([6, 0, 1], dtype=torch.int32)  # token 3 selects position 6 with finite ones
     topk[4] = torch.where(topk[4] == 6, -1, topk[4])  # token 4 does not

@@ -3,7 +3,8 @@
 Batches mix dense-routed requests (c_r + q_r <= index_topk: the chunk loop or the absorbed path) and
 sparse ones (their tokens attend only their selected keys), with zero-context requests and contexts
 larger than the workspace. Sparse tokens must equal the masked float64 oracle
-(tests/support/sparse.py), dense tokens the dense float64 reference (tests/support/batches.py).
+(tests/support/sparse.py), dense tokens the dense float64 reference (tests/support/batches.py), on both routes
+of a sparse request (absorbed sparse attention, top-k-masked MHA: ``masked_mha_ratio`` forces each).
 """
 
 import math
@@ -12,6 +13,8 @@ import pytest
 import torch
 
 import mla_ops
+from mla_ops.ops import masked_mha
+from mla_ops.planning.routing import masked_mha_requests
 from tests.support.batches import dense_reference, make_batch
 from tests.support.sparse import masked_reference, random_topk
 
@@ -24,6 +27,9 @@ PLANS = {
     "device": dict(absorb_max_query_len=0, max_chunks=24),
     "device, absorbed": dict(absorb_max_query_len=2, max_chunks=24),
 }
+
+# A sparse request's route: 0 forces absorbed sparse attention, inf top-k-masked MHA; None the cost model's pick.
+ROUTES = {"sparse": 0.0, "masked MHA": math.inf, "cost model": None}
 
 
 def plan_for(batch, **kwargs):
@@ -44,10 +50,11 @@ def expected(batch, plan, topk):
     return torch.where(rows[:, None, None], sparse_out, out), torch.where(rows, sparse_lse, lse), rows
 
 
+@pytest.mark.parametrize("route", list(ROUTES))
 @pytest.mark.parametrize("form", list(PLANS))
-def test_sparse_tokens_attend_their_selection_and_dense_tokens_everything(form):
+def test_sparse_tokens_attend_their_selection_and_dense_tokens_everything(form, route):
     batch = make_batch(CTX, QLENS, seed=3, block_size=BLOCK, nan_fill=True)
-    plan = plan_for(batch, **PLANS[form])
+    plan = plan_for(batch, masked_mha_ratio=ROUTES[route], **PLANS[form])
     assert plan.sparse.tolist() == [False, True, False, True, True, True, False]
     topk = random_topk(CTX, QLENS, TOPK, seed=4, sparse=plan.sparse.tolist(), shuffle=False)
     out, lse = run(batch, plan, topk, backend="torch", return_lse=True)
@@ -59,9 +66,10 @@ def test_sparse_tokens_attend_their_selection_and_dense_tokens_everything(form):
     torch.testing.assert_close(alone, out, rtol=0, atol=1e-12)
 
 
-def test_fp8_cache_float32():
+@pytest.mark.parametrize("route", ["sparse", "masked MHA"])
+def test_fp8_cache_float32(route):
     batch = make_batch(CTX, QLENS, seed=5, block_size=BLOCK, dtype=torch.float32, fp8_scale=0.5)
-    plan = plan_for(batch, max_chunks=24)
+    plan = plan_for(batch, max_chunks=24, masked_mha_ratio=ROUTES[route])
     topk = random_topk(CTX, QLENS, TOPK, seed=5, sparse=plan.sparse.tolist())
     out, lse = run(batch, plan, topk, return_lse=True)
     want, want_lse, _ = expected(batch, plan, topk)
@@ -69,11 +77,12 @@ def test_fp8_cache_float32():
     torch.testing.assert_close(lse.double(), want_lse, rtol=0, atol=2e-5)
 
 
-def test_truncated_requests_come_out_nan():
+@pytest.mark.parametrize("route", ["sparse", "masked MHA"])
+def test_truncated_requests_come_out_nan(route):
     """A device plan whose indexer chunks run past max_chunks: those requests' tokens are NaN, never
     silently wrong; the others are exact."""
     batch = make_batch(CTX, QLENS, seed=6, block_size=BLOCK)
-    plan = plan_for(batch, max_chunks=6)
+    plan = plan_for(batch, max_chunks=6, masked_mha_ratio=ROUTES[route])
     truncated = plan.truncated
     assert truncated.any() and not truncated.all()
     topk = random_topk(CTX, QLENS, TOPK, seed=6, sparse=plan.sparse.tolist())
@@ -83,6 +92,28 @@ def test_truncated_requests_come_out_nan():
     want, want_lse, _ = expected(batch, plan, topk)
     torch.testing.assert_close(out[~bad], want[~bad], rtol=0, atol=1e-10)
     torch.testing.assert_close(lse[:, ~bad], want_lse[:, ~bad], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("ratio,routed", [(None, "cost model"), (0.0, []), (math.inf, [1, 3, 4, 5]),
+                                          (2.0, "cost model")])
+def test_each_sparse_request_takes_the_route_the_cost_model_picks(monkeypatch, ratio, routed):
+    """Per request, at the layer's dims: masked MHA where its FLOPs are under ratio x the sparse path's (the
+    measured default for None), the sparse kernel for the rest; at these dims the default splits the batch."""
+    batch = make_batch(CTX, QLENS, seed=11, block_size=BLOCK)
+    plan = plan_for(batch, masked_mha_ratio=ratio)
+    served = []
+    real = masked_mha.masked_mha
+    monkeypatch.setattr(masked_mha, "masked_mha", lambda *args: served.append(list(args[7])) or real(*args))
+    topk = random_topk(CTX, QLENS, TOPK, seed=11, sparse=plan.sparse.tolist())
+    out, lse = run(batch, plan, topk, return_lse=True)
+    if routed == "cost model":
+        routed = masked_mha_requests(CTX, QLENS, plan.sparse.tolist(), TOPK, (16, 8, 4, 8),
+                                     plan.options.masked_mha_cost_ratio)
+        assert routed and routed != [1, 3, 4, 5]  # both routes serve this batch
+    assert served == ([routed] if routed else [])
+    want, want_lse, _ = expected(batch, plan, topk)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-10)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-10)
 
 
 def test_compiled_device_form_serves_two_batch_mixes_without_recompiling():

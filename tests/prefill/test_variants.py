@@ -205,11 +205,12 @@ SPARSE_CTX, SPARSE_Q, TOPK = [0, 13, 5, 0, 9, 30, 2], [3, 4, 2, 9, 1, 5, 2], 8
 @pytest.mark.parametrize("backend", ["torch", "auto"])
 @pytest.mark.parametrize("max_chunks", [None, 24])
 @pytest.mark.parametrize("window", [3, 10])
-def test_sparse_requests_in_a_window(window, max_chunks, backend):
+@pytest.mark.parametrize("masked_mha_ratio", [0.0, float("inf")], ids=["sparse", "masked MHA"])
+def test_sparse_requests_in_a_window(window, max_chunks, backend, masked_mha_ratio):
     batch = make_batch(SPARSE_CTX, SPARSE_Q, seed=10, block_size=BLOCK, nan_fill=True)
     plan = mla_ops.plan_prefill(batch.query_start_loc, batch.context_lens, batch.block_table, BLOCK, 8,
                                 absorb_max_query_len=2, max_chunks=max_chunks, index_topk=TOPK, index_scores_budget=32,
-                                sliding_window=window)
+                                sliding_window=window, masked_mha_ratio=masked_mha_ratio)
     topk = random_topk(SPARSE_CTX, SPARSE_Q, TOPK, seed=11, sparse=plan.sparse.tolist(), empty=0.0)
     sinks = sinks_for(2, seed=3)
     out, lse = mla_ops.run_prefill(batch.q, batch.kv_c, batch.k_pe, batch.kv_cache, batch.kv_b_proj_weight,

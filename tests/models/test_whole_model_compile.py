@@ -13,6 +13,7 @@ from torch._dynamo.testing import AotEagerAndRecordGraphs
 import mla_ops
 from mla_ops.models import regions
 from mla_ops.models.config import IndexerConfig
+from mla_ops.planning import options as plan_options
 from tests.support.batches import cache_list, clone_caches, model_step, normal_caches
 from tests.support.gpu import DEVICE, TOL, needs_cuda
 
@@ -66,6 +67,27 @@ def test_a_stacked_cache_tensor_is_refused_by_name_under_compile():
     with torch.no_grad(), pytest.raises(ValueError, match=r"^kv_caches.latent is one stacked tensor: under torch.compile "
                                                           r"pass a list of 4 \[num_blocks, block_size, 40\]"):
         compiled(ids, positions, torch.stack(model.allocate_kv_caches(64, 4).latent), slots, table, qsl, ctx)
+
+
+@torch.no_grad()
+def test_the_model_compiles_with_inductor_on_unmarked_caches():
+    """``torch.compile(model, fullgraph=True, dynamic=True)`` with Inductor on CPU, the caches marked neither
+    static nor dynamic (issue 48 item 6 reported an Inductor crash there): one graph for two batch mixes, eager's
+    logits and caches."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    config = mla_ops.MLAConfig.from_name("tiny")
+    model = mla_ops.MLAForCausalLM(config).eval()
+    base = normal_caches(model.allocate_kv_caches(64, 4))
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    for i, (context_lens, query_lens) in enumerate(MIXES[:2]):
+        ids, positions, slots, table, qsl, ctx = model_step(config, context_lens, query_lens, seed=i)
+        plan = mla_ops.plan_prefill(qsl, ctx, table, options=OPTIONS)
+        caches, expect_caches = clone_caches(base), clone_caches(base)
+        with torch.compiler.set_stance("fail_on_recompile" if i else "default"):
+            out = compiled(ids, positions, caches, slots, plan)
+        torch.testing.assert_close(out, model(ids, positions, expect_caches, slots, plan), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cache_list(caches), cache_list(expect_caches), rtol=1e-5, atol=1e-5)
 
 
 @torch.no_grad()
@@ -182,6 +204,7 @@ def test_plan_sizes_held_in_closures_or_on_self_compile_under_dynamic_shapes(hol
 def steps(model, config, backend=None) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
     """Every mix of MIXES on the same random caches, eagerly or compiled with ``backend``: each step's logits and
     caches."""
+    # The sparse route on both sides: eager CPU may route a request to top-k-masked MHA (exact, not bit for bit)
     options = dataclasses.replace(OPTIONS, index_topk=config.index_topk)
 
     def step(ids, positions, caches, slots, table, qsl, ctx):
@@ -213,6 +236,9 @@ def test_cache_writes_inside_and_between_the_regions_agree_bit_for_bit(config, m
     graph holds none of them (a write per layer and cache between the regions)."""
     torch.manual_seed(0)
     model = mla_ops.MLAForCausalLM(config).double().eval()
+    # Eager on the sparse route too: its cost model may pick top-k-masked MHA (exact, not bit for bit), which
+    # compiled code never takes
+    monkeypatch.setattr(plan_options, "MEASURED_MASKED_MHA_RATIO", 0.0)
     expect = steps(model, config)
     for inside in (False, True) if regions.WRITES_IN_REGIONS else (False,):
         monkeypatch.setattr(regions, "WRITES_IN_REGIONS", inside)

@@ -144,7 +144,9 @@ DSA = dict(indexer=dict(index_topk=16, index_n_heads=4, index_head_dim=16))
 
 
 def census(batch: int, device_plan: bool, fp8: bool, layers: int = 3, seed: int = 0, backend: str = "torch",
-           dsa: bool = False) -> dict:
+           dsa: bool = False, masked_mha_ratio: float | None = None) -> dict:
+    """``masked_mha_ratio``: the plan's (None: the measured default, which routes some sparse requests to
+    top-k-masked MHA on this eager CPU run; 0: every one to the sparse path)."""
     config = mla_ops.MLAConfig(**{**mla_ops.models.config.mla_configs[PRESET], "num_hidden_layers": layers,
                                   **(DSA if dsa else {})})
     torch.manual_seed(seed)
@@ -159,7 +161,8 @@ def census(batch: int, device_plan: bool, fp8: bool, layers: int = 3, seed: int 
     table = step["block_table"]
     plan = mla_ops.plan_prefill(step["query_start_loc"], step["context_lens"], table, 4, workspace_size=64,
                                 max_chunks=4 if device_plan else None, index_topk=config.index_topk,
-                                max_index_chunks=64 if device_plan and dsa else None)
+                                max_index_chunks=64 if device_plan and dsa else None,
+                                masked_mha_ratio=masked_mha_ratio)
     recorder = LayerCensus(model)
     launches = recorder.triton_launches() if backend == "triton" else contextlib.nullcontext()
     try:
@@ -171,7 +174,7 @@ def census(batch: int, device_plan: bool, fp8: bool, layers: int = 3, seed: int 
     step_only = [sum(c.values()) for c in recorder.step_only]
     dense = [q for q, c in zip(query_lens, context_lens) if not dsa or c + q <= config.index_topk]
     return dict(backend=backend, batch=batch, plan="device" if device_plan else "host", cache="float8_e4m3fn" if fp8 else "float32",
-                dsa=dsa, tokens=sum(query_lens), dense_routed_tokens=sum(dense),
+                dsa=dsa, masked_mha_ratio=masked_mha_ratio, tokens=sum(query_lens), dense_routed_tokens=sum(dense),
                 suffix_tokens_per_layer=recorder.suffix_tokens,
                 layers=layers, ops_per_layer=per_layer, step_only_per_layer=step_only,
                 step_only_ops=dict(sorted(recorder.step_only[-1].items())),

@@ -19,7 +19,7 @@ import torch
 import mla_ops
 from mla_ops.models.axk2 import transformers_name
 from mla_ops.models.config import MLAConfig
-from tests.support.dsa_families import check_selection, index_score_gap
+from tests.support.dsa_families import check_preset_runs, check_regional_compile, check_selection, index_score_gap
 from tests.support.families import check_cli, check_generation, check_logits, check_whole_model_compile, \
     prompts_of, spread_weights, step
 
@@ -197,26 +197,8 @@ def test_the_whole_model_compiles_with_a_region_per_layer_kind(checkpoint):
 
 
 def test_tiny_preset_builds_and_runs():
-    model = mla_ops.MLAForCausalLM(MLAConfig.from_name("tiny-axk2")).eval()
-    prompt = prompts_of([11], model.config.vocab_size, seed=3)[0]
-    with torch.no_grad():
-        (logits,) = step(model, model.allocate_kv_caches(4, 4), [prompt], [0], index_topk=model.config.index_topk)
-    assert logits.shape == (11, model.config.vocab_size) and bool(logits.isfinite().all())
+    check_preset_runs("tiny-axk2")
 
 
-@torch.no_grad()
 def test_regional_compile_equals_eager():
-    """``compile_layers``: the attentions' projections (the output gate's with them) and the MLPs compiled (aot_eager:
-    the graphs, not Inductor's code, are what is checked), the family's other parts eager between them."""
-    torch.manual_seed(0)
-    model = spread_weights(mla_ops.MLAForCausalLM(MLAConfig.from_name("tiny-axk2")).double(), 3)
-    prompts = prompts_of([13, 5, 1], model.config.vocab_size, seed=1)
-
-    def run():
-        return torch.cat(step(model, model.allocate_kv_caches(24, 4), prompts, [0, 0, 0],
-                              index_topk=model.config.index_topk))
-
-    expect = run()
-    model.compile_layers(backend="aot_eager")
-    torch.testing.assert_close(run(), expect, rtol=1e-12, atol=1e-12)
-    assert all(region.compiled for region in model.model.compiled_regions)
+    check_regional_compile("tiny-axk2")

@@ -10,7 +10,7 @@ the model's own float64 index queries, weights and keys; the tests assert it is 
 import torch
 
 import mla_ops
-from tests.support.families import prompts_of, step, transformers_greedy
+from tests.support.families import prompts_of, spread_weights, step, transformers_greedy
 
 
 @torch.no_grad()
@@ -97,3 +97,31 @@ def check_cache_bookkeeping(path, hf, num_blocks=15) -> list[int]:
     assert isinstance(caches, mla_ops.KVCaches) and caches.index is not None
     assert caches.latent[0].shape[:2] == caches.index[0].shape[:2] == (num_blocks, 4)
     return hits
+
+
+def check_preset_runs(name: str) -> None:
+    """``MLAConfig.from_name(name)`` builds and runs one prompt to finite logits."""
+    model = mla_ops.MLAForCausalLM(mla_ops.MLAConfig.from_name(name)).eval()
+    prompt = prompts_of([11], model.config.vocab_size, seed=3)[0]
+    with torch.no_grad():
+        (logits,) = step(model, model.allocate_kv_caches(4, 4), [prompt], [0], index_topk=model.config.index_topk)
+    assert logits.shape == (11, model.config.vocab_size) and bool(logits.isfinite().all())
+
+
+@torch.no_grad()
+def check_regional_compile(name: str) -> None:
+    """``compile_layers`` on preset ``name``: the attentions' projections (an output gate's with them) and the MLPs
+    compiled (aot_eager: the graphs, not Inductor's code, are what is checked), the family's other parts eager
+    between them; float64 logits equal eager's."""
+    torch.manual_seed(0)
+    model = spread_weights(mla_ops.MLAForCausalLM(mla_ops.MLAConfig.from_name(name)).double(), 3)
+    prompts = prompts_of([13, 5, 1], model.config.vocab_size, seed=1)
+
+    def run():
+        return torch.cat(step(model, model.allocate_kv_caches(24, 4), prompts, [0, 0, 0],
+                              index_topk=model.config.index_topk))
+
+    expect = run()
+    model.compile_layers(backend="aot_eager")
+    torch.testing.assert_close(run(), expect, rtol=1e-12, atol=1e-12)
+    assert all(region.compiled for region in model.model.compiled_regions)

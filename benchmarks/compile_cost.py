@@ -15,6 +15,11 @@ so a load that comes and goes falls on every count alike):
   on the device (``max_chunks=4``) and runs the model: one graph, each layer a nested compile region
   traced once per layer kind and stamped out for every other layer (``mla_ops.models.regions``), the
   caches a list of one tensor per layer, marked static;
+* ``whole-between`` (``--between``, torch >= 2.14): the same, each layer's rows written between the regions as
+  on torch 2.13; ``whole-nowrite`` (``--floor``): the same with no cache write at all (its output is not the
+  model's), the floor of what a region call per layer costs on this torch; ``whole-stacked`` (``--stacked``): the
+  same step of a stacked model (``MLAModel.stack_layers()``, ``allocate_kv_caches(..., stacked=True)``), each run
+  of like layers one ``scan`` (``mla_ops.models.regions.run_stacked``);
 * ``regional`` (by layers): ``MLAModel.compile_layers()`` and the same step run as is: the layers'
   dense regions compiled once and shared by every layer;
 * ``warmup``: ``PrefillGraphs(mode="compile").warmup()`` of 20 buckets (``max_tokens=32``,
@@ -45,6 +50,7 @@ from torch._dynamo.utils import counters
 
 import mla_ops
 from mla_ops.models import regions
+from mla_ops.models.layer import ModelStep
 from benchmarks._lib import plot as plotting
 from benchmarks._lib.batches import model_step
 from benchmarks._lib.report import write_json_atomic
@@ -55,6 +61,13 @@ WHOLE_KINDS = ("whole",)
 # The whole step with each layer's rows written between the regions, as on torch 2.13, where torch >= 2.14 would
 # write them inside (``regions.WRITES_IN_REGIONS``): what the writes inside change (``--between``).
 BETWEEN = "whole-between"
+# The whole step with no cache write at all (its caches stay zero: not the model's output): what torch's region
+# calls alone cost per layer, the floor under both ways of writing (``--floor``).
+FLOOR = "whole-nowrite"
+# The whole step of a stacked model (``stack_layers()``, the latent caches one stacked tensor): each run of like
+# layers one scan, whatever the depth (``--stacked``).
+STACKED = "whole-stacked"
+EXTRA_KINDS = (BETWEEN, FLOOR, STACKED)
 STEPS = 20  # steps timed after the first output (and 3 warm ones): the steady step time
 
 
@@ -128,9 +141,13 @@ def _measure(kind: str, size: int, restarts: _Restarts) -> dict:
     with torch.no_grad():
         if kind == BETWEEN:
             regions.WRITES_IN_REGIONS = False  # this process only
-        if kind in WHOLE_KINDS + (BETWEEN, "regional"):
+        if kind == FLOOR:
+            ModelStep.write = lambda self, caches, made: None  # this process only
+        if kind in WHOLE_KINDS + EXTRA_KINDS + ("regional",):
             x = model_step(config, [9, 30, 0], [3, 5, 4], block_size, "cpu")
-            caches = model.allocate_kv_caches(x["num_blocks"], block_size)
+            if kind == STACKED:
+                model.stack_layers()
+            caches = model.allocate_kv_caches(x["num_blocks"], block_size, stacked=kind == STACKED)
             for cache in caches.tensors:
                 torch._dynamo.mark_static(cache)  # a runner's fixed buffers, as the README's recipe
 
@@ -138,7 +155,7 @@ def _measure(kind: str, size: int, restarts: _Restarts) -> dict:
                 plan = mla_ops.plan_prefill(qsl, ctx, table, 4, 64, max_chunks=4)
                 return model(ids, positions, caches, slots, plan)
 
-            if kind in WHOLE_KINDS + (BETWEEN,):
+            if kind in WHOLE_KINDS + EXTRA_KINDS:
                 step = torch.compile(step, fullgraph=True, dynamic=True)
             else:
                 model.compile_layers()
@@ -210,9 +227,11 @@ def run_interleaved(kind: str, sizes, repeats: int) -> list[dict]:
 
 
 def run(layers=LAYERS, whole_layers=WHOLE_LAYERS, whole_buckets: bool = False, warmups: bool = True,
-        repeats: int = 1, between: bool = False, interleave: bool = False) -> dict:
+        repeats: int = 1, between: bool = False, interleave: bool = False, floor: bool = False,
+        stacked: bool = False) -> dict:
     rows = []
-    whole_kinds = WHOLE_KINDS + ((BETWEEN,) if between and regions.WRITES_IN_REGIONS else ())
+    whole_kinds = WHOLE_KINDS + ((BETWEEN,) if between and regions.WRITES_IN_REGIONS else ()) + \
+        ((FLOOR,) if floor else ()) + ((STACKED,) if stacked else ())
     by_layers = tuple((kind, sizes) for kind, sizes in (("regional", layers),) + tuple(
         (kind, whole_layers) for kind in whole_kinds) if sizes)
     for kind, sizes in by_layers:
@@ -237,6 +256,12 @@ def run(layers=LAYERS, whole_layers=WHOLE_LAYERS, whole_buckets: bool = False, w
                 ratios[f"{kind}_8_over_1_layers{suffix}"] = round(by[kind, 8] / by[kind, 1], 2)
             if 8 in sizes and 61 in sizes:
                 ratios[f"{kind}_61_over_8_layers{suffix}"] = round(by[kind, 61] / by[kind, 8], 2)
+    phases = {(r["kind"], r["size"]): r["phases"] for r in rows}
+    for kind, sizes in by_layers:
+        if 8 in sizes and 61 in sizes:  # what each phase spends on each layer past the 8th (wall seconds)
+            ratios[f"{kind}_ms_per_layer_8_to_61"] = {
+                phase: round((phases[kind, 61][phase] - phases[kind, 8][phase]) / 53 * 1e3)
+                for phase in phases[kind, 8]}
     for suffix, field in (("", "step_ms"), ("_cpu", "step_cpu_ms")):
         step_ms = {(r["kind"], r["size"]): r[field] for r in rows if field in r}
         for n in sorted({size for kind, size in step_ms if kind == "whole"}):
@@ -254,7 +279,7 @@ def run(layers=LAYERS, whole_layers=WHOLE_LAYERS, whole_buckets: bool = False, w
 def plot(result: dict, path: str) -> None:
     plt = plotting.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for kind in WHOLE_KINDS + (BETWEEN, "regional"):
+    for kind in WHOLE_KINDS + EXTRA_KINDS + ("regional",):
         rows = [r for r in result["rows"] if r["kind"] == kind]
         if not rows:
             continue
@@ -278,6 +303,10 @@ def main(argv=None) -> dict | None:
     parser.add_argument("--repeats", type=int, default=1, help="cold runs per measurement, the least CPU time kept")
     parser.add_argument("--between", action="store_true",
                         help="also whole steps whose rows are written between the regions (torch >= 2.14)")
+    parser.add_argument("--floor", action="store_true",
+                        help="also whole steps that write no cache (wrong output): the region calls' own cost")
+    parser.add_argument("--stacked", action="store_true",
+                        help="also whole steps of a stacked model (stack_layers(), stacked caches): one scan per run")
     parser.add_argument("--interleave", action="store_true",
                         help="repeats in rounds over the layer counts (1, 8, 61, 1, 8, 61, ...), not in a row")
     parser.add_argument("--measure", nargs=2, metavar=("KIND", "SIZE"), help=argparse.SUPPRESS)
@@ -286,7 +315,7 @@ def main(argv=None) -> dict | None:
         print(json.dumps(measure(args.measure[0], int(args.measure[1]))))
         return None
     result = run(args.layers, args.whole_layers, args.whole_buckets, not args.no_warmups, args.repeats, args.between,
-                 args.interleave)
+                 args.interleave, args.floor, args.stacked)
     print(result["ratios"])
     if args.json:
         write_json_atomic(args.json, result)

@@ -99,6 +99,38 @@ class PrefillStep:
             check_write_rows(kv_c, k_pe, self.slot_mapping, kv_cache, cache_writes.LATENT, self.kv_cache_format)
             write_checked(kv_c, k_pe, self.slot_mapping, kv_cache, scale, self.kv_cache_format)
 
+    def write_layers(self, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_caches: torch.Tensor, first: int, *,
+                     k_scale: float | torch.Tensor | None = None) -> None:
+        """The new rows of several layers at once, ``kv_c`` [n, T, L] and ``k_pe`` [n, T, R], into layers
+        ``first`` .. ``first + n - 1`` of ``kv_caches``, one stacked tensor [layers, num_blocks, block_size, L+R],
+        at the step's slots: one write, the stack read as one cache of ``layers * num_blocks`` blocks (a stacked
+        model's run of layers, ``mla_ops.models.stacking``). ``k_scale``: the layers' one scale, as in ``write``."""
+        checks.check_tensor(kv_caches, "kv_caches", 4, "[layers, num_blocks, block_size, L+R]", self.plan.device,
+                            "plan")
+        checks.check_tensor(kv_c, "kv_c", 3, "[n, T, L]", self.plan.device, "plan")
+        checks.check_tensor(k_pe, "k_pe", 3, "[n, T, R]", self.plan.device, "plan")
+        if not isinstance(first, int) or isinstance(first, bool):
+            raise TypeError(f"first must be an int, got {type(first).__name__}")
+        count = kv_c.shape[0]
+        if k_pe.shape[:2] != kv_c.shape[:2]:
+            raise ValueError(f"k_pe must have kv_c's layers and tokens {tuple(kv_c.shape[:2])}, got "
+                             f"{tuple(k_pe.shape[:2])}")
+        if not 0 <= first <= first + count <= kv_caches.shape[0]:
+            raise ValueError(f"layers {first}..{first + count - 1} are not all in kv_caches ({kv_caches.shape[0]} "
+                             "layers)")
+        self._check_cache(kv_caches.select(0, first))
+        if not kv_caches.is_contiguous():
+            raise ValueError("kv_caches must be contiguous: its layers are written as one cache")
+        cache = kv_caches.flatten(0, 1)  # a view at offset 0: every layer's blocks, in order
+        scale = self._layer_scale(k_scale, cache, self.k_scale, self.kv_cache_format, LATENT)
+        if self.slot_mapping is not None:
+            per_layer = kv_caches.shape[1] * kv_caches.shape[2]
+            offsets = torch.arange(first, first + count, device=kv_c.device).unsqueeze(1) * per_layer
+            slots = torch.where(self.slot_mapping >= 0, self.slot_mapping + offsets, -1).flatten()
+            rows, rope = kv_c.flatten(0, 1), k_pe.flatten(0, 1)
+            check_write_rows(rows, rope, slots, cache, cache_writes.LATENT, self.kv_cache_format)
+            write_checked(rows, rope, slots, cache, scale, self.kv_cache_format)
+
     def select(self, q_index: torch.Tensor, index_weights: torch.Tensor, k_index: torch.Tensor,
                index_cache: torch.Tensor, *, k_scale_index: float | torch.Tensor | None = None) -> torch.Tensor:
         """One DSA layer's top-k (``mla_ops.index_topk``) on the step its index cache was checked for once

@@ -44,10 +44,10 @@ from ..parallel import ContextParallel
 from ..parallel.tensor_parallel import check_divisible
 from ..planning.plan import PrefillPlan
 from ..prefill import plan_with_options
-from . import regions
+from . import regions, stacking
 from .config import MLAConfig
 from .hyper_connections import HyperDecoderLayer, HyperHead, streams_of
-from .kv_caches import KVCaches, allocate, check_caches
+from .kv_caches import KVCaches, allocate, as_kv_caches, check_caches
 from .layer import DecoderLayer, ModelStep, RMSNorm, scaled
 from .longcat import LongcatDecoderLayer
 from .parts import linear, softcap
@@ -120,6 +120,11 @@ class MLAModel(nn.Module):
         query_scale = config.scalings.query_scale  # Mistral 4's; None: none
         self.position_scale = None if query_scale is None else PositionScale(query_scale)
         self.embedding_scale = config.scalings.embedding_scale  # MiniCPM3's; 1: none
+        # stack_layers(): each run of like layers' weights stacked (stacking.LayerRun); None: not stacked, or no
+        # longer (a tensor of a stacked layer set anew)
+        self.layer_runs = None
+        self.stacks_layers = False
+        self.register_load_state_dict_post_hook(_restack_after_load)
         regions.static_floats(self)
 
     def compile_layers(self, **options) -> MLAModel:
@@ -131,9 +136,27 @@ class MLAModel(nn.Module):
         regions.compile_layers(self, options)
         return self
 
+    def stack_layers(self) -> MLAModel:
+        """Each run of consecutive layers of one structure keeps its weights in one tensor per weight name, the
+        layers' parameters views of it (``mla_ops.models.stacking``; the parameters, their names and the
+        checkpoint stay as they were). Under a whole-model ``torch.compile`` with the latent caches as one stacked
+        tensor (``allocate_kv_caches(..., stacked=True)``), each run then runs as one ``scan``: traced and compiled
+        once, whatever the depth. ``.to()`` and ``load_state_dict`` keep the stacks; a parameter set anew on a
+        layer unstacks the model until this is called again. Refuses a model with layers that take another
+        layer's rows or top-k (KV sharing, a sparse model's). Returns the model."""
+        self.layer_runs = stacking.stack(self)
+        self.stacks_layers = True
+        return self
+
+    def _apply(self, fn, recurse=True):
+        module = super()._apply(fn, recurse)
+        if self.stacks_layers:  # the layers' tensors were converted one by one: views of the stacks no more
+            self.layer_runs = stacking.restack(self)
+        return module
+
     def allocate_kv_caches(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None, device=None, *,
                            kv_cache_format: str = "auto", index_cache_format: str = "auto", k_scale=None,
-                           k_scale_index=None) -> KVCaches:
+                           k_scale_index=None, stacked: bool = False) -> KVCaches:
         """Zeroed caches, a ``KVCaches``: ``latent`` one ``[num_blocks, block_size, L+R]`` tensor per cache layer (one
         per attention: num_hidden_layers, twice that for LongCat-Flash), as engines bind one to each attention
         layer; a sparse model's ``index`` one ``[num_blocks, block_size, D_I]`` per layer with an indexer. dtype and
@@ -142,11 +165,14 @@ class MLAModel(nn.Module):
         (``kv_source_layers``) have no latent cache; a NoPE layer's (``no_rope_layers``, R = 0) is the first L
         columns of its L+R rows. ``kv_cache_format="fp8_ds_mla"`` / ``index_cache_format="fp8_per_token"``: vLLM's
         packed uint8 layouts (656-byte latent rows, index rows of D_I + D_I/128*4 bytes; ``ops/cache_formats.py``),
-        which keep their own scales (``dtype`` then unused)."""
+        which keep their own scales (``dtype`` then unused). ``stacked=True``: ``latent`` one tensor ``[cache
+        layers, num_blocks, block_size, L+R]``, what a stacked model scans under ``torch.compile``
+        (``stack_layers``)."""
         weight = self.embed_tokens.weight
         return allocate(self.config, self.num_cache_layers, num_blocks, block_size, dtype or weight.dtype,
                         device or weight.device, kv_cache_format=kv_cache_format,
-                        index_cache_format=index_cache_format, k_scale=k_scale, k_scale_index=k_scale_index)
+                        index_cache_format=index_cache_format, k_scale=k_scale, k_scale_index=k_scale_index,
+                        stacked=stacked)
 
     def forward(
         self,
@@ -160,7 +186,9 @@ class MLAModel(nn.Module):
     ) -> torch.Tensor:
         refuse_block_table(plan, stale)
         weight = self.embed_tokens.weight
-        caches = check_caches(kv_caches, self.config, self.num_cache_layers, (weight.dtype, weight.device))
+        scanned = regions.scanned_caches(self, as_kv_caches(kv_caches), plan)
+        caches = check_caches(kv_caches, self.config, self.num_cache_layers, (weight.dtype, weight.device),
+                              scanned=scanned is not None)
         check_plan(plan, self.config)
         check_step_inputs(input_ids, positions, plan, self.embed_tokens.num_embeddings)
         # once per attention kind, not per layer: the sliding layers' step on the plan of their window
@@ -169,11 +197,20 @@ class MLAModel(nn.Module):
         x = scaled(self.embed_tokens(input_ids), self.embedding_scale)  # [T, H]
         if self.hc_head is not None:
             x = streams_of(x, self.config)  # [T, hc_mult, H]
-        passed = Passed()
-        for layer, wiring in zip(self.layers, self.wiring):
-            x, made = regions.run_layer(layer, x, wiring.caches(caches), steps[wiring.kind], wiring.carry(passed))
-            passed = wiring.passed_on(passed, made)
+        if scanned is not None:
+            x = regions.run_stacked(self, x, scanned, steps)
+        else:
+            passed = Passed()
+            for layer, wiring in zip(self.layers, self.wiring):
+                x, made = regions.run_layer(layer, x, wiring.caches(caches), steps[wiring.kind], wiring.carry(passed))
+                passed = wiring.passed_on(passed, made)
         return self.norm(x if self.hc_head is None else self.hc_head(x))  # [T, H]
+
+
+def _restack_after_load(model: MLAModel, incompatible_keys) -> None:
+    """After ``load_state_dict``: with ``assign=True`` the layers hold the loaded tensors, no views of the stacks."""
+    if model.stacks_layers:
+        model.layer_runs = stacking.restack(model)
 
 
 def check_plan(plan: PrefillPlan, config: MLAConfig) -> None:
@@ -277,6 +314,11 @@ class MLAForCausalLM(nn.Module):
     def compile_layers(self, **options) -> MLAForCausalLM:
         """``MLAModel.compile_layers`` of the decoder; returns the model."""
         self.model.compile_layers(**options)
+        return self
+
+    def stack_layers(self) -> MLAForCausalLM:
+        """``MLAModel.stack_layers`` of the decoder; returns the model."""
+        self.model.stack_layers()
         return self
 
     def forward(

@@ -134,29 +134,39 @@ def latent_widths(config, num_cache_layers: int, width: int) -> tuple[int, ...]:
 
 def allocate(config, num_cache_layers: int, num_blocks: int, block_size: int, dtype: torch.dtype, device, *,
              kv_cache_format: str = "auto", index_cache_format: str = "auto", k_scale=None,
-             k_scale_index=None) -> KVCaches:
+             k_scale_index=None, stacked: bool = False) -> KVCaches:
     """Zeroed caches of a model: one tensor per cache layer (and per index layer of a sparse model), uint8 in
-    the packed formats. The scales are kept as given; the model checks them with the caches. ``num_blocks`` and
+    the packed formats; ``stacked``: the latent caches as one tensor ``[layers, num_blocks, block_size, width]``
+    (one width). The scales are kept as given; the model checks them with the caches. ``num_blocks`` and
     ``block_size`` are ints in 1 .. 2**31 - 1 (block ids and slots meet int32 tensors), checked before anything is
     allocated."""
     num_blocks = _checks.check_int32_size(num_blocks, "num_blocks")
     block_size = _checks.check_int32_size(block_size, "block_size")
+    if not isinstance(stacked, bool):
+        raise TypeError(f"stacked must be a bool, got {type(stacked).__name__}")
     latent_width, index_width = cache_widths(config, kv_cache_format, index_cache_format)
+    widths = latent_widths(config, num_cache_layers, latent_width)
+    if stacked and len(set(widths)) > 1:
+        raise ValueError(f"stacked=True needs one latent width for every cache layer, but this model's differ "
+                         f"({sorted(set(widths))}): allocate one tensor per layer")
 
     def zeros(layers: int, width: int, packed: bool) -> list[torch.Tensor]:
         return [torch.zeros(num_blocks, block_size, width, dtype=torch.uint8 if packed else dtype, device=device)
                 for _ in range(layers)]
 
-    latent = [t for width in latent_widths(config, num_cache_layers, latent_width)
-              for t in zeros(1, width, kv_cache_format != "auto")]
+    latent = [t for width in widths for t in zeros(1, width, kv_cache_format != "auto")]
+    if stacked:
+        latent = torch.stack(latent)
     index = zeros(config.num_index_layers, index_width, index_cache_format != "auto") if config.is_sparse else None
     return KVCaches(latent, index, kv_cache_format, index_cache_format, k_scale, k_scale_index)
 
 
-def _check_layer_caches(caches, name: str, layers: int, width: int | tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+def _check_layer_caches(caches, name: str, layers: int, width: int | tuple[int, ...],
+                        scanned: bool = False) -> tuple[torch.Tensor, ...]:
     """``caches``: a list (or tuple) of ``layers`` tensors ``[num_blocks, block_size, width]`` of one block shape,
     dtype and device, ``width`` one for all or one per layer (in eager code, with one width, also one stacked
-    ``[layers, num_blocks, block_size, width]``). Returns the list."""
+    ``[layers, num_blocks, block_size, width]``; under ``torch.compile`` where ``scanned``: a stacked model writes
+    it whole, ``regions.run_stacked``). Returns the list."""
     widths = width if isinstance(width, tuple) else (width,) * layers
     width = widths[0] if widths and len(set(widths)) == 1 else "width"
     form = f"a list of {layers} [num_blocks, block_size, {width}]" + ("" if width != "width" else
@@ -164,7 +174,7 @@ def _check_layer_caches(caches, name: str, layers: int, width: int | tuple[int, 
     if isinstance(caches, torch.Tensor):
         if caches.dim() != 4 or caches.shape[0] != layers or caches.shape[3] != width:
             raise ValueError(f"{name} must be {form}, got shape {tuple(caches.shape)} (see allocate_kv_caches)")
-        return regions.unstacked(caches, name, form)
+        return tuple(caches.unbind()) if scanned else regions.unstacked(caches, name, form)
     if not isinstance(caches, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in caches):
         raise TypeError(f"{name} must be {form}, got {type(caches).__name__} (see allocate_kv_caches)")
     if len(caches) != layers:
@@ -180,7 +190,8 @@ def _check_layer_caches(caches, name: str, layers: int, width: int | tuple[int, 
     return tuple(caches)
 
 
-def check_caches(caches, config, num_cache_layers: int, model: tuple[torch.dtype, torch.device]) -> KVCaches:
+def check_caches(caches, config, num_cache_layers: int, model: tuple[torch.dtype, torch.device],
+                 scanned: bool = False) -> KVCaches:
     """A model's caches, checked across every cache layer before any layer runs (a refused step writes
     nothing), returned as a record of tuples with one scale per layer (a float8 cache's as a tensor, else None):
     widths and formats the model holds (``cache_widths``), the model's dtype (or float8_e4m3fn, or uint8 in a
@@ -194,7 +205,7 @@ def check_caches(caches, config, num_cache_layers: int, model: tuple[torch.dtype
     formats = (caches.kv_cache_format, caches.index_cache_format)
     latent_width, index_width = cache_widths(config, *formats)
     latent = _check_layer_caches(caches.latent, "kv_caches.latent", num_cache_layers,
-                                 latent_widths(config, num_cache_layers, latent_width))
+                                 latent_widths(config, num_cache_layers, latent_width), scanned)
     parts = [("kv_caches.latent", latent, formats[0], caches.k_scale, "k_scale")]
     if config.is_sparse:
         if caches.index is None:

@@ -15,6 +15,10 @@ attributes are ``StaticFloat`` (``static_floats``), and the caches' widths are c
 (a region must meet no symbolic size that a guard inside it would fix). A context-parallel step, whose plan
 holds a process group, and torch before 2.13 run the layers inline.
 
+Stacked layers (``MLAModel.stack_layers``, ``mla_ops.models.stacking``) under a whole-model compile, with the
+latent caches one stacked tensor: each run of like layers is one ``scan`` over its stacked weights and cache layers
+(``run_stacked``), then one write of the run's rows; the step's graph does not grow with depth.
+
 Regional compilation: ``CompiledRegion`` compiles the attentions' projections and the MLPs (the dense
 parts), each once for all the layers that share its structure; the attention ops between them run eagerly.
 """
@@ -23,15 +27,18 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
 
 from .. import _checks
 from .._env import own_code
-from .layer import Carry, LayerCaches, MLAAttention, ModelStep, NewRows
+from .layer import AttentionCaches, Carry, LayerCaches, MLAAttention, ModelStep, NewRows
 from .moe import FeedForward, MoE
+
+if TYPE_CHECKING:
+    from .kv_caches import KVCaches  # which imports this module
 
 # The first torch this library's regions are verified with (2.13 stamps a traced region out by its inputs'
 # fingerprint); earlier ones trace every layer inline.
@@ -75,14 +82,58 @@ def static_floats(module: nn.Module) -> None:
 
 
 def unstacked(caches: torch.Tensor, name: str, form: str) -> tuple[torch.Tensor, ...]:
-    """A stacked cache tensor's layers (views), in eager code; refused by name under ``torch.compile``, whose writes
-    into the views of one buffer land in the wrong layer (pytorch#198068; ``mla_ops.enable()`` lowers the missing
-    op, but a model never depends on it)."""
+    """A stacked cache tensor's layers (views), in eager code; refused by name under ``torch.compile`` (but for a
+    stacked model's scan, ``scanned_caches``), whose writes into the views of one buffer land in the wrong layer
+    (pytorch#198068; ``mla_ops.enable()`` lowers the missing op, but a model never depends on it)."""
     if torch.compiler.is_compiling():
         _checks.raise_value_error(f"{name} is one stacked tensor: under torch.compile pass {form} (what "
-                                  "allocate_kv_caches returns): compiled writes into the views of one buffer land in "
+                                  "allocate_kv_caches returns), or stack the model's layers (stack_layers(), "
+                                  f"torch >= {'.'.join(map(str, NESTED_REGIONS_SINCE))}, a dense model's latent "
+                                  "caches without k_scale): compiled writes into the views of one buffer land in "
                                   "the wrong layer (pytorch#198068)")
     return tuple(caches.unbind())
+
+
+def scanned_caches(model: nn.Module, kv_caches: KVCaches, plan) -> torch.Tensor | None:
+    """The stacked latent caches a whole-model compile scans the layers over (``run_stacked``), or None (the
+    layers run one by one): under ``torch.compile`` (torch >= 2.13), a model whose layers are stacked
+    (``stack_layers``), one stacked ``kv_caches.latent`` of a dense model in the model's own format, without a
+    ``k_scale``, and a plan without context parallel."""
+    if not (torch.compiler.is_compiling() and NESTED_REGIONS and model.layer_runs is not None):
+        return None
+    c = kv_caches
+    plain = c.index is None and c.kv_cache_format == "auto" and c.k_scale is None
+    if not (isinstance(c.latent, torch.Tensor) and plain and getattr(plan, "context_parallel", None) is None):
+        return None
+    return c.latent
+
+
+def run_stacked(model: nn.Module, x: torch.Tensor, latent: torch.Tensor, steps: dict) -> torch.Tensor:
+    """Every layer, each run of stacked layers (``model.layer_runs``) as one ``scan`` over its stacked weights and
+    its cache layers of ``latent`` (``[layers, num_blocks, block_size, L+R]``), then the run's new rows written in
+    one write (``PrefillStep.write_layers``): the step's graph holds a scan and a write per run, however deep."""
+    from torch._higher_order_ops.scan import scan
+
+    for run in model.layer_runs:
+        step = steps[model.wiring[run.start].kind]
+        body = _scan_body(model.layers[run.start], run.names, step)
+        with torch.no_grad():  # as the regions: the attention ops have no backward
+            x, (kv_c, k_pe) = scan(body, x, (*run.weights, latent.narrow(0, run.cache, run.count)))
+        step.attention.write_layers(kv_c, k_pe, latent, run.cache)
+    return x
+
+
+def _scan_body(layer: nn.Module, names: tuple[str, ...], step: ModelStep) -> Callable:
+    """One layer of a run: ``layer`` on one layer's slice of the stacked tensors (``names``) and its cache."""
+
+    def body(x, sliced):
+        *tensors, cache = sliced
+        x, made = torch.func.functional_call(layer, dict(zip(names, tensors)),
+                                             (x, (AttentionCaches(cache),), step, Carry()))
+        (kv_c, k_pe), = made.latent
+        return x, (kv_c, k_pe)
+
+    return body
 
 
 def run_layer(layer: nn.Module, x: torch.Tensor, caches: LayerCaches, step: ModelStep,

@@ -247,6 +247,18 @@ def run(layers=LAYERS, whole_layers=WHOLE_LAYERS, whole_buckets: bool = False, w
     for kind in warmup_kinds:
         rows.append(run_fastest(kind, 0, repeats))
         print(rows[-1], flush=True)
+    return dict(benchmark="compile_cost", preset="tiny", torch=torch.__version__,
+                writes_in_regions=regions.WRITES_IN_REGIONS, repeats=repeats, rows=rows, ratios=ratios_of(rows))
+
+
+def ratios_of(rows: list[dict]) -> dict:
+    """The rows' ratios: by depth (8 / 1, 61 / 8 layers: wall and CPU seconds), each phase's milliseconds per layer
+    from 8 to 61 layers, each whole kind's steady step against regional's, and 20 buckets against 1."""
+    sizes_of: dict[str, list[int]] = {}
+    for r in rows:
+        if not r["kind"].startswith("warmup"):
+            sizes_of.setdefault(r["kind"], []).append(r["size"])
+    by_layers = tuple(sizes_of.items())
     seconds = {(r["kind"], r["size"]): r["seconds"] for r in rows}
     ratios = {}
     for suffix, field in (("", "seconds"), ("_cpu", "cpu_seconds")):
@@ -264,16 +276,15 @@ def run(layers=LAYERS, whole_layers=WHOLE_LAYERS, whole_buckets: bool = False, w
                 for phase in phases[kind, 8]}
     for suffix, field in (("", "step_ms"), ("_cpu", "step_cpu_ms")):
         step_ms = {(r["kind"], r["size"]): r[field] for r in rows if field in r}
-        for n in sorted({size for kind, size in step_ms if kind == "whole"}):
-            if ("regional", n) in step_ms:
-                ratios[f"whole_over_regional_step_{n}_layers{suffix}"] = round(
-                    step_ms["whole", n] / step_ms["regional", n], 2)
+        for kind, n in sorted(step_ms):
+            if kind != "regional" and ("regional", n) in step_ms:
+                ratios[f"{kind}_over_regional_step_{n}_layers{suffix}"] = round(
+                    step_ms[kind, n] / step_ms["regional", n], 2)
     for scope in ("regional", "whole"):
         if (f"warmup-{scope}-20", 0) in seconds:
             ratios[f"{scope}_20_buckets_over_1"] = round(
                 seconds[f"warmup-{scope}-20", 0] / seconds[f"warmup-{scope}-1", 0], 2)
-    return dict(benchmark="compile_cost", preset="tiny", torch=torch.__version__,
-                writes_in_regions=regions.WRITES_IN_REGIONS, repeats=repeats, rows=rows, ratios=ratios)
+    return ratios
 
 
 def plot(result: dict, path: str) -> None:

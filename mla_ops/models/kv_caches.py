@@ -8,7 +8,9 @@ Each part is a list of one tensor per layer, as engines that bind a cache to eac
 Every layer's cache then has the same metadata, which lets ``torch.compile`` reuse its work on one layer for the
 next (a stacked tensor's layers differ in storage offset: docs/compile-and-graphs.md). A stacked tensor
 ``[layers, num_blocks, block_size, width]`` is taken in eager code (as its layers' views) and refused by name
-under ``torch.compile``, whose writes into views of one buffer need a lowering torch lacks (pytorch#198068).
+under ``torch.compile``, whose writes into views of one buffer need a lowering torch lacks (pytorch#198068), but
+by a model with stacked layers, which scans it and writes each run of layers into it whole
+(``mla_ops.models.stacking``).
 
 A sparse model's index cache lives beside its latent cache (DESIGN §12): the same blocks, block size and block
 table, so one block id names a token's rows in both, and the block manager's prefix sharing and eviction

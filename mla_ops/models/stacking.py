@@ -7,14 +7,15 @@ many layers the run has.
 A run's layers must be alike in all but their tensors' values (``signature``: their module types, every other
 attribute, and their tensors' shapes, dtypes and devices), and stand alone: one latent cache of their own at
 consecutive cache layers, nothing taken from the layers before them (a shared top-k, another layer's rows) and
-nothing handed on, no indexer, no tensor parallel all-reduce. The stacks follow the model: ``.to()`` (and every ``_apply``) and
-``load_state_dict`` restack them; a parameter or buffer set anew on a stacked layer (not a view then) unstacks the
-model until ``stack_layers()`` is called again.
+nothing handed on, no indexer, no tensor parallel all-reduce, no module hooks, no tensor shared with another layer.
+The stacks follow the model: ``.to()`` (every ``_apply``) and ``load_state_dict`` restack them; a parameter or
+buffer set anew on a stacked layer (not a view then) unstacks the model until ``stack_layers()`` is called again.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections import Counter
 from typing import NamedTuple
 
 import torch
@@ -32,28 +33,26 @@ class LayerRun(NamedTuple):
     weights: tuple[torch.Tensor, ...]
 
 
-# The attributes every module has (its tensors and children are compared apart, the hooks must be empty).
+# The attributes every module has (its tensors and children are compared apart, its hooks refused).
 _MODULE_STATE = frozenset(vars(nn.Module()))
 
 
 def signature(layer: nn.Module) -> tuple:
     """What a layer's trace depends on besides its tensors' values: each submodule's type and other attributes
     (by ``repr``), and each tensor's name, shape, dtype and device. Two layers of one signature run one trace."""
-    parts = []
-    for name, module in layer.named_modules():
-        hooks = [k for k, v in vars(module).items() if "hook" in k and isinstance(v, dict) and v]
-        attributes = tuple(sorted((k, repr(v)) for k, v in vars(module).items() if k not in _MODULE_STATE))
-        parts.append((name, type(module), attributes, tuple(hooks)))
-    tensors = tuple((n, t.shape, t.dtype, t.device) for n, t in _tensors(layer))
-    return tuple(parts), tensors
+    parts = tuple((name, type(module), tuple(sorted((k, repr(v)) for k, v in vars(module).items()
+                                                    if k not in _MODULE_STATE)))
+                  for name, module in layer.named_modules())
+    return parts, tuple((n, t.shape, t.dtype, t.device) for n, t in _tensors(layer))
 
 
 def _tensors(layer: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*layer.named_parameters(remove_duplicate=False), *layer.named_buffers(remove_duplicate=False)]
 
 
-def refusal(model: nn.Module, i: int) -> str | None:
-    """Why layer ``i`` cannot be stacked (None: it can)."""
+def refusal(model: nn.Module, i: int, uses: Counter) -> str | None:
+    """Why layer ``i`` cannot be stacked (None: it can); ``uses``: how often each tensor (by id) is one of the
+    layers'."""
     wiring = model.wiring[i]
     if wiring.index is not None or wiring.reuses_topk:
         return "it has an indexer or reuses another layer's top-k (a sparse model's layers are not stacked yet)"
@@ -61,8 +60,13 @@ def refusal(model: nn.Module, i: int) -> str | None:
         return "it shares latent rows with another layer (KV sharing) or has two attentions"
     if any(t.is_meta for _, t in _tensors(model.layers[i])):
         return "its weights are on the meta device"
-    if any(getattr(m, "tp_group", None) is not None for m in model.layers[i].modules()):
+    modules = list(model.layers[i].modules())
+    if any(getattr(m, "tp_group", None) is not None for m in modules):
         return "it is tensor parallel (its all-reduces are not scanned yet)"
+    if any(isinstance(v, dict) and v for m in modules for k, v in vars(m).items() if "hook" in k):
+        return "it has module hooks (a scan would run the first layer's for every layer)"
+    if any(uses[id(t)] > 1 for _, t in _tensors(model.layers[i])):
+        return "it shares a tensor with another layer or within itself (tied weights)"
     return None
 
 
@@ -71,8 +75,9 @@ def spans(model: nn.Module) -> list[tuple[int, int]]:
     cache layers. Refuses, by layer, a model with a layer that cannot be stacked."""
     runs: list[tuple[int, int]] = []
     previous = None
+    uses = Counter(id(t) for layer in model.layers for _, t in _tensors(layer))
     for i, layer in enumerate(model.layers):
-        why = refusal(model, i)
+        why = refusal(model, i, uses)
         if why is not None:
             raise ValueError(f"stack_layers: layer {i} cannot be stacked: {why}")
         key = signature(layer)
@@ -86,15 +91,13 @@ def spans(model: nn.Module) -> list[tuple[int, int]]:
 
 def stack(model: nn.Module) -> tuple[LayerRun, ...]:
     """Each run's tensors stacked, one tensor per name, and its layers' parameters and buffers made views of the
-    stacks (the same ``Parameter`` objects: optimizers and hooks that hold them keep working)."""
+    stacks (the same ``Parameter`` objects: optimizers and hooks that hold them keep working). Every layer is
+    checked before any is stacked."""
     runs = []
     for start, count in spans(model):
         layers = list(model.layers[start:start + count])
         names = tuple(n for n, _ in _tensors(layers[0]))
         per_layer = [dict(_tensors(layer)) for layer in layers]
-        shared = {id(t) for tensors in per_layer for t in tensors.values()}
-        if len(shared) != sum(len(tensors) for tensors in per_layer):
-            raise ValueError(f"stack_layers: layers {start}..{start + count - 1} share a tensor (tied weights)")
         weights = []
         for name in names:
             stacked = torch.stack([tensors[name].detach() for tensors in per_layer])

@@ -165,3 +165,16 @@ def test_inductor_compiles_the_scan_and_its_one_write():
     ref = run(model, ids, positions, expect, slots, table, qsl, ctx)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(caches.latent, torch.stack(expect), rtol=1e-12, atol=1e-12)  # each row in its layer
+
+
+def test_tied_or_hooked_layers_are_refused_before_anything_is_stacked():
+    model = mla_ops.MLAModel(dataclasses.replace(TINY, num_hidden_layers=3))
+    model.layers[2].mlp.up_proj.weight = model.layers[1].mlp.up_proj.weight
+    with pytest.raises(ValueError, match="layer 1 cannot be stacked: it shares a tensor"):
+        model.stack_layers()
+    weight = model.layers[0].mlp.up_proj.weight
+    assert model.layer_runs is None and weight.untyped_storage().nbytes() == weight.nbytes  # its own, no stack's
+    model = mla_ops.MLAModel(TINY)
+    model.layers[1].self_attn.register_forward_hook(lambda *args: None)
+    with pytest.raises(ValueError, match="layer 1 cannot be stacked: it has module hooks"):
+        model.stack_layers()

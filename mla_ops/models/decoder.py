@@ -198,7 +198,7 @@ class MLAModel(nn.Module):
         if self.hc_head is not None:
             x = streams_of(x, self.config)  # [T, hc_mult, H]
         if scanned is not None:
-            x = regions.run_stacked(self, x, scanned, steps)
+            x = regions.run_stacked(self, x, scanned, caches.k_scale, steps)
         else:
             passed = Passed()
             for layer, wiring in zip(self.layers, self.wiring):

@@ -89,7 +89,7 @@ def unstacked(caches: torch.Tensor, name: str, form: str) -> tuple[torch.Tensor,
         _checks.raise_value_error(f"{name} is one stacked tensor: under torch.compile pass {form} (what "
                                   "allocate_kv_caches returns), or stack the model's layers (stack_layers(), "
                                   f"torch >= {'.'.join(map(str, NESTED_REGIONS_SINCE))}, a dense model's latent "
-                                  "caches without k_scale): compiled writes into the views of one buffer land in "
+                                  "caches, one k_scale for all): compiled writes into the views of one buffer land in "
                                   "the wrong layer (pytorch#198068)")
     return tuple(caches.unbind())
 
@@ -97,39 +97,40 @@ def unstacked(caches: torch.Tensor, name: str, form: str) -> tuple[torch.Tensor,
 def scanned_caches(model: nn.Module, kv_caches: KVCaches, plan) -> torch.Tensor | None:
     """The stacked latent caches a whole-model compile scans the layers over (``run_stacked``), or None (the
     layers run one by one): under ``torch.compile`` (torch >= 2.13), a model whose layers are stacked
-    (``stack_layers``), one stacked ``kv_caches.latent`` of a dense model in the model's own format, without a
-    ``k_scale``, and a plan without context parallel."""
+    (``stack_layers``), one stacked ``kv_caches.latent`` of a dense model in the model's dtype or float8_e4m3fn
+    with one ``k_scale`` for every layer (not a packed format), and a plan without context parallel."""
     if not (torch.compiler.is_compiling() and NESTED_REGIONS and model.layer_runs is not None):
         return None
     c = kv_caches
-    plain = c.index is None and c.kv_cache_format == "auto" and c.k_scale is None
+    plain = c.index is None and c.kv_cache_format == "auto" and not isinstance(c.k_scale, (list, tuple))
     if not (isinstance(c.latent, torch.Tensor) and plain and getattr(plan, "context_parallel", None) is None):
         return None
     return c.latent
 
 
-def run_stacked(model: nn.Module, x: torch.Tensor, latent: torch.Tensor, steps: dict) -> torch.Tensor:
+def run_stacked(model: nn.Module, x: torch.Tensor, latent: torch.Tensor, k_scales: tuple, steps: dict) -> torch.Tensor:
     """Every layer, each run of stacked layers (``model.layer_runs``) as one ``scan`` over its stacked weights and
-    its cache layers of ``latent`` (``[layers, num_blocks, block_size, L+R]``), then the run's new rows written in
-    one write (``PrefillStep.write_layers``): the step's graph holds a scan and a write per run, however deep."""
+    its cache layers of ``latent`` (``[layers, num_blocks, block_size, L+R]``; ``k_scales``: each cache layer's
+    checked scale, one for all), then the run's new rows written in one write (``PrefillStep.write_layers``): the
+    step's graph holds a scan and a write per run, however deep."""
     from torch._higher_order_ops.scan import scan
 
     for run in model.layer_runs:
-        step = steps[model.wiring[run.start].kind]
-        body = _scan_body(model.layers[run.start], run.names, step)
+        step, k_scale = steps[model.wiring[run.start].kind], k_scales[run.cache]
+        body = _scan_body(model.layers[run.start], run.names, step, k_scale)
         with torch.no_grad():  # as the regions: the attention ops have no backward
             x, (kv_c, k_pe) = scan(body, x, (*run.weights, latent.narrow(0, run.cache, run.count)))
-        step.attention.write_layers(kv_c, k_pe, latent, run.cache)
+        step.attention.write_layers(kv_c, k_pe, latent, run.cache, k_scale=k_scale)
     return x
 
 
-def _scan_body(layer: nn.Module, names: tuple[str, ...], step: ModelStep) -> Callable:
+def _scan_body(layer: nn.Module, names: tuple[str, ...], step: ModelStep, k_scale) -> Callable:
     """One layer of a run: ``layer`` on one layer's slice of the stacked tensors (``names``) and its cache."""
 
     def body(x, sliced):
         *tensors, cache = sliced
         x, made = torch.func.functional_call(layer, dict(zip(names, tensors)),
-                                             (x, (AttentionCaches(cache),), step, Carry()))
+                                             (x, (AttentionCaches(cache, k_scale),), step, Carry()))
         (kv_c, k_pe), = made.latent
         return x, (kv_c, k_pe)
 

@@ -178,3 +178,25 @@ def test_tied_or_hooked_layers_are_refused_before_anything_is_stacked():
     model.layers[1].self_attn.register_forward_hook(lambda *args: None)
     with pytest.raises(ValueError, match="layer 1 cannot be stacked: it has module hooks"):
         model.stack_layers()
+
+
+@needs_scan
+@torch.no_grad()
+def test_a_float8_cache_with_one_scale_is_scanned_too():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = mla_ops.MLAModel(dataclasses.replace(TINY, num_hidden_layers=3)).eval().stack_layers()
+    ids, positions, slots, table, qsl, ctx = model_step(model.config, [5, 0, 13], [3, 2, 4], seed=0)
+    stacked = torch.randn(3, 64, 4, 40).to(torch.float8_e4m3fn)
+    caches = model.allocate_kv_caches(64, 4, torch.float8_e4m3fn, stacked=True, k_scale=0.5)
+    caches.latent.copy_(stacked)
+    expect = model.allocate_kv_caches(64, 4, torch.float8_e4m3fn, k_scale=0.5)
+    for t, s in zip(expect.latent, stacked):
+        t.copy_(s)
+    backend = AotEagerAndRecordGraphs()
+    out = torch.compile(lambda *args: run(model, *args), backend=backend, fullgraph=True, dynamic=True)(
+        ids, positions, caches, slots, table, qsl, ctx)
+    ref = run(model, ids, positions, expect, slots, table, qsl, ctx)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(caches.latent.float(), torch.stack(list(expect.latent)).float(), rtol=0, atol=0)
+    assert [n.target for g in backend.graphs for n in g.graph.nodes].count(torch.ops.higher_order.scan) == 1, len(backend.graphs)
